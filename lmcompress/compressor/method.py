@@ -1,0 +1,71 @@
+"""The method protocol: ``calibrate(model, data) -> Stats`` then ``apply(model, stats) -> report``.
+
+Stats are plain tensors keyed by name, saveable with safetensors, so ``apply`` can be tested on
+synthetic stats and a run can resume after calibration.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from lmcompress.compressor.config import MethodConfig
+from lmcompress.compressor.report import CompressionReport
+from lmcompress.compressor.surgery import LayerSelection
+
+
+@dataclass
+class Stats:
+    """Per-layer calibration statistics (Hessians, input norms, learned logits, ...)."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def save(self, path: str | Path) -> None:
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.tensors.items()}
+        save_file(tensors, str(path), metadata={"meta": json.dumps(self.meta)})
+
+    @classmethod
+    def load(cls, path: str | Path) -> Stats:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            meta = json.loads((handle.metadata() or {}).get("meta", "{}"))
+        return cls(tensors=load_file(str(path)), meta=meta)
+
+
+class Method:
+    """Base class of every compression method.
+
+    Subclasses set ``config_class`` (a :class:`MethodConfig` subclass), say whether they need
+    calibration text, and implement :meth:`calibrate` and :meth:`apply`.
+    """
+
+    config_class: ClassVar[type[MethodConfig]] = MethodConfig
+    needs_calibration: ClassVar[bool] = True
+
+    def __init__(self, config: MethodConfig) -> None:
+        if not isinstance(config, self.config_class):
+            raise TypeError(f"{type(self).__name__} takes a {self.config_class.__name__}")
+        self.config = config
+
+    @property
+    def name(self) -> str:
+        return self.config.method
+
+    def select(self, model: nn.Module) -> dict[str, nn.Module]:
+        return LayerSelection(self.config.include, self.config.exclude).select(model)
+
+    def calibrate(self, model: nn.Module, data: torch.Tensor | None) -> Stats:
+        """Collect statistics on calibration token ids ``data`` of shape (nsamples, seq_len)."""
+        raise NotImplementedError
+
+    def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:
+        """Compress ``model`` in place using ``stats``; return what was done."""
+        raise NotImplementedError

@@ -1,0 +1,92 @@
+"""What a compression run did, per layer and overall; round-trips through JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class LayerReport:
+    """One compressed layer. ``rel_error`` is ``||W - W_hat|| / ||W||`` unless the method
+    measured the relative *output* error on calibration inputs (``error_kind``)."""
+
+    name: str
+    shape: tuple[int, int]  # (out_features, in_features)
+    params: int  # parameters before
+    params_kept: int  # nonzero / stored parameters after
+    bytes_dense: int  # bytes of the dense weight in the model's dtype
+    bytes_compressed: int  # bytes of the compressed form (packed values + metadata, ...)
+    sparsity: float | None = None  # fraction of weights that are zero
+    pattern: str | None = None  # "2:4", "0.5" (unstructured), ...
+    rank: int | None = None
+    bits: int | None = None
+    rel_error: float | None = None
+    error_kind: str = "weight"
+    seconds: float = 0.0
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> LayerReport:
+        values = dict(values)
+        values["shape"] = tuple(values["shape"])
+        return cls(**values)
+
+
+@dataclass
+class CompressionReport:
+    method: str
+    config: dict[str, Any]
+    layers: list[LayerReport] = field(default_factory=list)
+    seconds: float = 0.0
+    model_params: int = 0  # every parameter of the model, before compression
+    extra: dict[str, Any] = field(default_factory=dict)  # method-specific results
+
+    @property
+    def params(self) -> int:
+        return sum(layer.params for layer in self.layers)
+
+    @property
+    def params_kept(self) -> int:
+        return sum(layer.params_kept for layer in self.layers)
+
+    @property
+    def bytes_dense(self) -> int:
+        return sum(layer.bytes_dense for layer in self.layers)
+
+    @property
+    def bytes_compressed(self) -> int:
+        return sum(layer.bytes_compressed for layer in self.layers)
+
+    def summary(self) -> dict[str, Any]:
+        """Totals over the compressed layers (and the whole model)."""
+        return {
+            "method": self.method,
+            "layers": len(self.layers),
+            "params_compressed_layers": self.params,
+            "params_kept": self.params_kept,
+            "model_params": self.model_params,
+            "model_params_after": self.model_params - self.params + self.params_kept,
+            "bytes_dense": self.bytes_dense,
+            "bytes_compressed": self.bytes_compressed,
+            "seconds": round(self.seconds, 3),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["summary"] = self.summary()
+        return out
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> CompressionReport:
+        values = {k: v for k, v in values.items() if k != "summary"}
+        values["layers"] = [LayerReport.from_dict(layer) for layer in values.get("layers", [])]
+        return cls(**values)
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> CompressionReport:
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,92 @@
+"""Pure-torch definitions of the compressed formats and ops: the specification that Triton
+kernels are tested against.
+
+Packed N:M layout of an ``(out, in)`` weight whose every group of ``m`` consecutive input
+weights holds at most ``n`` nonzeros:
+
+- ``values``: ``(out, in * n / m)``, the kept weights of each group in increasing position order
+  (groups with fewer than ``n`` nonzeros keep explicit zeros);
+- ``indices``: ``(out, ceil(in * n / m / per_byte))`` uint8, each kept weight's position inside its
+  group (``0 .. m-1``) in ``index_bits(m)`` bits, ``per_byte = 8 / index_bits`` positions a byte,
+  least-significant bits first. For 2:4 that is 2 bits a position, 4 bits a group: with fp16
+  values (2·16 + 4) / 64 = 56.25 % of the dense bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lmcompress.errors import ConfigError
+
+
+def index_bits(m: int) -> int:
+    """Bits stored per position: ``ceil(log2 m)`` rounded up to 1, 2, 4 or 8 (whole bytes)."""
+    if not 2 <= m <= 256:
+        raise ConfigError(f"packed N:M supports 2 <= M <= 256, got M={m}")
+    need = max(1, math.ceil(math.log2(m)))
+    return next(b for b in (1, 2, 4, 8) if b >= need)
+
+
+def packed_nm_nbytes(shape: tuple[int, int], n: int, m: int, dtype: torch.dtype) -> int:
+    """Bytes of the packed form of an ``(out, in)`` weight (values plus positions)."""
+    out_features, in_features = shape
+    kept = in_features // m * n
+    per_byte = 8 // index_bits(m)
+    elem = torch.empty((), dtype=dtype).element_size()
+    return out_features * (kept * elem + math.ceil(kept / per_byte))
+
+
+def pack_nm(weight: torch.Tensor, n: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack an N:M-sparse ``(out, in)`` weight into ``(values, indices)`` (see module doc)."""
+    out_features, in_features = weight.shape
+    if in_features % m:
+        raise ConfigError(f"in_features={in_features} is not divisible by M={m}")
+    groups = weight.reshape(out_features, in_features // m, m)  # (out, G, m)
+    nonzero = groups != 0
+    if nonzero.numel() and int(nonzero.sum(-1).max()) > n:
+        raise ConfigError(f"weight is not {n}:{m} sparse: a group has more than {n} nonzeros")
+    # Positions of the nonzeros first (ties broken by position), then sorted ascending.
+    rank = nonzero.to(torch.int16) * m - torch.arange(m, device=weight.device, dtype=torch.int16)
+    positions = rank.topk(n, dim=-1).indices.sort(dim=-1).values  # (out, G, n)
+    values = groups.gather(-1, positions).reshape(out_features, -1)  # (out, G * n)
+    return values.contiguous(), _pack_bits(positions.reshape(out_features, -1), index_bits(m))
+
+
+def unpack_nm(
+    values: torch.Tensor, indices: torch.Tensor, n: int, m: int, in_features: int
+) -> torch.Tensor:
+    """Inverse of :func:`pack_nm`: the dense ``(out, in)`` weight."""
+    out_features = values.shape[0]
+    groups = in_features // m
+    positions = _unpack_bits(indices, index_bits(m), groups * n).to(torch.int64)
+    dense = torch.zeros(out_features, groups, m, dtype=values.dtype, device=values.device)
+    dense.scatter_(-1, positions.reshape(out_features, groups, n), values.reshape(out_features, groups, n))
+    return dense.reshape(out_features, in_features)
+
+
+def _pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """(rows, k) small integers -> (rows, ceil(k / (8 / bits))) uint8, low bits first."""
+    per_byte = 8 // bits
+    rows, k = codes.shape
+    padded = torch.zeros(rows, math.ceil(k / per_byte) * per_byte, dtype=torch.int32,
+                         device=codes.device)
+    padded[:, :k] = codes
+    shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32) * bits
+    packed = (padded.reshape(rows, -1, per_byte) << shifts).sum(-1)
+    return packed.to(torch.uint8)
+
+
+def _unpack_bits(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, device=packed.device, dtype=torch.int32) * bits
+    codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(packed.shape[0], -1)[:, :k]
+
+
+def nm_linear(x: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, n: int, m: int,
+              in_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` with ``W`` given in packed N:M form (reference: unpack, then matmul)."""
+    weight = unpack_nm(values, indices, n, m, in_features)
+    return torch.nn.functional.linear(x, weight.to(x.dtype), bias)

@@ -1,0 +1,20 @@
+"""The method registry: an explicit map from name to method class (no import-time discovery).
+
+Adding a method = one subpackage with ``config.py`` and ``method.py`` plus one line here.
+"""
+
+from __future__ import annotations
+
+from lmcompress.compressor.method import Method
+from lmcompress.errors import ConfigError
+from lmcompress.methods.magnitude import Magnitude
+
+METHODS: dict[str, type[Method]] = {
+    "magnitude": Magnitude,
+}
+
+
+def get_method(name: str) -> type[Method]:
+    if name not in METHODS:
+        raise ConfigError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
+    return METHODS[name]

@@ -1,0 +1,66 @@
+"""Wiring every pruning method shares: check shapes up front, apply a mask, report it."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from lmcompress.compressor.config import Sparsity
+from lmcompress.compressor.report import LayerReport
+from lmcompress.compressor.sparsity import check_nm_shape
+from lmcompress.compressor.surgery import weight_matrix
+from lmcompress.kernels.reference import packed_nm_nbytes
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def check_layers(layers: dict[str, nn.Module], sparsity: Sparsity) -> None:
+    """Refuse before any layer is touched, so a bad shape leaves the model as it was."""
+    if sparsity.is_nm:
+        for name, module in layers.items():
+            check_nm_shape(tuple(weight_matrix(module).shape), sparsity.m, name)
+
+
+@torch.no_grad()
+def prune_layer_(
+    name: str,
+    module: nn.Module,
+    keep: torch.Tensor,
+    sparsity: Sparsity,
+    started: float,
+    new_weight: torch.Tensor | None = None,
+) -> LayerReport:
+    """Zero the weights of ``module`` where ``keep`` (bool, (out, in)) is False, in place.
+
+    ``new_weight`` (out, in), if given, replaces the weight first (methods that update the
+    surviving weights, e.g. SparseGPT). The reported error is relative to the original weight.
+    """
+    W = weight_matrix(module)  # (out, in), a view for GPT-2's Conv1D
+    original = W.detach().clone()
+    if new_weight is not None:
+        W.copy_(new_weight.to(W.dtype))
+    W.mul_(keep.to(W.dtype))
+    err = (W.float() - original.float()).norm() / original.float().norm().clamp_min(1e-30)
+    numel, kept = W.numel(), int(keep.sum())
+    elem = W.element_size()
+    if sparsity.is_nm:
+        compressed = packed_nm_nbytes(tuple(W.shape), sparsity.n, sparsity.m, W.dtype)
+    else:  # kept values plus a one-bit-per-weight bitmap
+        compressed = kept * elem + (numel + 7) // 8
+    return LayerReport(
+        name=name,
+        shape=tuple(W.shape),
+        params=numel,
+        params_kept=kept,
+        bytes_dense=numel * elem,
+        bytes_compressed=compressed,
+        sparsity=1.0 - kept / numel,
+        pattern=str(sparsity),
+        rel_error=float(err),
+        error_kind="weight",
+        seconds=time.perf_counter() - started,
+    )
