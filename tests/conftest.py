@@ -1,0 +1,108 @@
+"""Shared fixtures: tiny random models of every supported family, and a tiny tokenizer.
+
+Every hidden size is a multiple of 8 so that 2:4 and 4:8 patterns fit every linear layer.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import transformers
+
+VOCAB = 256
+
+TINY_CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=True,
+    ),
+    "mistral": lambda: transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    ),
+    "qwen2": lambda: transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    ),
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+        sliding_window=16,
+    ),
+    "gpt2": lambda: transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+    ),
+    "opt": lambda: transformers.OPTConfig(
+        vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=128, word_embed_proj_dim=32,
+    ),
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=128,
+    ),
+}
+
+FAMILY_NAMES = sorted(TINY_CONFIGS)
+
+
+def make_tiny_model(model_type: str, seed: int = 0, num_layers: int | None = None):
+    """A random ``*ForCausalLM`` of the family, in eval mode, fp32."""
+    config = TINY_CONFIGS[model_type]()
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = 1, 2, 2
+    if num_layers is not None:
+        for attr in ("num_hidden_layers", "n_layer"):
+            if hasattr(config, attr):
+                setattr(config, attr, num_layers)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+def make_tiny_tokenizer():
+    """A byte-level tokenizer with a 256-symbol vocabulary (ids 0-255), BOS/EOS = 1/2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()  # 256 printable stand-ins for the bytes
+    vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=sorted(alphabet)[0]))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+         pre_tokenizers.Split("", behavior="isolated")]
+    )
+    tok.decoder = decoders.ByteLevel()
+    symbols = sorted(alphabet)
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=symbols[1], eos_token=symbols[2], unk_token=symbols[0],
+        pad_token=symbols[2],
+    )
+
+
+@pytest.fixture(params=FAMILY_NAMES)
+def family_model(request):
+    """(model_type, tiny random model) for every supported family."""
+    return request.param, make_tiny_model(request.param)
+
+
+@pytest.fixture
+def tiny_tokenizer():
+    return make_tiny_tokenizer()
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path):
+    """A saved tiny Llama checkpoint directory (safetensors + tokenizer)."""
+    path = tmp_path / "tiny-llama"
+    model = make_tiny_model("llama")
+    model.save_pretrained(path)
+    make_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _offline():
+    # Nothing in the tests may reach a model hub.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
