@@ -1,0 +1,41 @@
+"""lmcompress: compression and sparsity for pretrained Hugging Face language models.
+
+The public API::
+
+    from lmcompress import load_model, compress, save_compressed, MagnitudeConfig
+
+    model, tokenizer = load_model("smollm2-135m")
+    report = compress(model, MagnitudeConfig(sparsity="2:4"))
+    save_compressed(model, "out/", report, tokenizer=tokenizer)
+
+Names are imported on first use, so ``import lmcompress`` (and the CLI's ``--help``) stays fast
+and importing ``lmcompress.errors`` does not pull in transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "compress": "lmcompress.api",
+    "CompressionReport": "lmcompress.compressor.report",
+    "MethodConfig": "lmcompress.compressor.config",
+    "parse_sparsity": "lmcompress.compressor.config",
+    "load_compressed": "lmcompress.compressor.export",
+    "save_compressed": "lmcompress.compressor.export",
+    "load_model": "lmcompress.compressor.models",
+    "perplexity": "lmcompress.evaluation.perplexity",
+    "METHODS": "lmcompress.methods",
+    "MagnitudeConfig": "lmcompress.methods.magnitude",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'lmcompress' has no attribute {name!r}")

@@ -1,0 +1,33 @@
+"""``compress(model, config, data)``: run one method on an in-memory model."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from lmcompress.compressor.config import MethodConfig
+from lmcompress.compressor.report import CompressionReport
+from lmcompress.errors import ConfigError
+from lmcompress.methods import get_method
+
+logger = logging.getLogger(__name__)
+
+
+def compress(
+    model: nn.Module, config: MethodConfig, data: torch.Tensor | None = None
+) -> CompressionReport:
+    """Compress ``model`` in place with the method ``config`` names.
+
+    Args:
+        data: calibration token ids (nsamples, seq_len) for methods that need them.
+    """
+    method = get_method(config.method)(config)
+    if method.needs_calibration and data is None:
+        raise ConfigError(f"method {config.method!r} needs calibration data")
+    model.eval()
+    stats = method.calibrate(model, data)
+    report = method.apply(model, stats)
+    logger.info("%s: %d layers compressed in %.1f s", config.method, len(report.layers), report.seconds)
+    return report

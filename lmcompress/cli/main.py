@@ -1,0 +1,193 @@
+"""``compress-model``: compress a checkpoint, list methods, or score a model.
+
+    compress-model [CHECKPOINT] --method magnitude --sparsity 2:4 -o OUT
+    compress-model methods
+    compress-model eval CHECKPOINT_OR_OUT --data wiki-test
+
+User errors print one line and exit 2, leaving no output directory behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from lmcompress.errors import ConfigError, LmcompressError
+
+PROG = "compress-model"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line (exit 2) instead of usage + message."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
+def _load_recipe(path: str) -> dict[str, Any]:
+    import yaml
+
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"recipe {path} not found")
+    try:
+        recipe = yaml.safe_load(file.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise ConfigError(f"recipe {path} is not valid YAML/JSON: {str(err).splitlines()[0]}") from None
+    if not isinstance(recipe, dict):
+        raise ConfigError(f"recipe {path} must be a mapping of option names to values")
+    return {str(k).replace("-", "_"): v for k, v in recipe.items()}
+
+
+def _compress(argv: Sequence[str]) -> int:
+    from lmcompress.cli.flags import add_dataclass_flags
+    from lmcompress.methods import get_method
+    from lmcompress.pipeline import RunOptions, run
+
+    # First pass: which method (from the flag or the recipe) decides which flags exist.
+    pre = _Parser(add_help=False)
+    pre.add_argument("--method")
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    recipe = _load_recipe(known.config) if known.config else {}
+    method_name = known.method or recipe.get("method") or "magnitude"
+    method_class = get_method(method_name)
+    config_class = method_class.config_class
+
+    parser = _Parser(prog=PROG, description="Compress a Hugging Face causal LM.")
+    parser.add_argument("checkpoint", nargs="?", default=argparse.SUPPRESS,
+                        help="local dir, .gguf file, hub id, or smollm2-135m (default)")
+    parser.add_argument("--method", default=method_name, help="compression method")
+    parser.add_argument("--config", help="YAML/JSON recipe; flags override it")
+    parser.add_argument("-q", "--quiet", action="store_true", help="warnings only")
+    run_group = parser.add_argument_group("job")
+    run_fields = add_dataclass_flags(
+        run_group, RunOptions, skip=("checkpoint",), aliases={"output": "-o"}
+    )
+    method_group = parser.add_argument_group(f"{method_name} options")
+    method_fields = add_dataclass_flags(method_group, config_class)
+    args = vars(parser.parse_args(argv))
+    _setup_logging(args.pop("quiet"))
+
+    unknown = set(recipe) - set(run_fields) - set(method_fields) - {"method", "checkpoint"}
+    if unknown:
+        raise ConfigError(f"recipe has unknown option(s) for method {method_name!r}: {', '.join(sorted(unknown))}")
+    merged = {**recipe, **args}
+    options = RunOptions(**{k: merged[k] for k in (*run_fields, "checkpoint") if k in merged})
+    config = config_class.from_dict({k: merged[k] for k in method_fields if k in merged})
+    results = run(options, config)
+    _print_summary(results)
+    return 0
+
+
+def _print_summary(results: dict[str, Any]) -> None:
+    report = results["report"]
+    summary = report.summary()
+    print(f"\n{report.method} {report.config} on {results['checkpoint']}")
+    print(f"{'corpus':<14}{'dense ppl':>12}{'compressed ppl':>16}{'tokens':>9}")
+    for corpus, res in results["compressed"].items():
+        dense = results.get("dense", {}).get(corpus)
+        dense_text = f"{dense['perplexity']:.3f}" if dense else "-"
+        print(f"{corpus:<14}{dense_text:>12}{res['perplexity']:>16.3f}{res['tokens']:>9}")
+    kept = summary["params_kept"] / max(summary["params_compressed_layers"], 1)
+    print(
+        f"layers {summary['layers']}, weights kept {kept:.1%} of the compressed layers, "
+        f"compressed bytes {summary['bytes_compressed'] / max(summary['bytes_dense'], 1):.1%} "
+        f"of dense, {results['seconds']:.1f} s"
+    )
+    for name, metrics in results.get("lm_eval", {}).items():
+        print(f"lm-eval {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+    if results.get("output"):
+        print(f"saved to {results['output']} (per-layer detail in compression.json)")
+
+
+def _methods(argv: Sequence[str]) -> int:
+    from lmcompress.cli.flags import describe
+    from lmcompress.methods import METHODS
+
+    parser = _Parser(prog=f"{PROG} methods", description="List methods and their options.")
+    parser.parse_args(argv)
+    for name, method_class in METHODS.items():
+        doc = (method_class.config_class.__doc__ or "").strip().splitlines()[0]
+        print(f"{name}: {doc}")
+        for flag, default, help_text in describe(method_class.config_class):
+            print(f"  {flag:<22} {default:<14} {help_text}")
+    return 0
+
+
+def _eval(argv: Sequence[str]) -> int:
+    from lmcompress.pipeline import RunOptions, evaluate
+
+    parser = _Parser(prog=f"{PROG} eval", description="Perplexity of a checkpoint or output dir.")
+    parser.add_argument("checkpoint", help="checkpoint, or a directory written by compress-model")
+    parser.add_argument("--data", nargs="+", default=["wiki-test"], help="corpora to score")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--eval-tokens", type=int, default=RunOptions.eval_tokens)
+    parser.add_argument("--eval-batch-size", type=int, default=4)
+    parser.add_argument("--lm-eval-tasks", nargs="+", default=[])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("-q", "--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    _setup_logging(args.quiet)
+    options = RunOptions(
+        checkpoint=args.checkpoint, eval=tuple(args.data), seq_len=args.seq_len,
+        eval_tokens=args.eval_tokens, eval_batch_size=args.eval_batch_size, device=args.device,
+    )
+    from lmcompress.compressor.export import MANIFEST, load_compressed
+    from lmcompress.compressor.models import load_model
+    from lmcompress.evaluation.corpora import tokenize
+
+    if (Path(args.checkpoint) / MANIFEST).is_file():
+        model, tokenizer, _ = load_compressed(args.checkpoint, device=args.device)
+    else:
+        model, tokenizer = load_model(args.checkpoint, device=args.device)
+    if tokenizer is None:
+        raise LmcompressError(f"{args.checkpoint} has no tokenizer: cannot read text")
+    corpora = {name: tokenize(tokenizer, name, options.eval_tokens or None) for name in options.eval}
+    results: dict[str, Any] = {"perplexity": evaluate(model, tokenizer, corpora, options)}
+    if args.lm_eval_tasks:
+        from lmcompress.evaluation.lm_eval_adapter import run_lm_eval
+
+        results["lm_eval"] = run_lm_eval(model, tokenizer, args.lm_eval_tasks)
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        for corpus, res in results["perplexity"].items():
+            print(f"{corpus}: perplexity {res['perplexity']:.3f} over {res['tokens']} tokens "
+                  f"({res['seconds']:.1f} s)")
+        for name, metrics in results.get("lm_eval", {}).items():
+            print(f"lm-eval {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+    return 0
+
+
+def _setup_logging(quiet: bool) -> None:
+    logging.basicConfig(
+        level=logging.WARNING if quiet else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+    )
+
+
+COMMANDS = {"methods": _methods, "eval": _eval}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = COMMANDS.get(argv[0]) if argv else None
+    try:
+        return command(argv[1:]) if command else _compress(argv)
+    except LmcompressError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

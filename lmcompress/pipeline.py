@@ -1,0 +1,127 @@
+"""One compression job end to end: load, calibrate, compress, evaluate, export.
+
+The CLI is a thin layer over :func:`run`; benchmarks call it too, so every number the README
+quotes comes through the same path a user runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmcompress.api import compress
+from lmcompress.compressor.config import MethodConfig
+from lmcompress.compressor.export import save_compressed
+from lmcompress.compressor.families import family_of
+from lmcompress.compressor.models import DEFAULT_CHECKPOINT, load_model
+from lmcompress.errors import ConfigError, LmcompressError
+from lmcompress.evaluation.corpora import calibration_windows, load_documents, tokenize
+from lmcompress.evaluation.perplexity import perplexity
+from lmcompress.methods import get_method
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_EVAL_TOKENS = 32_768
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Everything about a job that is not the method's own configuration."""
+
+    checkpoint: str = field(default=DEFAULT_CHECKPOINT, metadata={"help": "model to compress"})
+    calib: str = field(default="wiki-calib", metadata={"help": "calibration corpus"})
+    nsamples: int = field(default=128, metadata={"help": "calibration windows"})
+    seq_len: int = field(default=512, metadata={"help": "tokens per calibration/eval window"})
+    seed: int = field(default=0, metadata={"help": "seed of the calibration windows"})
+    eval: tuple[str, ...] = field(default=("wiki-test",), metadata={"help": "corpora to score"})
+    eval_tokens: int = field(
+        default=DEFAULT_EVAL_TOKENS, metadata={"help": "tokens of each eval corpus (0 = all)"}
+    )
+    eval_batch_size: int = field(default=4, metadata={"help": "windows per forward pass"})
+    skip_dense: bool = field(default=False, metadata={"help": "do not score the dense model"})
+    lm_eval_tasks: tuple[str, ...] = field(default=(), metadata={"help": "lm-eval tasks to run"})
+    output: str | None = field(default=None, metadata={"help": "output directory"})
+    overwrite: bool = field(default=False, metadata={"help": "replace a non-empty output dir"})
+    save_dtype: str = field(default="auto", metadata={"help": "auto|float32|float16|bfloat16"})
+    dtype: str = field(default="float32", metadata={"help": "compute dtype"})
+    device: str = field(default="cpu", metadata={"help": "cpu, cuda, cuda:1, ..."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "run a checkpoint's code"})
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "eval", tuple(self.eval))
+        object.__setattr__(self, "lm_eval_tasks", tuple(self.lm_eval_tasks))
+        for name in ("nsamples", "seq_len", "eval_batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.seq_len < 2:
+            raise ConfigError(f"seq_len must be at least 2, got {self.seq_len}")
+        if self.eval_tokens < 0:
+            raise ConfigError(f"eval_tokens must be >= 0 (0 = whole split), got {self.eval_tokens}")
+        if self.save_dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ConfigError(f"save_dtype must be auto, float32, float16 or bfloat16, got {self.save_dtype!r}")
+
+
+def check_output(options: RunOptions) -> None:
+    """Fail before any work if the output cannot be written."""
+    if options.output is None:
+        return
+    out = Path(options.output)
+    if out.exists() and not out.is_dir():
+        raise LmcompressError(f"output path {out} exists and is not a directory")
+    if out.exists() and any(out.iterdir()) and not options.overwrite:
+        raise LmcompressError(f"output directory {out} is not empty (use --overwrite)")
+
+
+def evaluate(model, tokenizer, corpora: dict[str, torch.Tensor], options: RunOptions) -> dict[str, Any]:
+    """Perplexity on every eval corpus: ``{corpus: PerplexityResult.to_dict()}``."""
+    bos = tokenizer.bos_token_id if family_of(model).needs_bos else None
+    return {
+        name: perplexity(
+            model, ids, options.seq_len, batch_size=options.eval_batch_size, bos_token_id=bos
+        ).to_dict()
+        for name, ids in corpora.items()
+    }
+
+
+def run(options: RunOptions, config: MethodConfig) -> dict[str, Any]:
+    """Run the job; returns the results that the CLI prints and ``compression.json`` records."""
+    check_output(options)
+    method_class = get_method(config.method)
+    start = time.perf_counter()
+    model, tokenizer = load_model(
+        options.checkpoint, dtype=options.dtype, device=options.device,
+        trust_remote_code=options.trust_remote_code,
+    )
+    if tokenizer is None and (options.eval or method_class.needs_calibration):
+        raise LmcompressError(f"{options.checkpoint} has no tokenizer: cannot read text")
+    corpora = {name: tokenize(tokenizer, name, options.eval_tokens or None) for name in options.eval}
+    calib = None
+    if method_class.needs_calibration:
+        calib_ids = tokenize(tokenizer, options.calib)
+        calib = calibration_windows(calib_ids, options.nsamples, options.seq_len, options.seed)
+
+    results: dict[str, Any] = {"options": asdict(options), "checkpoint": options.checkpoint}
+    if not options.skip_dense:
+        results["dense"] = evaluate(model, tokenizer, corpora, options)
+    report = compress(model, config, calib)
+    results["compressed"] = evaluate(model, tokenizer, corpora, options)
+    if options.lm_eval_tasks:
+        from lmcompress.evaluation.lm_eval_adapter import run_lm_eval
+
+        results["lm_eval"] = run_lm_eval(model, tokenizer, list(options.lm_eval_tasks))
+    results["summary"] = report.summary()
+    results["seconds"] = time.perf_counter() - start
+    if options.output:
+        save_dtype = None if options.save_dtype == "auto" else getattr(torch, options.save_dtype)
+        save_compressed(
+            model, options.output, report, tokenizer=tokenizer, dtype=save_dtype,
+            overwrite=options.overwrite, extra=results,
+        )
+        results["output"] = options.output
+    results["report"] = report
+    return results
