@@ -91,17 +91,21 @@ def evaluate(model, tokenizer, corpora: dict[str, torch.Tensor], options: RunOpt
 def run(options: RunOptions, config: MethodConfig) -> dict[str, Any]:
     """Run the job; returns the results that the CLI prints and ``compression.json`` records."""
     check_output(options)
-    method_class = get_method(config.method)
+    method = get_method(config.method)(config)
+    needs_text = (*options.eval, *((options.calib,) if method.needs_calibration else ()))
+    for source in needs_text:  # a misspelt corpus fails before the model loads
+        load_documents(source)
     start = time.perf_counter()
     model, tokenizer = load_model(
         options.checkpoint, dtype=options.dtype, device=options.device,
         trust_remote_code=options.trust_remote_code,
     )
-    if tokenizer is None and (options.eval or method_class.needs_calibration):
+    method.validate(model)
+    if tokenizer is None and needs_text:
         raise LmcompressError(f"{options.checkpoint} has no tokenizer: cannot read text")
     corpora = {name: tokenize(tokenizer, name, options.eval_tokens or None) for name in options.eval}
     calib = None
-    if method_class.needs_calibration:
+    if method.needs_calibration:
         calib_ids = tokenize(tokenizer, options.calib)
         calib = calibration_windows(calib_ids, options.nsamples, options.seq_len, options.seed)
 

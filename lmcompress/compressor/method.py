@@ -62,6 +62,11 @@ class Method:
     def select(self, model: nn.Module) -> dict[str, nn.Module]:
         return LayerSelection(self.config.include, self.config.exclude).select(model)
 
+    def validate(self, model: nn.Module) -> dict[str, nn.Module]:
+        """The layers this method will compress; raises ``ConfigError`` if it cannot (checked
+        before any expensive work, so a bad option fails in seconds)."""
+        return self.select(model)
+
     def calibrate(self, model: nn.Module, data: torch.Tensor | None) -> Stats:
         """Collect statistics on calibration token ids ``data`` of shape (nsamples, seq_len)."""
         raise NotImplementedError

@@ -20,14 +20,18 @@ class Magnitude(Method):
     config_class = MagnitudeConfig
     needs_calibration = False
 
+    def validate(self, model: nn.Module) -> dict[str, nn.Module]:
+        layers = super().validate(model)
+        check_layers(layers, self.config.pattern)
+        return layers
+
     def calibrate(self, model: nn.Module, data: torch.Tensor | None) -> Stats:  # noqa: ARG002
         return Stats()
 
     def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:  # noqa: ARG002
         start = time.perf_counter()
         sparsity = self.config.pattern
-        layers = self.select(model)
-        check_layers(layers, sparsity)
+        layers = self.validate(model)
         report = CompressionReport(self.name, self.config.to_dict(), model_params=count_params(model))
         for name, module in tqdm(layers.items(), desc="magnitude", unit="layer"):
             layer_start = time.perf_counter()
