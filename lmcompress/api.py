@@ -29,5 +29,7 @@ def compress(
     model.eval()
     stats = method.calibrate(model, data)
     report = method.apply(model, stats)
-    logger.info("%s: %d layers compressed in %.1f s", config.method, len(report.layers), report.seconds)
+    logger.info(
+        "%s: %d layers compressed in %.1f s", config.method, len(report.layers), report.seconds
+    )
     return report

@@ -63,7 +63,9 @@ class RunOptions:
         if self.eval_tokens < 0:
             raise ConfigError(f"eval_tokens must be >= 0 (0 = whole split), got {self.eval_tokens}")
         if self.save_dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ConfigError(f"save_dtype must be auto, float32, float16 or bfloat16, got {self.save_dtype!r}")
+            raise ConfigError(
+                f"save_dtype must be auto, float32, float16 or bfloat16, got {self.save_dtype!r}"
+            )
 
 
 def check_output(options: RunOptions) -> None:
@@ -77,7 +79,9 @@ def check_output(options: RunOptions) -> None:
         raise LmcompressError(f"output directory {out} is not empty (use --overwrite)")
 
 
-def evaluate(model, tokenizer, corpora: dict[str, torch.Tensor], options: RunOptions) -> dict[str, Any]:
+def evaluate(
+    model, tokenizer, corpora: dict[str, torch.Tensor], options: RunOptions
+) -> dict[str, Any]:
     """Perplexity on every eval corpus: ``{corpus: PerplexityResult.to_dict()}``."""
     bos = tokenizer.bos_token_id if family_of(model).needs_bos else None
     return {
@@ -97,13 +101,17 @@ def run(options: RunOptions, config: MethodConfig) -> dict[str, Any]:
         load_documents(source)
     start = time.perf_counter()
     model, tokenizer = load_model(
-        options.checkpoint, dtype=options.dtype, device=options.device,
+        options.checkpoint,
+        dtype=options.dtype,
+        device=options.device,
         trust_remote_code=options.trust_remote_code,
     )
     method.validate(model)
     if tokenizer is None and needs_text:
         raise LmcompressError(f"{options.checkpoint} has no tokenizer: cannot read text")
-    corpora = {name: tokenize(tokenizer, name, options.eval_tokens or None) for name in options.eval}
+    corpora = {
+        name: tokenize(tokenizer, name, options.eval_tokens or None) for name in options.eval
+    }
     calib = None
     if method.needs_calibration:
         calib_ids = tokenize(tokenizer, options.calib)
@@ -123,8 +131,13 @@ def run(options: RunOptions, config: MethodConfig) -> dict[str, Any]:
     if options.output:
         save_dtype = None if options.save_dtype == "auto" else getattr(torch, options.save_dtype)
         save_compressed(
-            model, options.output, report, tokenizer=tokenizer, dtype=save_dtype,
-            overwrite=options.overwrite, extra=results,
+            model,
+            options.output,
+            report,
+            tokenizer=tokenizer,
+            dtype=save_dtype,
+            overwrite=options.overwrite,
+            extra=results,
         )
         results["output"] = options.output
     results["report"] = report

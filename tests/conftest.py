@@ -7,41 +7,79 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
-import transformers
+# Nothing in the tests may reach a model hub; huggingface_hub reads these at import time.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
 
 VOCAB = 256
 
 TINY_CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
         tie_word_embeddings=True,
     ),
     "mistral": lambda: transformers.MistralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
     ),
     "qwen2": lambda: transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
     ),
     "gemma3_text": lambda: transformers.Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
         sliding_window=16,
     ),
     "gpt2": lambda: transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=128,
     ),
     "opt": lambda: transformers.OPTConfig(
-        vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=128, word_embed_proj_dim=32,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        ffn_dim=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        word_embed_proj_dim=32,
     ),
     "gpt_neox": lambda: transformers.GPTNeoXConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=128,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
     ),
 }
 
@@ -69,13 +107,18 @@ def make_tiny_tokenizer():
     vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=sorted(alphabet)[0]))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-         pre_tokenizers.Split("", behavior="isolated")]
+        [
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            pre_tokenizers.Split("", behavior="isolated"),
+        ]
     )
     tok.decoder = decoders.ByteLevel()
     symbols = sorted(alphabet)
     return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=symbols[1], eos_token=symbols[2], unk_token=symbols[0],
+        tokenizer_object=tok,
+        bos_token=symbols[1],
+        eos_token=symbols[2],
+        unk_token=symbols[0],
         pad_token=symbols[2],
     )
 
@@ -99,10 +142,3 @@ def tiny_checkpoint(tmp_path):
     model.save_pretrained(path)
     make_tiny_tokenizer().save_pretrained(path)
     return path
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _offline():
-    # Nothing in the tests may reach a model hub.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -49,9 +49,13 @@ def add_dataclass_flags(
         help_text = f.metadata.get("help", "")
         flags = [aliases[f.name]] if f.name in aliases else []
         parser.add_argument(
-            *flags, flag_name(f.name), dest=f.name, default=argparse.SUPPRESS,
+            *flags,
+            flag_name(f.name),
+            dest=f.name,
+            default=argparse.SUPPRESS,
             help=f"{help_text} (default: {shown})" if help_text else f"(default: {shown})",
-            metavar=None if "action" in kwargs else f.name.upper(), **kwargs,
+            metavar=None if "action" in kwargs else f.name.upper(),
+            **kwargs,
         )
         names.append(f.name)
     return names

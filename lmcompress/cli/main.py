@@ -38,7 +38,9 @@ def _load_recipe(path: str) -> dict[str, Any]:
     try:
         recipe = yaml.safe_load(file.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise ConfigError(f"recipe {path} is not valid YAML/JSON: {str(err).splitlines()[0]}") from None
+        raise ConfigError(
+            f"recipe {path} is not valid YAML/JSON: {str(err).splitlines()[0]}"
+        ) from None
     if not isinstance(recipe, dict):
         raise ConfigError(f"recipe {path} must be a mapping of option names to values")
     return {str(k).replace("-", "_"): v for k, v in recipe.items()}
@@ -60,8 +62,12 @@ def _compress(argv: Sequence[str]) -> int:
     config_class = method_class.config_class
 
     parser = _Parser(prog=PROG, description="Compress a Hugging Face causal LM.")
-    parser.add_argument("checkpoint", nargs="?", default=argparse.SUPPRESS,
-                        help="local dir, .gguf file, hub id, or smollm2-135m (default)")
+    parser.add_argument(
+        "checkpoint",
+        nargs="?",
+        default=argparse.SUPPRESS,
+        help="local dir, .gguf file, hub id, or smollm2-135m (default)",
+    )
     parser.add_argument("--method", default=method_name, help="compression method")
     parser.add_argument("--config", help="YAML/JSON recipe; flags override it")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings only")
@@ -76,7 +82,9 @@ def _compress(argv: Sequence[str]) -> int:
 
     unknown = set(recipe) - set(run_fields) - set(method_fields) - {"method", "checkpoint"}
     if unknown:
-        raise ConfigError(f"recipe has unknown option(s) for method {method_name!r}: {', '.join(sorted(unknown))}")
+        raise ConfigError(
+            f"recipe has unknown option(s) for method {method_name!r}: {', '.join(sorted(unknown))}"
+        )
     merged = {**recipe, **args}
     options = RunOptions(**{k: merged[k] for k in (*run_fields, "checkpoint") if k in merged})
     config = config_class.from_dict({k: merged[k] for k in method_fields if k in merged})
@@ -136,8 +144,12 @@ def _eval(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     _setup_logging(args.quiet)
     options = RunOptions(
-        checkpoint=args.checkpoint, eval=tuple(args.data), seq_len=args.seq_len,
-        eval_tokens=args.eval_tokens, eval_batch_size=args.eval_batch_size, device=args.device,
+        checkpoint=args.checkpoint,
+        eval=tuple(args.data),
+        seq_len=args.seq_len,
+        eval_tokens=args.eval_tokens,
+        eval_batch_size=args.eval_batch_size,
+        device=args.device,
     )
     from lmcompress.compressor.export import MANIFEST, load_compressed
     from lmcompress.compressor.models import load_model
@@ -149,7 +161,9 @@ def _eval(argv: Sequence[str]) -> int:
         model, tokenizer = load_model(args.checkpoint, device=args.device)
     if tokenizer is None:
         raise LmcompressError(f"{args.checkpoint} has no tokenizer: cannot read text")
-    corpora = {name: tokenize(tokenizer, name, options.eval_tokens or None) for name in options.eval}
+    corpora = {
+        name: tokenize(tokenizer, name, options.eval_tokens or None) for name in options.eval
+    }
     results: dict[str, Any] = {"perplexity": evaluate(model, tokenizer, corpora, options)}
     if args.lm_eval_tasks:
         from lmcompress.evaluation.lm_eval_adapter import run_lm_eval
@@ -159,8 +173,10 @@ def _eval(argv: Sequence[str]) -> int:
         print(json.dumps(results, indent=2))
     else:
         for corpus, res in results["perplexity"].items():
-            print(f"{corpus}: perplexity {res['perplexity']:.3f} over {res['tokens']} tokens "
-                  f"({res['seconds']:.1f} s)")
+            print(
+                f"{corpus}: perplexity {res['perplexity']:.3f} over {res['tokens']} tokens "
+                f"({res['seconds']:.1f} s)"
+            )
         for name, metrics in results.get("lm_eval", {}).items():
             print(f"lm-eval {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
     return 0
@@ -169,7 +185,8 @@ def _eval(argv: Sequence[str]) -> int:
 def _setup_logging(quiet: bool) -> None:
     logging.basicConfig(
         level=logging.WARNING if quiet else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
     )
 
 

@@ -73,7 +73,8 @@ class MethodConfig:
     method: ClassVar[str] = ""
 
     include: tuple[str, ...] = field(
-        default=(), metadata={"help": "glob(s) of module names to compress (default: decoder linears)"}
+        default=(),
+        metadata={"help": "glob(s) of module names to compress (default: decoder linears)"},
     )
     exclude: tuple[str, ...] = field(
         default=(), metadata={"help": "glob(s) of module names to leave alone"}

@@ -68,20 +68,26 @@ def _encode_layer(
     if layer.pattern is None or ":" not in layer.pattern:
         return None  # unstructured: the dense zeros are the stored form
     sparsity = parse_sparsity(layer.pattern)
-    values, indices = pack_nm(weight_matrix(module).detach().to(dtype).cpu(), sparsity.n, sparsity.m)
+    values, indices = pack_nm(
+        weight_matrix(module).detach().to(dtype).cpu(), sparsity.n, sparsity.m
+    )
     meta = {"format": "nm_packed", "n": sparsity.n, "m": sparsity.m, "shape": list(layer.shape)}
     return {"values": values, "indices": indices}, meta
 
 
 @torch.no_grad()
-def _decode_layer(module: nn.Module, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+def _decode_layer(
+    module: nn.Module, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+) -> None:
     if meta.get("format") != "nm_packed":
         raise ModelLoadError(f"unknown compressed format {meta.get('format')!r}")
     out_features, in_features = meta["shape"]
     dense = unpack_nm(tensors["values"], tensors["indices"], meta["n"], meta["m"], in_features)
     target = weight_matrix(module)
     if tuple(target.shape) != (out_features, in_features):
-        raise ModelLoadError(f"compressed layer shape {meta['shape']} != model {list(target.shape)}")
+        raise ModelLoadError(
+            f"compressed layer shape {meta['shape']} != model {list(target.shape)}"
+        )
     target.copy_(dense.to(device=target.device, dtype=target.dtype))
 
 
@@ -112,6 +118,9 @@ def save_compressed(
     dtype = dtype or next(model.parameters()).dtype
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the output is an ordinary directory
     try:
         _write(model, tmp, report, tokenizer, dtype, extra or {})
         if out_dir.exists():
@@ -150,7 +159,9 @@ def _write(model, tmp: Path, report, tokenizer, dtype: torch.dtype, extra: dict)
         tensors.update({f"{layer.name}.{key}": value for key, value in layer_tensors.items()})
         layouts[layer.name] = {**meta, "tensors": sorted(layer_tensors)}
     if tensors:
-        save_file(tensors, str(tmp / COMPRESSED_TENSORS), metadata={"format_version": str(FORMAT_VERSION)})
+        save_file(
+            tensors, str(tmp / COMPRESSED_TENSORS), metadata={"format_version": str(FORMAT_VERSION)}
+        )
     manifest = {
         "format_version": FORMAT_VERSION,
         "method": report.method,
@@ -177,7 +188,9 @@ def read_manifest(out_dir: str | Path) -> dict[str, Any]:
         raise ModelLoadError(f"{path} is not valid JSON: {err}") from None
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version != FORMAT_VERSION:
-        raise ModelLoadError(f"{path}: unsupported format_version {version!r} (expected {FORMAT_VERSION})")
+        raise ModelLoadError(
+            f"{path}: unsupported format_version {version!r} (expected {FORMAT_VERSION})"
+        )
     return manifest
 
 
@@ -199,6 +212,8 @@ def load_compressed(
                 module = model.get_submodule(name)
                 layer_tensors = {key: tensors[f"{name}.{key}"] for key in meta["tensors"]}
             except (AttributeError, KeyError) as err:
-                raise ModelLoadError(f"{out_dir}: compressed layer {name} is incomplete ({err})") from None
+                raise ModelLoadError(
+                    f"{out_dir}: compressed layer {name} is incomplete ({err})"
+                ) from None
             _decode_layer(module, layer_tensors, meta)
     return model, tokenizer, CompressionReport.from_dict(manifest["report"])

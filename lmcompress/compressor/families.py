@@ -32,15 +32,16 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": Family(
         blocks="model.layers", embeddings=("model.embed_tokens",), head="lm_head", needs_bos=True
     ),
-    "gpt2": Family(blocks="transformer.h", embeddings=("transformer.wte", "transformer.wpe"),
-                   head="lm_head"),
+    "gpt2": Family(
+        blocks="transformer.h", embeddings=("transformer.wte", "transformer.wpe"), head="lm_head"
+    ),
     "opt": Family(
         blocks="model.decoder.layers",
         embeddings=("model.decoder.embed_tokens", "model.decoder.embed_positions"),
         head="lm_head",
     ),
-    "gpt_neox": Family(blocks="gpt_neox.layers", embeddings=("gpt_neox.embed_in",),
-                       head="embed_out"),
+    # transformers >= 5 calls GPT-NeoX's head lm_head (embed_out before).
+    "gpt_neox": Family(blocks="gpt_neox.layers", embeddings=("gpt_neox.embed_in",), head="lm_head"),
 }
 
 

@@ -48,7 +48,9 @@ def unstructured_mask(scores: torch.Tensor, ratio: float, per_row: bool = False)
     return keep.reshape(scores.shape)
 
 
-def mask_from_scores(scores: torch.Tensor, sparsity: Sparsity, per_row: bool = False) -> torch.Tensor:
+def mask_from_scores(
+    scores: torch.Tensor, sparsity: Sparsity, per_row: bool = False
+) -> torch.Tensor:
     if sparsity.is_nm:
         return nm_mask(scores, sparsity.n, sparsity.m)
     return unstructured_mask(scores, sparsity.ratio, per_row=per_row)

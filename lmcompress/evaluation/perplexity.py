@@ -95,8 +95,10 @@ def perplexity(
             # Tokens before `first` were scored by the previous window; the BOS is never a target.
             targets[row, : max(first + offset - 1, 0)] = -100
         nll = F.cross_entropy(
-            logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-            ignore_index=-100, reduction="sum",
+            logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+            targets.reshape(-1),
+            ignore_index=-100,
+            reduction="sum",
         )
         total_nll += float(nll)
         total_tokens += int((targets != -100).sum())

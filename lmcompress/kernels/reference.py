@@ -62,7 +62,9 @@ def unpack_nm(
     groups = in_features // m
     positions = _unpack_bits(indices, index_bits(m), groups * n).to(torch.int64)
     dense = torch.zeros(out_features, groups, m, dtype=values.dtype, device=values.device)
-    dense.scatter_(-1, positions.reshape(out_features, groups, n), values.reshape(out_features, groups, n))
+    dense.scatter_(
+        -1, positions.reshape(out_features, groups, n), values.reshape(out_features, groups, n)
+    )
     return dense.reshape(out_features, in_features)
 
 
@@ -70,8 +72,9 @@ def _pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """(rows, k) small integers -> (rows, ceil(k / (8 / bits))) uint8, low bits first."""
     per_byte = 8 // bits
     rows, k = codes.shape
-    padded = torch.zeros(rows, math.ceil(k / per_byte) * per_byte, dtype=torch.int32,
-                         device=codes.device)
+    padded = torch.zeros(
+        rows, math.ceil(k / per_byte) * per_byte, dtype=torch.int32, device=codes.device
+    )
     padded[:, :k] = codes
     shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32) * bits
     packed = (padded.reshape(rows, -1, per_byte) << shifts).sum(-1)
@@ -85,8 +88,15 @@ def _unpack_bits(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
     return codes.reshape(packed.shape[0], -1)[:, :k]
 
 
-def nm_linear(x: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, n: int, m: int,
-              in_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def nm_linear(
+    x: torch.Tensor,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    n: int,
+    m: int,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``x @ W.T + bias`` with ``W`` given in packed N:M form (reference: unpack, then matmul)."""
     weight = unpack_nm(values, indices, n, m, in_features)
     return torch.nn.functional.linear(x, weight.to(x.dtype), bias)

@@ -23,14 +23,28 @@ def corpus(tmp_path):
 
 
 def _job(checkpoint, corpus, out, *extra):
-    return [str(checkpoint), "--eval", str(corpus), "--calib", str(corpus), "--seq-len", "32",
-            "--eval-tokens", "0", "-o", str(out), *extra]
+    return [
+        str(checkpoint),
+        "--eval",
+        str(corpus),
+        "--calib",
+        str(corpus),
+        "--seq-len",
+        "32",
+        "--eval-tokens",
+        "0",
+        "-o",
+        str(out),
+        *extra,
+    ]
 
 
 def test_compress_evaluates_and_exports(tiny_checkpoint, corpus, tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(_job(tiny_checkpoint, corpus, out, "--method", "magnitude", "--sparsity", "2:4",
-                     "-q")) == 0
+    assert (
+        main(_job(tiny_checkpoint, corpus, out, "--method", "magnitude", "--sparsity", "2:4", "-q"))
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "dense ppl" in printed and "compressed ppl" in printed and str(out) in printed
     manifest = json.loads((out / MANIFEST).read_text())
@@ -41,18 +55,37 @@ def test_compress_evaluates_and_exports(tiny_checkpoint, corpus, tmp_path, capsy
     assert manifest["config"]["sparsity"] == "2:4"
 
     # `compress-model eval` on the output scores what the job reported for the compressed model
-    assert main(["eval", str(out), "--data", str(corpus), "--seq-len", "32", "--eval-tokens", "0",
-                 "--json", "-q"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(out),
+                "--data",
+                str(corpus),
+                "--seq-len",
+                "32",
+                "--eval-tokens",
+                "0",
+                "--json",
+                "-q",
+            ]
+        )
+        == 0
+    )
     scored = json.loads(capsys.readouterr().out)["perplexity"][str(corpus)]["perplexity"]
     assert scored == pytest.approx(pruned, rel=1e-5)
 
 
 def test_recipe_and_flag_override(tiny_checkpoint, corpus, tmp_path):
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("method: magnitude\nsparsity: '4:8'\nexclude: ['*.o_proj']\nskip-dense: true\n")
+    recipe.write_text(
+        "method: magnitude\nsparsity: '4:8'\nexclude: ['*.o_proj']\nskip-dense: true\n"
+    )
     out = tmp_path / "out"
-    assert main(_job(tiny_checkpoint, corpus, out, "--config", str(recipe), "--sparsity", "1:4",
-                     "-q")) == 0
+    assert (
+        main(_job(tiny_checkpoint, corpus, out, "--config", str(recipe), "--sparsity", "1:4", "-q"))
+        == 0
+    )
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["config"]["sparsity"] == "1:4"  # the flag beats the recipe
     assert manifest["config"]["exclude"] == ["*.o_proj"]
@@ -80,12 +113,18 @@ def _bad(tmp_path, tiny_checkpoint, corpus):
     fake_gguf = tmp_path / "model.gguf"
     fake_gguf.write_text("not a gguf file")
     bert = tmp_path / "bert"
-    transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                            intermediate_size=64).save_pretrained(bert)
+    transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64
+    ).save_pretrained(bert)
     odd = tmp_path / "odd"
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=36,
-                                      num_hidden_layers=1, num_attention_heads=4,
-                                      num_key_value_heads=2)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=36,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(odd)
     for f in tiny_checkpoint.glob("*token*"):
         (odd / f.name).write_bytes(f.read_bytes())
@@ -116,16 +155,29 @@ def _bad(tmp_path, tiny_checkpoint, corpus):
 
 
 BAD = [
-    "missing checkpoint", "unknown method", "impossible N:M", "ratio out of range",
-    "indivisible layer", "only pickled weights", "corrupt safetensors", "foreign gguf",
-    "unsupported architecture", "unknown corpus", "non-empty output", "bad recipe key",
-    "missing recipe", "unknown flag", "zero seq-len", "bad save dtype",
+    "missing checkpoint",
+    "unknown method",
+    "impossible N:M",
+    "ratio out of range",
+    "indivisible layer",
+    "only pickled weights",
+    "corrupt safetensors",
+    "foreign gguf",
+    "unsupported architecture",
+    "unknown corpus",
+    "non-empty output",
+    "bad recipe key",
+    "missing recipe",
+    "unknown flag",
+    "zero seq-len",
+    "bad save dtype",
 ]
 
 
 @pytest.mark.parametrize("case", BAD)
-def test_bad_input_is_one_line_exit_2_and_leaves_nothing(case, tmp_path, tiny_checkpoint, corpus,
-                                                         capsys):
+def test_bad_input_is_one_line_exit_2_and_leaves_nothing(
+    case, tmp_path, tiny_checkpoint, corpus, capsys
+):
     argv, message = _bad(tmp_path, tiny_checkpoint, corpus)[case]
     out = tmp_path / "out"
     if "-o" not in argv:  # defaults first, so that the case's own flags win

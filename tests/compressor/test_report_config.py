@@ -11,17 +11,38 @@ from lmcompress.pipeline import RunOptions
 
 def test_report_json_round_trip():
     report = CompressionReport(
-        method="magnitude", config={"sparsity": "2:4"}, seconds=1.5, model_params=1000,
-        layers=[LayerReport("a.b", (8, 16), 128, 64, 512, 288, sparsity=0.5, pattern="2:4",
-                            rel_error=0.3, seconds=0.1)],
+        method="magnitude",
+        config={"sparsity": "2:4"},
+        seconds=1.5,
+        model_params=1000,
+        layers=[
+            LayerReport(
+                "a.b",
+                (8, 16),
+                128,
+                64,
+                512,
+                288,
+                sparsity=0.5,
+                pattern="2:4",
+                rel_error=0.3,
+                seconds=0.1,
+            )
+        ],
         extra={"curve": [1, 2]},
     )
     again = CompressionReport.from_json(report.to_json())
     assert again == report
     assert again.summary() == {
-        "method": "magnitude", "layers": 1, "params_compressed_layers": 128, "params_kept": 64,
-        "model_params": 1000, "model_params_after": 936, "bytes_dense": 512,
-        "bytes_compressed": 288, "seconds": 1.5,
+        "method": "magnitude",
+        "layers": 1,
+        "params_compressed_layers": 128,
+        "params_kept": 64,
+        "model_params": 1000,
+        "model_params_after": 936,
+        "bytes_dense": 512,
+        "bytes_compressed": 288,
+        "seconds": 1.5,
     }
 
 

@@ -45,8 +45,13 @@ def test_unstructured_mask_removes_the_ratio(ratio, per_row):
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("2:4", Sparsity(n=2, m=4)), (" 4 : 8 ", Sparsity(n=4, m=8)), ("0.5", Sparsity(ratio=0.5)),
-     ("30%", Sparsity(ratio=0.3)), (0.25, Sparsity(ratio=0.25))],
+    [
+        ("2:4", Sparsity(n=2, m=4)),
+        (" 4 : 8 ", Sparsity(n=4, m=8)),
+        ("0.5", Sparsity(ratio=0.5)),
+        ("30%", Sparsity(ratio=0.3)),
+        (0.25, Sparsity(ratio=0.25)),
+    ],
 )
 def test_parse_sparsity(text, expected):
     parsed = parse_sparsity(text)
@@ -56,8 +61,15 @@ def test_parse_sparsity(text, expected):
 
 @pytest.mark.parametrize(
     ("text", "message"),
-    [("4:4", "0 < N < M"), ("0:4", "0 < N < M"), ("5:4", "0 < N < M"), ("1.5", "between 0 and 1"),
-     ("0", "between 0 and 1"), ("half", "neither N:M"), ("2:", "neither N:M")],
+    [
+        ("4:4", "0 < N < M"),
+        ("0:4", "0 < N < M"),
+        ("5:4", "0 < N < M"),
+        ("1.5", "between 0 and 1"),
+        ("0", "between 0 and 1"),
+        ("half", "neither N:M"),
+        ("2:", "neither N:M"),
+    ],
 )
 def test_parse_sparsity_rejects(text, message):
     with pytest.raises(ConfigError, match=message):

