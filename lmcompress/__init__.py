@@ -30,6 +30,8 @@ _EXPORTS = {
     "perplexity": "lmcompress.evaluation.perplexity",
     "METHODS": "lmcompress.methods",
     "MagnitudeConfig": "lmcompress.methods.magnitude",
+    "WandaConfig": "lmcompress.methods.wanda",
+    "SparseGPTConfig": "lmcompress.methods.sparsegpt",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -16,14 +16,18 @@ logger = logging.getLogger(__name__)
 
 
 def compress(
-    model: nn.Module, config: MethodConfig, data: torch.Tensor | None = None
+    model: nn.Module,
+    config: MethodConfig,
+    data: torch.Tensor | None = None,
+    device: str | torch.device | None = None,
 ) -> CompressionReport:
     """Compress ``model`` in place with the method ``config`` names.
 
     Args:
         data: calibration token ids (nsamples, seq_len) for methods that need them.
+        device: where calibration computes (default: where the model is).
     """
-    method = get_method(config.method)(config)
+    method = get_method(config.method)(config, device=device)
     if method.needs_calibration and data is None:
         raise ConfigError(f"method {config.method!r} needs calibration data")
     model.eval()

@@ -50,10 +50,13 @@ class Method:
     config_class: ClassVar[type[MethodConfig]] = MethodConfig
     needs_calibration: ClassVar[bool] = True
 
-    def __init__(self, config: MethodConfig) -> None:
+    def __init__(self, config: MethodConfig, device: str | torch.device | None = None) -> None:
+        """``device``: where calibration computes (``None``: where the model is). Layer-wise
+        methods move one block at a time there; the rest of the model stays put."""
         if not isinstance(config, self.config_class):
             raise TypeError(f"{type(self).__name__} takes a {self.config_class.__name__}")
         self.config = config
+        self.device = torch.device(device) if device is not None else None
 
     @property
     def name(self) -> str:

@@ -8,9 +8,13 @@ from __future__ import annotations
 from lmcompress.compressor.method import Method
 from lmcompress.errors import ConfigError
 from lmcompress.methods.magnitude import Magnitude
+from lmcompress.methods.sparsegpt import SparseGPT
+from lmcompress.methods.wanda import Wanda
 
 METHODS: dict[str, type[Method]] = {
     "magnitude": Magnitude,
+    "wanda": Wanda,
+    "sparsegpt": SparseGPT,
 }
 
 

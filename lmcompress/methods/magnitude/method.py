@@ -8,35 +8,31 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from lmcompress.compressor.method import Method, Stats
+from lmcompress.compressor.method import Stats
 from lmcompress.compressor.report import CompressionReport
 from lmcompress.compressor.sparsity import mask_from_scores
 from lmcompress.compressor.surgery import weight_matrix
-from lmcompress.methods.common import check_layers, count_params, prune_layer_
+from lmcompress.methods.common import count_params, prune_layer_
 from lmcompress.methods.magnitude.config import MagnitudeConfig
+from lmcompress.methods.pruning import PruningMethod
 
 
-class Magnitude(Method):
+class Magnitude(PruningMethod):
     config_class = MagnitudeConfig
     needs_calibration = False
-
-    def validate(self, model: nn.Module) -> dict[str, nn.Module]:
-        layers = super().validate(model)
-        check_layers(layers, self.config.pattern)
-        return layers
 
     def calibrate(self, model: nn.Module, data: torch.Tensor | None) -> Stats:  # noqa: ARG002
         return Stats()
 
     def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:  # noqa: ARG002
         start = time.perf_counter()
-        sparsity = self.config.pattern
         layers = self.validate(model)
         report = CompressionReport(
             self.name, self.config.to_dict(), model_params=count_params(model)
         )
         for name, module in tqdm(layers.items(), desc="magnitude", unit="layer"):
             layer_start = time.perf_counter()
+            sparsity = self.config.sparsity_of(name)
             keep = mask_from_scores(weight_matrix(module).detach().abs(), sparsity)
             report.layers.append(prune_layer_(name, module, keep, sparsity, layer_start))
         report.seconds = time.perf_counter() - start

@@ -1,0 +1,184 @@
+"""Layer-wise calibration: compress a model one decoder block at a time.
+
+Peak memory is one block plus the calibration activations, not the model (the SparseGPT /
+Wanda "catcher" pattern, done once for every family):
+
+1. **Capture.** Every decoder block is swapped for a recorder that stores the block's inputs
+   (the hidden states entering block 0, and the keyword arguments each block receives: attention
+   mask, position ids, rotary embeddings, ...) and passes the hidden states through; the last
+   one stops the forward pass, so the head never runs. Keyword arguments do not depend on the
+   hidden states, so recording them for every block is exact (Gemma3 gives sliding and global
+   layers different masks and rotary tables).
+2. **Per block.** The block moves to the compute device; forward pre-hooks on its selected
+   layers feed each layer's inputs to that layer's statistics accumulator while the block runs
+   over every calibration batch; the method then compresses the layers (in place); a second pass
+   over the batches produces the *compressed* block's outputs, which become the next block's
+   inputs (as SparseGPT and Wanda do). The block moves back to where it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from lmcompress.compressor.families import family_of
+from lmcompress.compressor.report import LayerReport
+
+logger = logging.getLogger(__name__)
+
+
+class Accumulator(Protocol):
+    """Per-layer statistics fed with the layer's inputs, batch by batch."""
+
+    def add_batch(self, inputs: torch.Tensor) -> None: ...  # (batch, tokens, in_features)
+
+
+@dataclass
+class LayerwiseStats:
+    """What the loop measured about itself."""
+
+    blocks: int = 0
+    seconds: float = 0.0
+    # Largest number of bytes the loop held at once: activations plus the current block's
+    # accumulators (the block's own weights not included).
+    peak_state_bytes: int = 0
+    per_block_seconds: list[float] = field(default_factory=list)
+
+
+class _StopForward(Exception):
+    pass
+
+
+class _Recorder(nn.Module):
+    """Stands in for block ``index`` during capture."""
+
+    def __init__(self, index: int, last: bool, store: list[dict[str, Any]]) -> None:
+        super().__init__()
+        self.index, self.last, self.store = index, last, store
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.index == 0:
+            self.store.append({"hidden": hidden_states, "args": [], "kwargs": []})
+        self.store[-1]["args"].append(args)
+        self.store[-1]["kwargs"].append(kwargs)
+        if self.last:
+            raise _StopForward
+        return hidden_states
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(_nbytes(o) for o in obj.values())
+    return sum(_nbytes(v) for v in vars(obj).values()) if hasattr(obj, "__dict__") else 0
+
+
+def _first(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+@torch.no_grad()
+def capture_block_inputs(
+    model: nn.Module, data: torch.Tensor, batch_size: int, device: torch.device
+) -> list[dict[str, Any]]:
+    """Run the model up to its first block for every batch of ``data`` (nsamples, seq_len).
+
+    Returns one entry per batch: ``hidden`` (B, T, hidden) and, per block, its ``args`` and
+    ``kwargs``. Blocks stay where they are; everything else runs on ``device``.
+    """
+    blocks = model.get_submodule(family_of(model).blocks)
+    originals = list(blocks)
+    store: list[dict[str, Any]] = []
+    for i in range(len(blocks)):
+        blocks[i] = _Recorder(i, i == len(blocks) - 1, store)
+    try:
+        model.to(device)  # moves embeddings, rotary tables, norms: the blocks are recorders now
+        for start in range(0, data.shape[0], batch_size):
+            try:
+                model(input_ids=data[start : start + batch_size].to(device), use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        for i, block in enumerate(originals):
+            blocks[i] = block
+    return store
+
+
+@torch.no_grad()
+def compress_layerwise(
+    model: nn.Module,
+    data: torch.Tensor,
+    layers: dict[str, nn.Module],
+    make_accumulator: Callable[[str, nn.Module], Accumulator],
+    compress_layer: Callable[[str, nn.Module, Accumulator], LayerReport],
+    device: str | torch.device = "cpu",
+    batch_size: int = 8,
+    progress: bool = True,
+) -> tuple[list[LayerReport], LayerwiseStats]:
+    """Compress ``layers`` (selected linears, qualified names) block by block.
+
+    ``make_accumulator(name, module)`` builds each layer's statistics; after the block has seen
+    every batch, ``compress_layer(name, module, accumulator)`` compresses the layer in place and
+    reports. Layers outside the decoder blocks are not supported here.
+    """
+    start = time.perf_counter()
+    device = torch.device(device)
+    prefix = family_of(model).blocks
+    blocks = model.get_submodule(prefix)
+    outside = [name for name in layers if not name.startswith(prefix + ".")]
+    if outside:
+        raise ValueError(f"layer-wise calibration covers decoder blocks only, not {outside}")
+    was_training, home_device = model.training, next(model.parameters()).device
+    model.eval()
+    batches = capture_block_inputs(model, data, batch_size, device)
+    stats = LayerwiseStats(blocks=len(blocks))
+    reports: list[LayerReport] = []
+    for index in tqdm(range(len(blocks)), desc="blocks", unit="block", disable=not progress):
+        block_start = time.perf_counter()
+        block = blocks[index]
+        home = next(block.parameters()).device
+        block.to(device)
+        names = [n for n in layers if n.startswith(f"{prefix}.{index}.")]
+        accumulators = {n: make_accumulator(n, layers[n]) for n in names}
+        if names:
+            handles = [
+                layers[n].register_forward_pre_hook(
+                    lambda _mod, args, _acc=accumulators[n]: _acc.add_batch(args[0])
+                )
+                for n in names
+            ]
+            try:
+                for batch in batches:
+                    block(batch["hidden"], *batch["args"][index], **batch["kwargs"][index])
+            finally:
+                for handle in handles:
+                    handle.remove()
+            for n in names:
+                reports.append(compress_layer(n, layers[n], accumulators[n]))
+        held = (
+            _nbytes([b["hidden"] for b in batches])
+            + _nbytes([b["kwargs"][index] for b in batches])
+            + _nbytes([vars(a) for a in accumulators.values()])
+        )
+        stats.peak_state_bytes = max(stats.peak_state_bytes, held)
+        for batch in batches:  # the compressed block's outputs feed the next block
+            batch["hidden"] = _first(
+                block(batch["hidden"], *batch["args"][index], **batch["kwargs"][index])
+            )
+        del accumulators
+        block.to(home)
+        stats.per_block_seconds.append(time.perf_counter() - block_start)
+    model.to(home_device)
+    model.train(was_training)
+    stats.seconds = time.perf_counter() - start
+    return reports, stats

@@ -1,0 +1,54 @@
+"""SparseGPT through the layer-wise loop: a Hessian per layer, then the OBS solver."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from lmcompress.compressor.config import Sparsity
+from lmcompress.compressor.report import LayerReport
+from lmcompress.compressor.surgery import weight_matrix
+from lmcompress.methods.common import prune_layer_
+from lmcompress.methods.pruning import LayerwisePruningMethod
+from lmcompress.methods.sparsegpt.config import SparseGPTConfig
+from lmcompress.methods.sparsegpt.solver import HessianAccumulator, sparsegpt_prune
+
+
+def output_error(W: torch.Tensor, W_new: torch.Tensor, H: torch.Tensor) -> float:
+    """Relative output error on the calibration inputs from the Hessian alone:
+    ``‖X ΔWᵀ‖ / ‖X Wᵀ‖ = sqrt(tr(ΔW H ΔWᵀ) / tr(W H Wᵀ))`` (H ∝ XᵀX)."""
+    W, delta = W.double(), (W_new.double() - W.double())
+    H = H.double()
+    num = ((delta @ H) * delta).sum()
+    den = ((W @ H) * W).sum().clamp_min(1e-300)
+    return float((num / den).clamp_min(0).sqrt())
+
+
+class SparseGPT(LayerwisePruningMethod):
+    config_class = SparseGPTConfig
+
+    def make_accumulator(self, name: str, module: nn.Module) -> HessianAccumulator:  # noqa: ARG002
+        W = weight_matrix(module)
+        return HessianAccumulator(
+            W.shape[1], device=W.device, dtype=getattr(torch, self.config.hessian_dtype)
+        )
+
+    def prune_layer(
+        self, name: str, module: nn.Module, stats: HessianAccumulator, sparsity: Sparsity
+    ) -> LayerReport:
+        start = time.perf_counter()
+        W = weight_matrix(module).detach()
+        W_new, keep = sparsegpt_prune(
+            W,
+            stats.H,
+            sparsity,
+            blocksize=self.config.blocksize,
+            percdamp=self.config.percdamp,
+            update_weights=self.config.update_weights,
+        )
+        error = output_error(W, W_new, stats.H)
+        report = prune_layer_(name, module, keep, sparsity, start, new_weight=W_new)
+        report.rel_error, report.error_kind = error, "output"
+        return report

@@ -1,0 +1,30 @@
+"""Wanda through the layer-wise loop: input norms per layer, then masks; no weight update."""
+
+from __future__ import annotations
+
+import time
+
+from torch import nn
+
+from lmcompress.compressor.config import Sparsity
+from lmcompress.compressor.report import LayerReport
+from lmcompress.compressor.surgery import weight_matrix
+from lmcompress.methods.common import prune_layer_
+from lmcompress.methods.pruning import LayerwisePruningMethod
+from lmcompress.methods.wanda.config import WandaConfig
+from lmcompress.methods.wanda.scores import InputNorms, wanda_mask
+
+
+class Wanda(LayerwisePruningMethod):
+    config_class = WandaConfig
+
+    def make_accumulator(self, name: str, module: nn.Module) -> InputNorms:  # noqa: ARG002
+        W = weight_matrix(module)
+        return InputNorms(W.shape[1], device=W.device)
+
+    def prune_layer(
+        self, name: str, module: nn.Module, stats: InputNorms, sparsity: Sparsity
+    ) -> LayerReport:
+        start = time.perf_counter()
+        keep = wanda_mask(weight_matrix(module).detach(), stats.norms, sparsity)
+        return prune_layer_(name, module, keep, sparsity, start)
