@@ -17,7 +17,7 @@ def _field_kwargs(hint: Any) -> dict[str, Any]:
         return {"action": argparse.BooleanOptionalAction}
     if origin is tuple:
         if len(args) == 2 and args[1] is Ellipsis:
-            return {"nargs": "+", "type": args[0]}
+            return {"nargs": "*", "type": args[0]}  # `--eval` alone: none
         return {"nargs": len(args), "type": args[0]}
     if hint in (int, float, str):
         return {"type": hint}
