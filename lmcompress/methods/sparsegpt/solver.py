@@ -18,6 +18,10 @@ deliberate:
   (the reference's block-local ``i % prunem`` silently breaks groups otherwise).
 - A Cholesky failure is retried with ten times the dampening (a few times) instead of failing
   or falling back to the identity.
+- The factor of H⁻¹ comes from one Cholesky and one triangular solve (same matrix, see
+  :func:`inverse_hessian_factor`), and the updates inside a block are themselves batched per
+  ``SUB_BLOCK`` columns. Both only regroup the same arithmetic; on a shared 2-core CPU each
+  cut the time of a 1536-wide layer from seconds to a fraction of one.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from lmcompress.errors import ConfigError, LmcompressError
 
 logger = logging.getLogger(__name__)
 
+# Columns whose OBS updates are applied one by one before a GEMM carries them to the rest of
+# the block: rank-1 updates of 16 × out stay small enough for one thread.
+SUB_BLOCK = 16
 DAMP_RETRIES = 3  # after a failed Cholesky: percdamp × 10, × 100, × 1000
 
 
@@ -90,24 +97,30 @@ def _check(W: torch.Tensor, H: torch.Tensor, sparsity: Sparsity, blocksize: int,
         raise ConfigError(f"sparsity ratio {sparsity.ratio} must lie in [0, 1)")
 
 
-def _inverse_hessian_factor(H: torch.Tensor, percdamp: float) -> torch.Tensor:
+def inverse_hessian_factor(H: torch.Tensor, percdamp: float = 0.01) -> torch.Tensor:
     """Upper Cholesky factor ``U`` of ``(H + λI)⁻¹ = UᵀU``, ``λ = percdamp · mean(diag H)``.
 
-    Row ``j`` of ``U`` restricted to columns ``j:`` is, up to the factor ``U_jj``, the OBS
-    update direction for column ``j`` once columns ``< j`` are fixed (the paper's
-    "Cholesky of H⁻¹" trick, §3.2). H: (in, in), not modified.
+    Row ``j`` of ``U`` from column ``j`` on, divided by ``U_jj``, is the OBS update direction
+    for column ``j`` once the columns before it are fixed (the paper's Cholesky trick, §3.2).
+    H: (in, in), not modified; U has H's dtype.
+
+    The reference gets U as ``cholesky(cholesky_inverse(cholesky(H)), upper=True)``. The
+    Cholesky factor is unique, so we compute the same matrix with one factorisation and one
+    triangular solve: with P the reversal permutation and ``P (H + λI) P = L Lᵀ``,
+    ``H + λI = R Rᵀ`` for the upper-triangular ``R = P L P``, hence ``(H + λI)⁻¹ = R⁻ᵀ R⁻¹``
+    and ``U = R⁻¹ = P L⁻¹ P``. Half the flops, no explicit inverse, and it avoids LAPACK's
+    ``potri``, which took seconds instead of ~0.1 s for in=1536 on a busy 2-core CPU.
     """
     mean_diag = H.diagonal().mean()
+    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
     damp = percdamp
     for attempt in range(DAMP_RETRIES + 1):
-        Hd = H.clone()
+        Hd = H.flip(0, 1)  # P H P, a copy
         Hd.diagonal().add_(damp * mean_diag)
         # LAPACK reports NaN pivots as failures, so info also catches non-finite entries.
-        L, info = torch.linalg.cholesky_ex(Hd)  # H + λI = L Lᵀ
+        L, info = torch.linalg.cholesky_ex(Hd)  # P (H + λI) P = L Lᵀ
         if not info:
-            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
-            if not info:
-                return U
+            return torch.linalg.solve_triangular(L, eye, upper=False).flip(0, 1)  # P L⁻¹ P
         if attempt == 0 and not torch.isfinite(H).all():
             raise LmcompressError(
                 "SparseGPT: the Hessian has NaN/Inf entries (calibration activations overflowed)"
@@ -148,11 +161,13 @@ def sparsegpt_prune(
       ``ε`` of each row's group are pruned. Both use the weights as already updated;
     - OBS update: ``e = w_:j / d_j`` on pruned weights (0 on kept ones), then
       ``W[:, j:] -= e · U[j, j:]`` inside the block; once the block is done, the rest of the
-      matrix gets the lazy batch update ``W[:, i2:] -= E · U[i1:i2, i2:]``.
+      matrix gets the lazy batch update ``W[:, i2:] -= E · U[i1:i2, i2:]`` (E: (out, B), the
+      stacked ``e``). Inside a block the same lazy scheme runs per ``SUB_BLOCK`` columns.
 
     ``update_weights=False`` gives "SparseGPT without weight update", the mask prior of MaskLLM:
     the same procedure picks the mask (the weights are still updated internally, since later
-    masks depend on them), but the returned weight is the *original* ``W`` times that mask.
+    masks depend on them), but the returned weight is the *original* ``W`` times that mask
+    (dead input columns are then left as they were unless the mask drops them).
 
     Computes in float32 on W's device (the Cholesky in float64 if H is float64). Returns
     ``(W_new, keep)``: W_new in W's dtype, zero wherever the bool mask ``keep`` is False.
@@ -160,25 +175,25 @@ def sparsegpt_prune(
     """
     _check(W, H, sparsity, blocksize, percdamp)
     rows, cols = W.shape
-    W0 = W
-    W = W.detach().to(torch.float32, copy=True)  # (out, in), updated in place
     H = H.detach().to(W.device, torch.float64 if H.dtype == torch.float64 else torch.float32)
     H = H.clone()  # (in, in)
+    # Work on Wᵀ: the per-column OBS update then touches contiguous rows, several times faster
+    # than a strided column slice on CPU.
+    Wt = torch.empty(cols, rows, dtype=torch.float32, device=W.device)  # (in, out)
+    Wt.copy_(W.detach().T)
 
     dead = H.diagonal() == 0  # (in,) inputs that are always zero
     H.diagonal()[dead] = 1
-    W[:, dead] = 0
-    # Contiguous, so that its rows U[j, j:] are contiguous (LAPACK returns column-major).
-    U = _inverse_hessian_factor(H, percdamp).to(torch.float32).contiguous()  # (in, in), upper
+    Wt[dead] = 0
+    # Contiguous, so that its rows U[j, j:] are contiguous (LAPACK may return column-major).
+    U = inverse_hessian_factor(H, percdamp).to(torch.float32).contiguous()  # (in, in), upper
     del H
     d = U.diagonal()  # (in,)
 
-    # Work on Wᵀ: the per-column OBS update then touches contiguous rows, several times faster
-    # than a strided column slice on CPU.
-    Wt = W.T.contiguous()  # (in, out), row j is weight column j
     keep = torch.ones(cols, rows, dtype=torch.bool, device=W.device)  # (in, out), keep-mask ᵀ
     n, m = sparsity.n, sparsity.m
     step = max(m, blocksize - blocksize % m) if sparsity.is_nm else blocksize
+    sub = m * max(1, SUB_BLOCK // m) if sparsity.is_nm else SUB_BLOCK
 
     for i1 in range(0, cols, step):
         i2 = min(i1 + step, cols)
@@ -191,14 +206,17 @@ def sparsegpt_prune(
         if not sparsity.is_nm:
             keep1.copy_(unstructured_mask(W1.square() / d1[:, None].square(), sparsity.ratio))
             torch.div(~keep1, d1[:, None], out=scale1)
-        for j in range(i2 - i1):
-            if sparsity.is_nm and j % m == 0:
-                g = slice(j, j + m)
-                scores = W1[g].square() / d1[g, None].square()  # (M, out)
-                keep1[g] = nm_mask(scores.T, n, m).T
-                torch.div(~keep1[g], d1[g, None], out=scale1[g])
-            torch.mul(W1[j], scale1[j], out=E1[j])  # e = w / d on pruned weights, (out,)
-            W1[j:].addr_(U1[j, j:], E1[j], alpha=-1)  # OBS update of the rest of the block
+        for s1 in range(0, i2 - i1, sub):
+            s2 = min(s1 + sub, i2 - i1)
+            for j in range(s1, s2):
+                if sparsity.is_nm and j % m == 0:
+                    g = slice(j, j + m)
+                    scores = W1[g].square() / d1[g, None].square()  # (M, out)
+                    keep1[g] = nm_mask(scores.T, n, m).T
+                    torch.div(~keep1[g], d1[g, None], out=scale1[g])
+                torch.mul(W1[j], scale1[j], out=E1[j])  # e = w / d on pruned weights, (out,)
+                W1[j:s2].addr_(U1[j, j:s2], E1[j], alpha=-1)  # OBS update within the sub-block
+            W1[s2:].addmm_(U1[s1:s2, s2:].T, E1[s1:s2], alpha=-1)  # lazy update, rest of block
         # Kept weights of column j are untouched by its own update (e = 0 there); pruned
         # ones come out ~0 up to rounding, so zero them exactly.
         W1.masked_fill_(~keep1, 0)
@@ -206,8 +224,8 @@ def sparsegpt_prune(
 
     keep = keep.T.contiguous()  # (out, in)
     if not update_weights:
-        return W0.masked_fill(~keep, 0), keep
-    return Wt.T.to(W0.dtype, memory_format=torch.contiguous_format), keep
+        return W.detach().masked_fill(~keep, 0), keep
+    return Wt.T.contiguous().to(W.dtype), keep
 
 
 @torch.no_grad()
