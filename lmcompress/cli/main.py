@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -183,6 +184,8 @@ def _eval(argv: Sequence[str]) -> int:
 
 
 def _setup_logging(quiet: bool) -> None:
+    if quiet:  # progress bars too (tqdm reads this when a bar is created)
+        os.environ["TQDM_DISABLE"] = "1"
     logging.basicConfig(
         level=logging.WARNING if quiet else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
