@@ -22,6 +22,7 @@ import transformers
 from safetensors import SafetensorError
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from lmcompress.cache import cache_dir
 from lmcompress.compressor.families import family_of
 from lmcompress.errors import ConfigError, ModelLoadError
 
@@ -46,15 +47,6 @@ _PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # What a broken or foreign checkpoint raises inside transformers / safetensors / gguf parsing.
 _LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
-
-
-def cache_dir() -> Path:
-    """``$LMCOMPRESS_CACHE``, else ``$XDG_CACHE_HOME/lmcompress``, else ``~/.cache/lmcompress``."""
-    if os.environ.get("LMCOMPRESS_CACHE"):
-        return Path(os.environ["LMCOMPRESS_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "lmcompress"
-    return Path.home() / ".cache" / "lmcompress"
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:

@@ -17,8 +17,9 @@ from conftest import make_tiny_model, make_tiny_tokenizer
 from safetensors.torch import load_file, save_file
 from transformers.pytorch_utils import Conv1D
 
+from lmcompress.cache import cache_dir
 from lmcompress.compressor import models
-from lmcompress.compressor.models import DEFAULT_CHECKPOINT, cache_dir, load_model
+from lmcompress.compressor.models import DEFAULT_CHECKPOINT, load_model
 from lmcompress.errors import ConfigError, ModelLoadError
 
 TEXT = "Sparse models, dense results: 2:4 pruning keeps half the weights."

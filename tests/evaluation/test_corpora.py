@@ -11,7 +11,7 @@ import torch
 from conftest import make_tiny_tokenizer
 
 from lmcompress.errors import ConfigError, DataError
-from lmcompress.evaluation import corpora
+from lmcompress.evaluation import corpora, wikitext
 from lmcompress.evaluation.corpora import (
     BUILTIN_CORPORA,
     calibration_windows,
@@ -40,7 +40,7 @@ def test_wiki_is_real_cleaned_prose():
     assert 350_000 < sum(len(d.split()) for d in documents) < 500_000
     for document in documents:
         title, blank, body = document.partition("\n\n")
-        assert blank and title.strip() == title and len(body.split()) >= corpora._MIN_WORDS
+        assert blank and title.strip() == title and len(body.split()) >= wikitext.MIN_WORDS
         assert not [m for m in MARKUP if m in document], title
         assert "\n\n\n" not in document
         assert all(line == line.strip() for line in document.splitlines())
@@ -67,17 +67,17 @@ def test_wiki_is_deterministic_through_the_disk_cache(tmp_path, monkeypatch):
     cached = {"articles": [list(a) for a in corpora._wiki_articles()]}
     corpora._wiki_articles.cache_clear()
     # Seed the fresh cache dir with the in-process result so the test does not parse again.
-    monkeypatch.setattr(corpora, "_parse_wiki_dump", lambda _dump: cached["articles"])
+    monkeypatch.setattr(corpora, "parse_wiki_dump", lambda _dump: cached["articles"])
     assert load_documents("wiki") == before
     (cache_file,) = tmp_path.glob("wiki-v*.json")
     corpora._wiki_articles.cache_clear()
-    monkeypatch.setattr(corpora, "_parse_wiki_dump", lambda _dump: pytest.fail("re-parsed"))
+    monkeypatch.setattr(corpora, "parse_wiki_dump", lambda _dump: pytest.fail("re-parsed"))
     assert load_documents("wiki") == before
     assert json.loads(cache_file.read_text(encoding="utf-8")) == cached["articles"]
 
 
 def test_clean_wikitext_keeps_prose_and_drops_markup():
-    wikitext = (
+    markup = (
         "{{Infobox person|name=X}}\n'''Ada''' was a ''mathematician''<ref>{{cite book|t=B}}</ref>"
         " from [[London|the capital]].<ref name=a/>\n"
         "[[File:Ada.jpg|thumb|A portrait of [[Ada]]]]\n\n"
@@ -87,7 +87,7 @@ def test_clean_wikitext_keeps_prose_and_drops_markup():
         "== References ==\n{{reflist}}\n* Some book\n"
         "[[Category:Mathematicians]]\n"
     )
-    clean = corpora._clean_wikitext(wikitext)
+    clean = wikitext.clean_wikitext(markup)
     assert clean == (
         "Ada was a mathematician from the capital.\n\nWork\n\nShe wrote – notes on the "
         "Analytical Engine."
@@ -273,14 +273,3 @@ def test_cached_json_builds_once_and_survives_a_corrupt_file(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger=corpora.__name__):
         assert corpora._cached_json(path, build) == [["title", "body ü"]]
     assert len(calls) == 2 and "unreadable cache" in caplog.text
-
-
-def test_cache_dir_precedence(monkeypatch, tmp_path):
-    monkeypatch.setenv("LMCOMPRESS_CACHE", str(tmp_path / "a"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "b"))
-    assert corpora._cache_dir() == tmp_path / "a"
-    monkeypatch.delenv("LMCOMPRESS_CACHE")
-    assert corpora._cache_dir() == tmp_path / "b" / "lmcompress"
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert corpora._cache_dir() == tmp_path / "home" / ".cache" / "lmcompress"
