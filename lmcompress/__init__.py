@@ -32,6 +32,7 @@ _EXPORTS = {
     "MagnitudeConfig": "lmcompress.methods.magnitude",
     "WandaConfig": "lmcompress.methods.wanda",
     "SparseGPTConfig": "lmcompress.methods.sparsegpt",
+    "MaskLLMConfig": "lmcompress.methods.maskllm",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lmcompress.compressor.config import MethodConfig
+from lmcompress.compressor.method import Stats
 from lmcompress.compressor.report import CompressionReport
 from lmcompress.errors import ConfigError
 from lmcompress.methods import get_method
@@ -20,12 +21,14 @@ def compress(
     config: MethodConfig,
     data: torch.Tensor | None = None,
     device: str | torch.device | None = None,
-) -> CompressionReport:
+    return_stats: bool = False,
+) -> CompressionReport | tuple[CompressionReport, Stats]:
     """Compress ``model`` in place with the method ``config`` names.
 
     Args:
         data: calibration token ids (nsamples, seq_len) for methods that need them.
         device: where calibration computes (default: where the model is).
+        return_stats: also return the calibration statistics (learned mask logits, ...).
     """
     method = get_method(config.method)(config, device=device)
     if method.needs_calibration and data is None:
@@ -36,4 +39,4 @@ def compress(
     logger.info(
         "%s: %d layers compressed in %.1f s", config.method, len(report.layers), report.seconds
     )
-    return report
+    return (report, stats) if return_stats else report

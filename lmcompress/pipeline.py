@@ -120,7 +120,7 @@ def run(options: RunOptions, config: MethodConfig) -> dict[str, Any]:
     results: dict[str, Any] = {"options": asdict(options), "checkpoint": options.checkpoint}
     if not options.skip_dense:
         results["dense"] = evaluate(model, tokenizer, corpora, options)
-    report = compress(model, config, calib)
+    report, stats = compress(model, config, calib, return_stats=True)
     results["compressed"] = evaluate(model, tokenizer, corpora, options)
     if options.lm_eval_tasks:
         from lmcompress.evaluation.lm_eval_adapter import run_lm_eval

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 MANIFEST = "compression.json"
 COMPRESSED_TENSORS = "compressed.safetensors"
+STATS = "stats.safetensors"
 
 
 def _versions() -> dict[str, str]:
@@ -102,6 +103,7 @@ def save_compressed(
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
     extra: dict[str, Any] | None = None,
+    stats: Any = None,
 ) -> Path:
     """Save ``model`` (compressed in place by ``report``'s method) to ``out_dir``.
 
@@ -109,6 +111,8 @@ def save_compressed(
         dtype: storage dtype of the weights and compressed values; ``None`` = the model's.
         overwrite: replace an existing non-empty ``out_dir`` (only once the new one is complete).
         extra: more JSON-serialisable results to record in ``compression.json`` (perplexities).
+        stats: the method's :class:`Stats` (e.g. learned mask logits), saved as
+            ``stats.safetensors`` when it holds tensors: for transfer and resuming.
     """
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -123,6 +127,8 @@ def save_compressed(
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the output is an ordinary directory
     try:
         _write(model, tmp, report, tokenizer, dtype, extra or {})
+        if stats is not None and stats.tensors:
+            stats.save(tmp / STATS)
         if out_dir.exists():
             trash = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
             os.replace(out_dir, trash / "old")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from lmcompress.compressor.method import Method
 from lmcompress.errors import ConfigError
 from lmcompress.methods.magnitude import Magnitude
+from lmcompress.methods.maskllm import MaskLLM
 from lmcompress.methods.sparsegpt import SparseGPT
 from lmcompress.methods.wanda import Wanda
 
@@ -15,6 +16,7 @@ METHODS: dict[str, type[Method]] = {
     "magnitude": Magnitude,
     "wanda": Wanda,
     "sparsegpt": SparseGPT,
+    "maskllm": MaskLLM,
 }
 
 

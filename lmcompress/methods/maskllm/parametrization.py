@@ -29,6 +29,7 @@ class LearnableNMMask(nn.Module):
         self.register_buffer("candidates", candidate_patterns(n, m, dtype=logits.dtype))
         self.shape, self.transposed = shape, transposed
         self.tau, self.kappa, self.hard = 4.0, 100.0, False
+        self.enabled = True  # False: the dense weight (a distillation teacher)
 
     def mask(self) -> torch.Tensor:
         """The current mask, (out, in): sampled soft mask in training, argmax otherwise."""
@@ -40,5 +41,7 @@ class LearnableNMMask(nn.Module):
         return groups.reshape(self.shape)
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return weight
         mask = self.mask().to(weight.dtype)
         return weight * (mask.T if self.transposed else mask)

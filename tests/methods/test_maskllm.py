@@ -1,0 +1,113 @@
+"""MaskLLM end to end on a tiny model: invariants, prior, resume, export and transfer."""
+
+import pytest
+import torch
+
+from lmcompress import MaskLLMConfig, SparseGPTConfig, compress, load_compressed, save_compressed
+from lmcompress.compressor.surgery import LayerSelection, weight_matrix
+from lmcompress.compressor.trainer import Trainer
+from lmcompress.errors import ConfigError
+
+
+def _data():
+    return torch.randint(3, 256, (12, 32), generator=torch.Generator().manual_seed(0))
+
+
+def _masks(model):
+    return {n: weight_matrix(m) != 0 for n, m in LayerSelection().select(model).items()}
+
+
+def _same_masks(a, b):
+    masks_a, masks_b = _masks(a), _masks(b)
+    return masks_a.keys() == masks_b.keys() and all(
+        torch.equal(masks_a[k], masks_b[k]) for k in masks_a
+    )
+
+
+def _run(config, model_type="llama"):
+    from conftest import make_tiny_model
+
+    model = make_tiny_model(model_type)
+    report, stats = compress(model, config, _data(), return_stats=True)
+    return model, report, stats
+
+
+@pytest.mark.parametrize(("sparsity", "model_type"), [("2:4", "llama"), ("4:8", "gpt2")])
+def test_trains_and_ends_exactly_nm(sparsity, model_type):
+    n, m = map(int, sparsity.split(":"))
+    config = MaskLLMConfig(sparsity=sparsity, steps=8, lr=0.05, batch_size=2, eval_every=4)
+    model, report, stats = _run(config, model_type)
+    for name, keep in _masks(model).items():
+        assert torch.all(keep.reshape(-1, m).sum(1) == n), name
+    assert [e["step"] for e in report.extra["hard_ppl"]] == [0, 4, 8]
+    assert len(report.extra["loss_curve"]) == 8 and report.extra["loss_curve"][-1]["tau"] < 4
+    assert all(k.endswith(".logits") for k in stats.tensors)
+    assert all(p.requires_grad for p in model.parameters())  # unfrozen again afterwards
+
+
+def test_without_learning_the_mask_is_the_sparsegpt_prior():
+    from conftest import make_tiny_model
+
+    prior_model = make_tiny_model("llama")
+    compress(prior_model, SparseGPTConfig(sparsity="2:4", update_weights=False), _data()[:-2])
+    model, report, _ = _run(MaskLLMConfig(sparsity="2:4", steps=1, lr=1e-12))
+    assert _same_masks(model, prior_model)
+    assert report.extra["hard_ppl"][0]["step"] == 0
+
+
+def test_killed_run_resumes_to_the_same_mask(tmp_path, monkeypatch):
+    config = dict(sparsity="2:4", steps=6, lr=0.05, batch_size=2, prior="magnitude")
+    straight, _, straight_stats = _run(MaskLLMConfig(**config))
+
+    original_fit = Trainer.fit
+
+    def killed_fit(self, data, resume=False, stop_after=None):  # noqa: ARG001
+        original_fit(self, data, resume=resume, stop_after=4)
+        raise KeyboardInterrupt  # the process dies after step 4's checkpoint
+
+    ckpt = str(tmp_path / "ckpt")
+    monkeypatch.setattr(Trainer, "fit", killed_fit)
+    with pytest.raises(KeyboardInterrupt):
+        _run(MaskLLMConfig(**config, checkpoint_dir=ckpt, checkpoint_every=2))
+    monkeypatch.setattr(Trainer, "fit", original_fit)
+    resumed, report, resumed_stats = _run(
+        MaskLLMConfig(**config, checkpoint_dir=ckpt, checkpoint_every=2, resume=True)
+    )
+    for key, value in straight_stats.tensors.items():
+        assert torch.equal(resumed_stats.tensors[key], value), key
+    assert _same_masks(straight, resumed)
+    assert report.extra["steps"] == 6
+
+
+def test_export_round_trip_and_transfer(tmp_path):
+    from conftest import make_tiny_tokenizer
+
+    model, report, stats = _run(MaskLLMConfig(sparsity="2:4", steps=3, lr=0.05, batch_size=2))
+    out = save_compressed(
+        model, tmp_path / "out", report, tokenizer=make_tiny_tokenizer(), stats=stats
+    )
+    assert (out / "stats.safetensors").exists() and (out / "compressed.safetensors").exists()
+    loaded, _, _ = load_compressed(out)
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    # A new run from the learned mask, learning nothing, keeps exactly that mask.
+    transferred, _, _ = _run(
+        MaskLLMConfig(sparsity="2:4", steps=1, lr=1e-12, prior_from=str(out), prior_strength=3.0)
+    )
+    assert _same_masks(model, transferred)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"sparsity": "0.5"}, "N:M"),
+        ({"prior": "oracle"}, "prior must be"),
+        ({"tau": (0.0, 1.0)}, "positive"),
+        ({"resume": True}, "checkpoint-dir"),
+        ({"steps": 0}, "steps must be"),
+    ],
+)
+def test_bad_options(options, message):
+    with pytest.raises(ConfigError, match=message):
+        config = MaskLLMConfig(**options)
+        _run(config)
