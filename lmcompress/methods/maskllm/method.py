@@ -11,6 +11,7 @@ loss (~3).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -41,6 +42,16 @@ from lmcompress.methods.maskllm.parametrization import LearnableNMMask
 from lmcompress.methods.pruning import PruningMethod
 
 logger = logging.getLogger(__name__)
+
+
+def _accelerator(model: nn.Module):
+    """An ``accelerate.Accelerator`` when launched on several processes (``accelerate launch``),
+    else None. The trainer averages the logits' gradients across processes."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=next(model.parameters()).device.type == "cpu")
 
 
 class MaskLLM(PruningMethod):
@@ -196,6 +207,7 @@ class MaskLLM(PruningMethod):
             before_step=before_step,
             evaluate=evaluate if eval_data is not None else None,
             checkpoint_dir=config.checkpoint_dir,
+            accelerator=_accelerator(model),
         )
         torch.manual_seed(config.train_seed)  # the Gumbel noise comes from the global RNG
         prior_eval = evaluate(0) if eval_data is not None else {}
