@@ -100,6 +100,13 @@ def main() -> None:
     parser.add_argument("--skip-peers", action="store_true")
     parser.add_argument("--venv", default=str(DEFAULT_VENV), help="llm-compressor's venv")
     parser.add_argument("--out", default=str(HERE / "results" / "pruning"))
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="TOOL:METHOD:SPARSITY",
+        help="rerun just these rows (e.g. lmcompress:wanda:2:4) and update them in --out.json",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     log = logging.getLogger("pruning")
@@ -143,12 +150,18 @@ def main() -> None:
                     tool=tool,
                     ppl=score(str(out), args.eval_tokens),
                 )
+                key = (tool, method, sparsity)
+                results = [r for r in results if (r["tool"], r["method"], r["sparsity"]) != key]
                 results.append(run)
                 log.info("%s", run)
                 shutil.rmtree(out, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
+    order = {(m, sp): i for i, (m, sp, _) in enumerate(JOBS)}
+    results.sort(
+        key=lambda r: (order.get((r["method"], r["sparsity"]), -1), r["tool"] == "llm-compressor")
+    )
     settings = {k: getattr(args, k) for k in ("checkpoint", "eval_tokens", "nsamples", "seq_len")}
     payload = {"settings": settings, "machine": machine(), "results": results}
     write_results(Path(args.out), payload, render(results, settings))
