@@ -116,18 +116,24 @@ def main() -> None:
         )
 
     work = Path(tempfile.mkdtemp(prefix="lmcompress-bench-"))
-    results = [
-        {
-            "method": "dense",
-            "sparsity": "-",
-            "tool": "-",
-            "ppl": score(args.checkpoint, args.eval_tokens),
-        }
-    ]
+    previous = Path(args.out).with_suffix(".json")
+    if args.only:  # keep every other row of the last full run
+        results = json.loads(previous.read_text())["results"]
+    else:
+        results = [
+            {
+                "method": "dense",
+                "sparsity": "-",
+                "tool": "-",
+                "ppl": score(args.checkpoint, args.eval_tokens),
+            }
+        ]
     try:
         for method, sparsity, tools in JOBS:
             for tool in tools:
                 if tool == "llm-compressor" and args.skip_peers:
+                    continue
+                if args.only and f"{tool}:{method}:{sparsity}" not in args.only:
                     continue
                 log.info("%s %s %s", tool, method, sparsity)
                 out = work / f"{tool}-{method}-{sparsity.replace(':', 'of')}"
