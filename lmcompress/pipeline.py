@@ -9,14 +9,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from lmcompress.api import compress
 from lmcompress.compressor.config import MethodConfig
-from lmcompress.compressor.export import save_compressed
+from lmcompress.compressor.export import check_output_dir, save_compressed
 from lmcompress.compressor.families import family_of
 from lmcompress.compressor.models import DEFAULT_CHECKPOINT, load_model
 from lmcompress.errors import ConfigError, LmcompressError
@@ -68,17 +67,6 @@ class RunOptions:
             )
 
 
-def check_output(options: RunOptions) -> None:
-    """Fail before any work if the output cannot be written."""
-    if options.output is None:
-        return
-    out = Path(options.output)
-    if out.exists() and not out.is_dir():
-        raise LmcompressError(f"output path {out} exists and is not a directory")
-    if out.exists() and any(out.iterdir()) and not options.overwrite:
-        raise LmcompressError(f"output directory {out} is not empty (use --overwrite)")
-
-
 def evaluate(
     model, tokenizer, corpora: dict[str, torch.Tensor], options: RunOptions
 ) -> dict[str, Any]:
@@ -94,7 +82,8 @@ def evaluate(
 
 def run(options: RunOptions, config: MethodConfig) -> dict[str, Any]:
     """Run the job; returns the results that the CLI prints and ``compression.json`` records."""
-    check_output(options)
+    if options.output is not None:  # fail before any work
+        check_output_dir(options.output, options.overwrite)
     method = get_method(config.method)(config)
     needs_text = (*options.eval, *((options.calib,) if method.needs_calibration else ()))
     for source in needs_text:  # a misspelt corpus fails before the model loads

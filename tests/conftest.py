@@ -99,6 +99,19 @@ def make_tiny_model(model_type: str, seed: int = 0, num_layers: int | None = Non
     return model.eval()
 
 
+def make_odd_llama(vocab_size: int = VOCAB):
+    """A one-block Llama whose MLP width (36) is not divisible by 8: 4:8 cannot fit down_proj."""
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=36,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
 def make_tiny_tokenizer():
     """A byte-level tokenizer with a 256-symbol vocabulary (ids 0-255), BOS/EOS = 1/2."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

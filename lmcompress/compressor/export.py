@@ -95,6 +95,15 @@ def _decode_layer(
 # --- save ---------------------------------------------------------------------------------
 
 
+def check_output_dir(out_dir: str | Path, overwrite: bool = False) -> None:
+    """Refuse a path that is a file, or a non-empty directory unless ``overwrite``."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise LmcompressError(f"output path {out_dir} exists and is not a directory")
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise LmcompressError(f"output directory {out_dir} is not empty (use --overwrite)")
+
+
 def save_compressed(
     model: nn.Module,
     out_dir: str | Path,
@@ -115,10 +124,7 @@ def save_compressed(
             ``stats.safetensors`` when it holds tensors: for transfer and resuming.
     """
     out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise LmcompressError(f"output path {out_dir} exists and is not a directory")
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise LmcompressError(f"output directory {out_dir} is not empty (use --overwrite)")
+    check_output_dir(out_dir, overwrite)
     dtype = dtype or next(model.parameters()).dtype
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))

@@ -9,20 +9,12 @@ from torch import nn
 
 from lmcompress.compressor.config import Sparsity
 from lmcompress.compressor.report import LayerReport
-from lmcompress.compressor.sparsity import check_nm_shape
 from lmcompress.compressor.surgery import weight_matrix
 from lmcompress.kernels.reference import packed_nm_nbytes
 
 
 def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def check_layers(layers: dict[str, nn.Module], sparsity: Sparsity) -> None:
-    """Refuse before any layer is touched, so a bad shape leaves the model as it was."""
-    if sparsity.is_nm:
-        for name, module in layers.items():
-            check_nm_shape(tuple(weight_matrix(module).shape), sparsity.m, name)
 
 
 @torch.no_grad()

@@ -15,8 +15,10 @@ from lmcompress.compressor.config import MethodConfig, Sparsity, parse_sparsity
 from lmcompress.compressor.layerwise import Accumulator, compress_layerwise
 from lmcompress.compressor.method import Method, Stats
 from lmcompress.compressor.report import CompressionReport, LayerReport
+from lmcompress.compressor.sparsity import check_nm_shape
+from lmcompress.compressor.surgery import weight_matrix
 from lmcompress.errors import ConfigError
-from lmcompress.methods.common import check_layers, count_params
+from lmcompress.methods.common import count_params
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,9 @@ class PruningMethod(Method):
     def validate(self, model: nn.Module) -> dict[str, nn.Module]:
         layers = super().validate(model)
         for name, module in layers.items():
-            check_layers({name: module}, self.config.sparsity_of(name))
+            sparsity = self.config.sparsity_of(name)
+            if sparsity.is_nm:
+                check_nm_shape(tuple(weight_matrix(module).shape), sparsity.m, name)
         return layers
 
 

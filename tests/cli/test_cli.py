@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 import transformers
+from conftest import make_odd_llama
 
 from lmcompress.cli.main import main
 from lmcompress.compressor.export import MANIFEST
@@ -117,15 +118,7 @@ def _bad(tmp_path, tiny_checkpoint, corpus):
         hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64
     ).save_pretrained(bert)
     odd = tmp_path / "odd"
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=36,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(odd)
+    make_odd_llama().save_pretrained(odd)
     for f in tiny_checkpoint.glob("*token*"):
         (odd / f.name).write_bytes(f.read_bytes())
     recipe = tmp_path / "bad.yaml"

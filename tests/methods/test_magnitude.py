@@ -77,17 +77,9 @@ def test_exclude_leaves_layers_identical():
 
 
 def test_indivisible_layer_fails_before_touching_the_model():
-    import transformers
+    from conftest import make_odd_llama
 
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=36,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = make_odd_llama(vocab_size=64)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ConfigError, match="in_features=36 is not divisible by M=8"):
         compress(model, MagnitudeConfig(sparsity="4:8"))
