@@ -40,6 +40,22 @@ class Accumulator(Protocol):
     def add_batch(self, inputs: torch.Tensor) -> None: ...  # (batch, tokens, in_features)
 
 
+class BlockCompressor(Protocol):
+    """Compresses one whole block: ``(index, block, layer names, accumulators, batches)`` ->
+    reports. A batch is ``{"hidden": (B, T, H) block inputs, "args": [...], "kwargs": [...]}``
+    (per-block positional/keyword arguments): run block ``index`` on it as
+    ``block(b["hidden"], *b["args"][index], **b["kwargs"][index])``. Runs under no_grad."""
+
+    def __call__(
+        self,
+        index: int,
+        block: nn.Module,
+        names: list[str],
+        accumulators: dict[str, Accumulator],
+        batches: list[dict[str, Any]],
+    ) -> list[LayerReport]: ...
+
+
 @dataclass
 class LayerwiseStats:
     """What the loop measured about itself."""
@@ -124,12 +140,15 @@ def compress_layerwise(
     device: str | torch.device = "cpu",
     batch_size: int = 8,
     progress: bool = True,
+    compress_block: BlockCompressor | None = None,
 ) -> tuple[list[LayerReport], LayerwiseStats]:
     """Compress ``layers`` (selected linears, qualified names) block by block.
 
     ``make_accumulator(name, module)`` builds each layer's statistics; after the block has seen
     every batch, ``compress_layer(name, module, accumulator)`` compresses the layer in place and
-    reports. Layers outside the decoder blocks are not supported here.
+    reports. With ``compress_block``, that call replaces the per-layer one and gets the whole
+    block, its batches and every accumulator (block-wise training, e.g. MaskLLM's block mode);
+    ``compress_layer`` is then unused. Layers outside the decoder blocks are not supported here.
     """
     start = time.perf_counter()
     device = torch.device(device)
@@ -163,8 +182,11 @@ def compress_layerwise(
             finally:
                 for handle in handles:
                     handle.remove()
-            for n in names:
-                reports.append(compress_layer(n, layers[n], accumulators[n]))
+            if compress_block is not None:
+                reports.extend(compress_block(index, block, names, accumulators, batches))
+            else:
+                for n in names:
+                    reports.append(compress_layer(n, layers[n], accumulators[n]))
         held = (
             _nbytes([b["hidden"] for b in batches])
             + _nbytes([b["kwargs"][index] for b in batches])

@@ -110,8 +110,11 @@ class Trainer:
         evaluate: Callable[[int], dict[str, float]] | None = None,
         checkpoint_dir: str | Path | None = None,
         accelerator: Any = None,
+        desc: str = "train",
+        leave: bool = True,
     ) -> None:
         self.model, self.params, self.config = model, params, config
+        self.desc, self.leave = desc, leave  # progress bar label; keep it when done
         self.loss_fn, self.before_step, self.evaluate = loss_fn, before_step, evaluate
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.accelerator = accelerator
@@ -193,8 +196,9 @@ class Trainer:
         bar = tqdm(
             total=config.steps,
             initial=self.state.step,
-            desc="train",
+            desc=self.desc,
             unit="step",
+            leave=self.leave,
             disable=not self._is_main(),
         )
         while self.state.step < config.steps and (stop_after is None or done_here < stop_after):

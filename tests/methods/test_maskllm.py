@@ -105,9 +105,83 @@ def test_export_round_trip_and_transfer(tmp_path):
         ({"tau": (0.0, 1.0)}, "positive"),
         ({"resume": True}, "checkpoint-dir"),
         ({"steps": 0}, "steps must be"),
+        ({"refit": "lstsq"}, "refit must be"),
+        ({"noise": "fast"}, "noise must be"),
+        ({"straight_through_from": 1.5}, "straight_through_from"),
+        ({"blockwise": True, "checkpoint_dir": "x", "resume": True}, "do not checkpoint"),
+        ({"blockwise": True, "distill": True}, "distill"),
     ],
 )
 def test_bad_options(options, message):
     with pytest.raises(ConfigError, match=message):
         config = MaskLLMConfig(**options)
         _run(config)
+
+
+def _weights(model):
+    return {n: weight_matrix(m).detach().clone() for n, m in LayerSelection().select(model).items()}
+
+
+@pytest.mark.parametrize("refit", ["none", "sparsegpt"])
+def test_blockwise_learning_nothing_is_sparsegpt(refit):
+    """Block-wise with a learning rate of ~0 keeps the in-loop SparseGPT prior: without
+    re-fitting that is SparseGPT's mask on the original weights, with it SparseGPT itself
+    (the same masks and updated weights, block after block)."""
+    from conftest import make_tiny_model
+
+    reference = make_tiny_model("llama")
+    sgpt = SparseGPTConfig(sparsity="2:4", update_weights=refit == "sparsegpt", calib_batch_size=2)
+    compress(reference, sgpt, _data()[:-2])
+    config = MaskLLMConfig(
+        sparsity="2:4", steps=1, lr=1e-12, batch_size=2, blockwise=True, refit=refit
+    )
+    model, report, stats = _run(config)
+    assert _same_masks(model, reference)
+    expected = _weights(reference)
+    for name, weight in _weights(model).items():
+        torch.testing.assert_close(weight, expected[name], rtol=1e-4, atol=1e-5)
+    assert [b["block"] for b in report.extra["block_curves"]] == [0, 1]
+    assert report.extra["hard_ppl"][-1]["step"] == 1
+    assert set(stats.tensors) == {f"{n}.logits" for n in _masks(model)}
+
+
+def test_blockwise_training_lowers_the_block_error_and_ends_exactly_nm():
+    config = MaskLLMConfig(
+        sparsity="2:4", steps=30, lr=0.02, batch_size=2, blockwise=True, prior="magnitude"
+    )
+    model, report, _ = _run(config)
+    for name, keep in _masks(model).items():
+        assert torch.all(keep.reshape(-1, 4).sum(1) == 2), name
+    for block in report.extra["block_curves"]:
+        errors = [h["rel_err"] for h in block["curve"]]
+        assert len(errors) == 30
+        assert sum(errors[-5:]) / 5 < 0.8 * sum(errors[:5]) / 5, (block["block"], errors)
+
+
+def test_end_to_end_refit_keeps_the_learned_mask_and_lowers_output_error():
+    config = dict(sparsity="2:4", steps=4, lr=0.05, batch_size=2, prior="magnitude")
+    plain, _, plain_stats = _run(MaskLLMConfig(**config))
+    refit, report, stats = _run(MaskLLMConfig(**config, refit="sparsegpt"))
+    for key, value in plain_stats.tensors.items():  # same training, same logits
+        assert torch.equal(stats.tensors[key], value), key
+    assert _same_masks(plain, refit)
+    assert not all(
+        torch.equal(a, b)
+        for a, b in zip(_weights(plain).values(), _weights(refit).values(), strict=True)
+    )
+    assert report.extra["hard_ppl"][-1].get("refit") == "sparsegpt"
+    assert all(layer.error_kind == "output" for layer in report.layers)
+
+
+@pytest.mark.parametrize("option", [{"noise": "pool"}, {"straight_through_from": 0.5}])
+def test_cheap_noise_and_late_straight_through_train(option):
+    model, report, stats = _run(
+        MaskLLMConfig(sparsity="2:4", steps=6, lr=0.05, batch_size=2, prior="magnitude", **option)
+    )
+    for name, keep in _masks(model).items():
+        assert torch.all(keep.reshape(-1, 4).sum(1) == 2), name
+    assert report.extra["loss_curve"][-1]["flipped"] >= 0
+    baseline, _, base_stats = _run(
+        MaskLLMConfig(sparsity="2:4", steps=6, lr=0.05, batch_size=2, prior="magnitude")
+    )
+    assert any(not torch.equal(stats.tensors[k], v) for k, v in base_stats.tensors.items())

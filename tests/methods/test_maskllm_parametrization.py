@@ -40,3 +40,47 @@ def test_parametrized_weight_is_masked_and_bakes_to_exact_nm(model_type):
 def test_shape_mismatch_is_refused():
     with pytest.raises(ValueError, match="do not cover"):
         LearnableNMMask(torch.zeros(3, 6), 2, 4, (4, 4))
+
+
+def _linear_with_mask(
+    out_features: int = 16, in_features: int = 32
+) -> tuple[torch.nn.Linear, LearnableNMMask]:
+    torch.manual_seed(0)
+    module = torch.nn.Linear(in_features, out_features, bias=False)
+    logits = init_logits(
+        module.weight.numel() // 4, 6, std=0.3, generator=torch.Generator().manual_seed(0)
+    )
+    mask = LearnableNMMask(logits, 2, 4, (out_features, in_features))
+    add_parametrization(module, mask)
+    return module, mask
+
+
+@pytest.mark.parametrize("noise", ["exact", "pool"])
+def test_straight_through_weight_is_exactly_nm_with_logit_gradients(noise):
+    module, mask = _linear_with_mask()
+    W = module.parametrizations.weight.original.detach().clone()
+    assert mask.noise == "exact" and not mask.straight_through  # the defaults
+    mask.noise, mask.straight_through, mask.tau, mask.kappa = noise, True, 2.0, 10.0
+    masked = weight_matrix(module)
+    kept = masked.detach() != 0
+    assert torch.all(kept.reshape(-1, 4).sum(1) == 2)  # exactly 2:4
+    assert torch.equal(masked.detach()[kept], W[kept])  # kept weights unscaled
+    masked.square().sum().backward()
+    assert mask.logits.grad is not None and mask.logits.grad.abs().sum() > 0
+    mask.hard = True  # evaluation stays the deterministic argmax of the logits
+    assert torch.equal(mask.mask(), mask.candidates[mask.logits.argmax(-1)].reshape(16, 32))
+
+
+def test_pooled_noise_mask_is_soft_and_reproducible_under_manual_seed():
+    _, mask = _linear_with_mask()
+    mask.noise = "pool"
+    torch.manual_seed(1)
+    first, second = mask.mask(), mask.mask()
+    torch.manual_seed(1)
+    assert torch.equal(mask.mask(), first) and torch.equal(mask.mask(), second)
+    assert not torch.equal(first, second)
+    torch.testing.assert_close(first.reshape(-1, 4).sum(1), torch.full((128,), 2.0))
+    assert ((first > 0) & (first < 1)).any()  # soft without straight_through
+    mask.noise = "fast"
+    with pytest.raises(ValueError, match="noise must be one of"):
+        mask.mask()

@@ -230,3 +230,34 @@ def test_reconstruction_error_closed_forms():
     assert reconstruction_error(W, W, X) == 0.0
     assert reconstruction_error(W, torch.zeros_like(W), X) == pytest.approx(1.0)
     assert reconstruction_error(W, 1.5 * W, X.reshape(4, -1, IN)) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_fixed_mask_reproduces_its_own_selection(pattern):
+    """Given SparseGPT's own mask, the fixed-mask mode re-fits to the same weights."""
+    sparsity = PATTERNS[pattern]
+    W, _, H = problem()
+    W_new, keep = sparsegpt_prune(W, H, sparsity)
+    W_fixed, keep_fixed = sparsegpt_prune(W, H, sparsity, mask=keep)
+    assert torch.equal(keep_fixed, keep)
+    torch.testing.assert_close(W_fixed, W_new, rtol=1e-5, atol=1e-5)
+
+
+def test_fixed_mask_refit_beats_masking_alone():
+    """Re-fitting the kept weights of any fixed N:M mask lowers the output error, and the
+    result keeps exactly that mask."""
+    sparsity = Sparsity(n=2, m=4)
+    W, X, H = problem()
+    scores = torch.rand(W.shape, generator=torch.Generator().manual_seed(5))
+    keep = mask_from_scores(scores, sparsity)
+    W_refit, keep_refit = sparsegpt_prune(W, H, sparsity, mask=keep)
+    assert torch.equal(keep_refit, keep) and torch.all(W_refit[~keep] == 0)
+    masked = reconstruction_error(W, W * keep, X)
+    refit = reconstruction_error(W, W_refit, X)
+    assert refit < 0.95 * masked, (refit, masked)
+
+
+def test_fixed_mask_shape_is_checked():
+    W, _, H = problem()
+    with pytest.raises(ConfigError, match="mask shape"):
+        sparsegpt_prune(W, H, Sparsity(n=2, m=4), mask=torch.ones(3, 4, dtype=torch.bool))

@@ -7,6 +7,8 @@ from lmcompress.errors import ConfigError
 from lmcompress.methods.pruning import PruningConfig
 
 PRIORS = ("sparsegpt", "wanda", "magnitude", "none")
+REFITS = ("none", "sparsegpt")
+NOISES = ("exact", "pool")
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,29 @@ class MaskLLMConfig(PruningConfig):
     checkpoint_every: int = field(default=0, metadata={"help": "checkpoint every N steps"})
     resume: bool = field(default=False, metadata={"help": "continue from checkpoint_dir"})
     train_seed: int = field(default=0, metadata={"help": "seed of data order, init and noise"})
+    # --- beyond the paper (off by default: the defaults above are the paper's method) ---
+    blockwise: bool = field(
+        default=False,
+        metadata={
+            "help": "learn each decoder block's masks in turn on a local loss (match the dense "
+            "model's block outputs), --steps per block"
+        },
+    )
+    refit: str = field(
+        default="none",
+        metadata={"help": "re-fit the kept weights under the learned mask: " + "|".join(REFITS)},
+    )
+    noise: str = field(
+        default="exact",
+        metadata={"help": "Gumbel noise: exact | pool (windows of a pre-drawn pool, cheaper)"},
+    )
+    straight_through_from: float = field(
+        default=1.0,
+        metadata={
+            "help": "fraction of training after which samples are hard (straight-through); "
+            "1 = never"
+        },
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -56,5 +81,20 @@ class MaskLLMConfig(PruningConfig):
             raise ConfigError("tau and kappa must be positive")
         if self.eval_windows < 0:
             raise ConfigError(f"eval_windows must be >= 0, got {self.eval_windows}")
+        if self.refit not in REFITS:
+            raise ConfigError(f"refit must be one of {', '.join(REFITS)}, got {self.refit!r}")
+        if self.noise not in NOISES:
+            raise ConfigError(f"noise must be one of {', '.join(NOISES)}, got {self.noise!r}")
+        if not 0.0 <= self.straight_through_from <= 1.0:
+            raise ConfigError(
+                f"straight_through_from must lie in [0, 1], got {self.straight_through_from}"
+            )
+        if self.blockwise and (self.checkpoint_dir or self.resume):
+            raise ConfigError("--blockwise runs do not checkpoint: drop --checkpoint-dir/--resume")
+        if self.blockwise and self.distill:
+            raise ConfigError(
+                "--distill is for end-to-end training; --blockwise already matches the dense "
+                "model's block outputs"
+            )
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("--resume needs --checkpoint-dir")

@@ -148,6 +148,7 @@ def sparsegpt_prune(
     blocksize: int = 128,
     percdamp: float = 0.01,
     update_weights: bool = True,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prune ``W`` (out, in) given the layer Hessian ``H`` (in, in): SparseGPT, Alg. 1.
 
@@ -168,6 +169,10 @@ def sparsegpt_prune(
     the same procedure picks the mask (the weights are still updated internally, since later
     masks depend on them), but the returned weight is the *original* ``W`` times that mask
     (dead input columns are then left as they were unless the mask drops them).
+
+    ``mask`` (out, in) bool fixes the mask instead of selecting it: the OBS updates then re-fit
+    the kept weights to that mask (MaskLLM's weight re-fitting under a learned mask). It must
+    satisfy ``sparsity`` only in the sense that it is what gets kept; it is not checked here.
 
     Computes in float32 on W's device (the Cholesky in float64 if H is float64). Returns
     ``(W_new, keep)``: W_new in W's dtype, zero wherever the bool mask ``keep`` is False.
@@ -191,6 +196,11 @@ def sparsegpt_prune(
     d = U.diagonal()  # (in,)
 
     keep = torch.ones(cols, rows, dtype=torch.bool, device=W.device)  # (in, out), keep-mask ᵀ
+    fixed = mask is not None
+    if fixed:
+        if tuple(mask.shape) != (rows, cols):
+            raise ConfigError(f"mask shape {tuple(mask.shape)} does not match W {(rows, cols)}")
+        keep.copy_(mask.T.to(W.device, torch.bool))
     n, m = sparsity.n, sparsity.m
     step = max(m, blocksize - blocksize % m) if sparsity.is_nm else blocksize
     sub = m * max(1, SUB_BLOCK // m) if sparsity.is_nm else SUB_BLOCK
@@ -203,13 +213,15 @@ def sparsegpt_prune(
         E1 = torch.empty_like(W1)  # (B, out) scaled pruning errors
         keep1 = keep[i1:i2]  # (B, out) view
         scale1 = torch.empty_like(W1)  # (B, out): 1/d_j where pruned, 0 where kept
-        if not sparsity.is_nm:
+        if fixed:
+            torch.div(~keep1, d1[:, None], out=scale1)
+        elif not sparsity.is_nm:
             keep1.copy_(unstructured_mask(W1.square() / d1[:, None].square(), sparsity.ratio))
             torch.div(~keep1, d1[:, None], out=scale1)
         for s1 in range(0, i2 - i1, sub):
             s2 = min(s1 + sub, i2 - i1)
             for j in range(s1, s2):
-                if sparsity.is_nm and j % m == 0:
+                if sparsity.is_nm and j % m == 0 and not fixed:
                     g = slice(j, j + m)
                     scores = W1[g].square() / d1[g, None].square()  # (M, out)
                     keep1[g] = nm_mask(scores.T, n, m).T
