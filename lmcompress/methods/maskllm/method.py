@@ -136,7 +136,11 @@ class MaskLLM(PruningMethod):
         """``before_step(step)`` for the trainer: sets τ, κ and straight-through on every mask
         and logs them with the fraction of groups whose argmax changed since the last step."""
         config = self.config
-        last_argmax = {n: m.logits.detach().argmax(-1) for n, m in masks.items()}
+        def argmax(mask: LearnableNMMask) -> torch.Tensor:  # small ints: 1 byte for 2:4
+            small = torch.uint8 if mask.logits.shape[-1] <= 256 else torch.int32
+            return mask.logits.detach().argmax(-1).to(small)
+
+        last_argmax = {n: argmax(m) for n, m in masks.items()}
 
         def before_step(step: int) -> dict[str, float]:
             tau = linear_schedule(*config.tau, step, steps)
@@ -147,10 +151,10 @@ class MaskLLM(PruningMethod):
             flipped = groups = 0
             for name, mask in masks.items():
                 mask.tau, mask.kappa, mask.straight_through = tau, kappa, straight
-                argmax = mask.logits.detach().argmax(-1)
-                flipped += int((argmax != last_argmax[name]).sum())
-                groups += argmax.numel()
-                last_argmax[name] = argmax
+                current = argmax(mask)
+                flipped += int((current != last_argmax[name]).sum())
+                groups += current.numel()
+                last_argmax[name] = current
             return {"tau": tau, "kappa": kappa, "flipped": flipped / max(groups, 1)}
 
         return before_step
