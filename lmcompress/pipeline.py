@@ -127,6 +127,7 @@ def run(options: RunOptions, config: MethodConfig) -> dict[str, Any]:
             dtype=save_dtype,
             overwrite=options.overwrite,
             extra=results,
+            stats=stats,  # learned tensors (MaskLLM's logits): for --prior-from and inspection
         )
         results["output"] = options.output
     results["report"] = report

@@ -94,6 +94,45 @@ def test_recipe_and_flag_override(tiny_checkpoint, corpus, tmp_path):
     assert all(not layer["name"].endswith("o_proj") for layer in manifest["report"]["layers"])
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--blockwise", "--refit", "sparsegpt", "--prior", "wanda"],
+        ["--noise", "pool", "--straight-through-from", "0.5", "--refit", "sparsegpt"],
+    ],
+)
+def test_maskllm_options_beyond_the_paper(tiny_checkpoint, corpus, tmp_path, flags):
+    out = tmp_path / "out"
+    argv = ["--method", "maskllm", "--sparsity", "2:4", "--steps", "2", "--batch-size", "2"]
+    assert main(_job(tiny_checkpoint, corpus, out, *argv, "--nsamples", "8", *flags, "-q")) == 0
+    manifest = json.loads((out / MANIFEST).read_text())
+    config = manifest["config"]
+    assert config["refit"] == "sparsegpt"
+    assert config["blockwise"] == ("--blockwise" in flags)
+    assert config["noise"] == ("pool" if "pool" in flags else "exact")
+    assert (out / "stats.safetensors").exists()
+    layers = manifest["report"]["layers"]
+    assert layers and all(layer["pattern"] == "2:4" for layer in layers)
+    assert ("block_curves" in manifest["report"]["extra"]) == ("--blockwise" in flags)
+
+
+def test_maskllm_transfer_from_an_output_dir(tiny_checkpoint, corpus, tmp_path):
+    """``--prior-from OUT`` reads the logits the first job exported; learning nothing keeps
+    exactly its mask (in the exported packed form too)."""
+    from safetensors.torch import load_file
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    argv = ["--method", "maskllm", "--sparsity", "2:4", "--batch-size", "2", "--nsamples", "8"]
+    assert (
+        main(_job(tiny_checkpoint, corpus, first, *argv, "--steps", "3", "--lr", "0.05", "-q")) == 0
+    )
+    transfer = ["--steps", "1", "--lr", "1e-12", "--prior-from", str(first), "-q"]
+    assert main(_job(tiny_checkpoint, corpus, second, *argv, *transfer)) == 0
+    a, b = load_file(str(first / "model.safetensors")), load_file(str(second / "model.safetensors"))
+    pruned = [k for k in a if k.endswith("proj.weight")]
+    assert pruned and all(torch.equal(a[k] != 0, b[k] != 0) for k in pruned)
+
+
 def test_methods_lists_options_generated_from_configs(capsys):
     assert main(["methods"]) == 0
     printed = capsys.readouterr().out

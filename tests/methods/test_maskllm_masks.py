@@ -192,3 +192,29 @@ def test_straight_through_gradient_is_the_soft_masks(tau):
     assert st_grad.abs().sum() > 0
     torch.testing.assert_close(st_grad, soft_grad, rtol=0, atol=0)
     assert not torch.equal(st.detach(), soft.detach())
+
+
+@pytest.mark.parametrize("source", ["exact", "pool"])
+@pytest.mark.parametrize("hard", [False, True])
+def test_replayed_soft_mask_matches_autograd(source, hard):
+    """The memory-lean mask (noise replayed, softmax recomputed in backward) has the value and
+    the logits gradient of plain autograd through ``soft_mask`` with the same noise."""
+    from lmcompress.methods.maskllm.masks import replayable_noise, soft_mask_replayed
+
+    candidates = candidate_patterns(2, 4)
+    logits = torch.randn(64, 6, generator=torch.Generator().manual_seed(1)) * 0.05
+    torch.manual_seed(3)
+    noise_fn = replayable_noise(source, logits.shape)
+    noise = noise_fn()
+    assert torch.equal(noise_fn(), noise)  # the replay is the same sample
+    weights = torch.randn(64, 4, generator=torch.Generator().manual_seed(2))
+
+    lean = logits.clone().requires_grad_(True)
+    value = soft_mask_replayed(lean, candidates, 1.5, 100.0, noise_fn, hard)
+    (value * weights).sum().backward()
+    plain = logits.clone().requires_grad_(True)
+    expected = soft_mask(plain, candidates, 1.5, 100.0, noise, hard=hard)
+    (expected * weights).sum().backward()
+    torch.testing.assert_close(value, expected.detach())
+    torch.testing.assert_close(lean.grad, plain.grad, rtol=1e-4, atol=1e-4)  # scale κ/τ ≈ 67
+    assert lean.grad.abs().sum() > 0

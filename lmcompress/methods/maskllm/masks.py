@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -68,7 +69,7 @@ def prior_logits(
 def gumbel_noise(shape: torch.Size | tuple[int, ...], generator=None, device=None) -> torch.Tensor:
     """Standard Gumbel samples ``−log(−log U)``, U ~ Uniform(0, 1)."""
     u = torch.rand(shape, generator=generator, device=device).clamp_(1e-10, 1.0 - 1e-7)
-    return -torch.log(-torch.log(u))
+    return u.log_().neg_().log_().neg_()  # in place: no temporaries of the noise's size
 
 
 class GumbelPool:
@@ -118,11 +119,14 @@ class GumbelPool:
         shape: torch.Size | tuple[int, ...],
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
+        offset: int | None = None,
     ) -> torch.Tensor:
-        """A fresh tensor of ``shape``: the pool's circular window at a random offset."""
+        """A fresh tensor of ``shape``: the pool's circular window at ``offset`` (by default a
+        random one from the global RNG; pass it to draw the same window again)."""
         device = torch.device("cpu") if device is None else torch.device(device)
         numel = math.prod(shape)
-        offset = int(torch.randint(self.size, ()))
+        if offset is None:
+            offset = int(torch.randint(self.size, ()))
         window = self._on(device, dtype)[offset : offset + self.size]
         out = torch.empty(numel, device=device, dtype=dtype)
         whole, rest = divmod(numel, self.size)
@@ -173,6 +177,70 @@ def soft_mask(
         return soft
     sampled = candidates[scores.detach().argmax(dim=-1)]  # (G, m)
     return sampled + (soft - soft.detach())
+
+
+def replayable_noise(
+    source: str,
+    shape: torch.Size | tuple[int, ...],
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Callable[[], torch.Tensor]:
+    """A function that returns the *same* Gumbel(0, 1) sample of ``shape`` each time it is
+    called: "exact" draws a seed from the global RNG and regenerates ``gumbel_noise`` from it,
+    "pool" draws a window offset of the shared :class:`GumbelPool`."""
+    if source == "exact":
+        seed = int(torch.randint(2**62, ()))
+
+        def exact() -> torch.Tensor:
+            generator = torch.Generator(device=device or "cpu").manual_seed(seed)
+            return gumbel_noise(shape, generator=generator, device=device).to(dtype)
+
+        return exact
+    if source == "pool":
+        pool = shared_gumbel_pool()
+        offset = int(torch.randint(pool.size, ()))
+        return lambda: pool.sample(shape, device=device, dtype=dtype, offset=offset)
+    raise ValueError(f"noise must be 'exact' or 'pool', got {source!r}")
+
+
+class _ReplayedSoftMask(torch.autograd.Function):
+    """:func:`soft_mask` (optionally straight-through) that keeps no (G, C) tensor between
+    forward and backward: the backward replays the noise and recomputes the softmax. Autograd
+    would otherwise hold the probabilities of every layer until the backward pass (636 MB for
+    SmolLM2-135M's 159M logits); the price is a second noise draw per step."""
+
+    @staticmethod
+    def forward(ctx, logits, candidates, tau, kappa, noise_fn, hard):  # noqa: ANN001
+        scores = logits * kappa + noise_fn()  # (G, C)
+        if hard:
+            out = candidates[scores.argmax(dim=-1)]
+        else:
+            out = torch.softmax(scores.div_(tau), dim=-1) @ candidates
+        ctx.save_for_backward(logits, candidates)
+        ctx.tau, ctx.kappa, ctx.noise_fn = tau, kappa, noise_fn
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001
+        logits, candidates = ctx.saved_tensors
+        p = torch.softmax((logits * ctx.kappa + ctx.noise_fn()).div_(ctx.tau), dim=-1)  # (G, C)
+        dp = grad @ candidates.T  # dL/dp, (G, C)
+        # softmax Jacobian-vector product: p ⊙ (dp − <p, dp>), then d scores / d logits = κ/τ
+        ds = p.mul_(dp - (p * dp).sum(dim=-1, keepdim=True)).mul_(ctx.kappa / ctx.tau)
+        return ds, None, None, None, None, None
+
+
+def soft_mask_replayed(
+    logits: torch.Tensor,
+    candidates: torch.Tensor,
+    tau: float,
+    kappa: float,
+    noise_fn: Callable[[], torch.Tensor],
+    hard: bool = False,
+) -> torch.Tensor:
+    """The same value and gradient as ``soft_mask(logits, candidates, tau, kappa, noise_fn(),
+    hard=hard)``, with less memory held for backward (see ``_ReplayedSoftMask``)."""
+    return _ReplayedSoftMask.apply(logits, candidates, tau, kappa, noise_fn, hard)
 
 
 def hard_mask(logits: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:

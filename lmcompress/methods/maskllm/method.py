@@ -136,6 +136,7 @@ class MaskLLM(PruningMethod):
         """``before_step(step)`` for the trainer: sets τ, κ and straight-through on every mask
         and logs them with the fraction of groups whose argmax changed since the last step."""
         config = self.config
+
         def argmax(mask: LearnableNMMask) -> torch.Tensor:  # small ints: 1 byte for 2:4
             small = torch.uint8 if mask.logits.shape[-1] <= 256 else torch.int32
             return mask.logits.detach().argmax(-1).to(small)

@@ -19,7 +19,9 @@ from lmcompress.methods.maskllm.masks import (
     gumbel_noise,
     hard_mask,
     pooled_gumbel_noise,
+    replayable_noise,
     soft_mask,
+    soft_mask_replayed,
 )
 
 NOISE_SOURCES = ("exact", "pool")
@@ -43,6 +45,9 @@ class LearnableNMMask(nn.Module):
         self.enabled = True  # False: the dense weight (a distillation teacher)
         self.noise: str = "exact"  # or "pool": the shared GumbelPool (see masks.GumbelPool)
         self.straight_through = False  # True: forward the sampled N:M pattern, soft gradient
+        # True: keep no (G, C) probabilities for backward, replay the noise instead (less
+        # memory, one more noise draw); False: plain autograd through ``soft_mask``.
+        self.recompute = True
 
     def sample_noise(self) -> torch.Tensor:
         """Gumbel(0, 1) noise shaped like the logits, from the ``noise`` source."""
@@ -58,6 +63,15 @@ class LearnableNMMask(nn.Module):
         sample, soft or (``straight_through``) hard in forward with the soft gradient."""
         if self.hard:
             groups = hard_mask(self.logits, self.candidates)
+        elif self.recompute:
+            if self.noise not in NOISE_SOURCES:
+                raise ValueError(f"noise must be one of {NOISE_SOURCES}, got {self.noise!r}")
+            noise_fn = replayable_noise(
+                self.noise, self.logits.shape, self.logits.device, self.logits.dtype
+            )
+            groups = soft_mask_replayed(
+                self.logits, self.candidates, self.tau, self.kappa, noise_fn, self.straight_through
+            )
         else:
             groups = soft_mask(
                 self.logits,
