@@ -84,3 +84,25 @@ def test_pooled_noise_mask_is_soft_and_reproducible_under_manual_seed():
     mask.noise = "fast"
     with pytest.raises(ValueError, match="noise must be one of"):
         mask.mask()
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_soft_mask_at_small_tau_has_no_subnormal_entries(recompute):
+    """At τ → 0 the softmax underflows into subnormal floats, which make CPU GEMMs ~90x
+    slower: the masked weight must hold none (entries below MASK_FLOOR become exact zeros)."""
+    from lmcompress.methods.maskllm.masks import MASK_FLOOR
+    from lmcompress.methods.maskllm.parametrization import LearnableNMMask
+
+    logits = torch.randn(96 * 64 // 4, 6, generator=torch.Generator().manual_seed(0)) * 0.05
+    mask = LearnableNMMask(logits, 2, 4, (96, 64))
+    mask.recompute, mask.tau, mask.kappa = recompute, 0.05, 500.0
+    torch.manual_seed(0)
+    weight = torch.randn(96, 64)
+    masked = mask(weight)
+    tiny = torch.finfo(torch.float32).tiny  # the smallest normal float32
+    nonzero = masked[masked != 0].abs()
+    assert nonzero.numel() > 0 and nonzero.min() >= tiny
+    values = mask.mask()
+    assert torch.all((values == 0) | (values >= MASK_FLOOR))
+    masked.sum().backward()
+    assert torch.isfinite(mask.logits.grad).all()

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lmcompress.methods.maskllm.masks import (
+    MASK_FLOOR,
     candidate_patterns,
     gumbel_noise,
     hard_mask,
@@ -81,6 +82,7 @@ class LearnableNMMask(nn.Module):
                 self.sample_noise(),
                 hard=self.straight_through,
             )
+            groups = groups.masked_fill(groups < MASK_FLOOR, 0.0)  # no subnormal weights
         return groups.reshape(self.shape)
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
