@@ -72,6 +72,12 @@ log = logging.getLogger("maskllm")
 # name -> {"args": extra compress-model flags, "note": what it tests}. Edit freely: any flag the
 # CLI accepts may appear; --steps / --lr / ... belong here, not in the common args.
 # fmt: off
+# Block-wise learning + SparseGPT re-fit; each configuration adds its --steps (per block).
+BLOCKWISE_REFIT = [
+    "--batch-size", "4", "--lr", "1e-3", "--tau", "4", "0.05", "--kappa", "100", "500",
+    "--prior", "sparsegpt", "--prior-strength", "3", "--weight-reg", "1e-5",
+    "--blockwise", "--refit", "sparsegpt", "--eval-windows", "2",
+]
 CONFIGS: dict[str, dict[str, Any]] = {
     "paper": {
         "args": [
@@ -88,12 +94,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
                 "(2e-3 diverged in the prototype)",
     },
     "blockwise-refit": {
-        "args": [
-            "--steps", "40", "--batch-size", "4", "--lr", "1e-3",
-            "--tau", "4", "0.05", "--kappa", "100", "500",
-            "--prior", "sparsegpt", "--prior-strength", "3", "--weight-reg", "1e-5",
-            "--blockwise", "--refit", "sparsegpt", "--eval-windows", "2",
-        ],
+        "args": ["--steps", "40", *BLOCKWISE_REFIT],
         "note": "beyond the paper: masks learned block by block (40 steps of 4 windows per "
                 "block) to match the dense model's block outputs, prior from SparseGPT on the "
                 "compressed inputs, then the kept weights re-fitted with SparseGPT's OBS "
@@ -101,12 +102,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
                 "the block loss here, i.e. effectively off",
     },
     "blockwise-refit-20": {
-        "args": [
-            "--steps", "20", "--batch-size", "4", "--lr", "1e-3",
-            "--tau", "4", "0.05", "--kappa", "100", "500",
-            "--prior", "sparsegpt", "--prior-strength", "3", "--weight-reg", "1e-5",
-            "--blockwise", "--refit", "sparsegpt", "--eval-windows", "2",
-        ],
+        "args": ["--steps", "20", *BLOCKWISE_REFIT],
         "note": "blockwise-refit with half the steps per block (a second point of the "
                 "ppl-vs-steps curve)",
     },
