@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from lmcompress.api import compress
+from lmcompress.compressor import distributed
 from lmcompress.compressor.config import MethodConfig
 from lmcompress.compressor.export import check_output_dir, save_compressed
 from lmcompress.compressor.families import family_of
@@ -107,9 +108,15 @@ def run(options: RunOptions, config: MethodConfig) -> dict[str, Any]:
         calib = calibration_windows(calib_ids, options.nsamples, options.seq_len, options.seed)
 
     results: dict[str, Any] = {"options": asdict(options), "checkpoint": options.checkpoint}
-    if not options.skip_dense:
+    # Under ``accelerate launch`` every process compresses (a learned method trains on its
+    # share of the data); only the main one evaluates and writes the outputs.
+    main = distributed.is_main_process()
+    if not options.skip_dense and main:
         results["dense"] = evaluate(model, tokenizer, corpora, options)
     report, stats = compress(model, config, calib, return_stats=True)
+    if not main:
+        results.update(report=report, compressed={}, seconds=time.perf_counter() - start)
+        return results
     results["compressed"] = evaluate(model, tokenizer, corpora, options)
     if options.lm_eval_tasks:
         from lmcompress.evaluation.lm_eval_adapter import run_lm_eval

@@ -49,6 +49,7 @@ def _load_recipe(path: str) -> dict[str, Any]:
 
 def _compress(argv: Sequence[str]) -> int:
     from lmcompress.cli.flags import add_dataclass_flags
+    from lmcompress.compressor import distributed
     from lmcompress.methods import get_method
     from lmcompress.pipeline import RunOptions, run
 
@@ -90,7 +91,8 @@ def _compress(argv: Sequence[str]) -> int:
     options = RunOptions(**{k: merged[k] for k in (*run_fields, "checkpoint") if k in merged})
     config = config_class.from_dict({k: merged[k] for k in method_fields if k in merged})
     results = run(options, config)
-    _print_summary(results)
+    if distributed.is_main_process():  # one summary, not one per process
+        _print_summary(results)
     return 0
 
 

@@ -7,7 +7,10 @@ exactly the result of an uninterrupted one: the parameters, the optimiser moment
 the data order and the RNG state are saved (as safetensors + JSON; nothing is pickled).
 
 Runs under ``accelerate`` (``accelerate launch --cpu --num_processes 2 ...``): each process
-takes every ``world_size``-th window of a batch and gradients are averaged across processes.
+takes every ``world_size``-th window of a batch and gradients are averaged across processes,
+by the trainer (data parallel) or by FSDP when the parameters are sharded ``DTensor`` s (see
+``compressor.distributed``); checkpoints then hold the whole tensors, gathered from all
+processes, so a run resumes with any number of processes.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
+from lmcompress.compressor import memory
+from lmcompress.compressor.distributed import barrier, full_tensor, is_sharded, shard_like
 from lmcompress.errors import ConfigError, LmcompressError
 
 logger = logging.getLogger(__name__)
@@ -50,6 +55,9 @@ class TrainConfig:
     bf16: bool = False
     seed: int = 0
     checkpoint_every: int = 0  # 0: no checkpoints
+    # > 0: glibc serves allocations of at least this many bytes with mmap during training, so
+    # freed step temporaries go back to the system (see compressor.memory); 0: malloc's default
+    mmap_threshold: int = 0
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum"):
@@ -57,7 +65,7 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ConfigError(f"lr must be positive, got {self.lr}")
-        for name in ("warmup_steps", "eval_every", "checkpoint_every"):
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "mmap_threshold"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -134,25 +142,29 @@ class Trainer:
     # --- checkpoints ----------------------------------------------------------------------
 
     def save_checkpoint(self) -> None:
-        """Write the whole training state atomically into ``checkpoint_dir/trainer_state``."""
-        if self.checkpoint_dir is None or not self._is_main():
+        """Write the whole training state atomically into ``checkpoint_dir/trainer_state``.
+        Every process must call it (sharded tensors are gathered); the main one writes."""
+        if self.checkpoint_dir is None:
             return
-        target = self.checkpoint_dir / CHECKPOINT
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".trainer-", dir=target.parent))
-        tensors = {f"param.{k}": v.detach().cpu().contiguous() for k, v in self.params.items()}
+        tensors = {f"param.{k}": full_tensor(v.detach()) for k, v in self.params.items()}
         opt = self.optimizer.state_dict()
         names = list(self.params)
         for index, moments in opt["state"].items():
             for key, value in moments.items():
-                tensors[f"opt.{names[index]}.{key}"] = value.detach().cpu().contiguous()
-        tensors["rng.torch"] = torch.get_rng_state()
-        save_file(tensors, str(tmp / "state.safetensors"))
-        meta = {"state": asdict(self.state), "config": asdict(self.config)}
-        (tmp / "state.json").write_text(json.dumps(meta))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
+                tensors[f"opt.{names[index]}.{key}"] = full_tensor(value.detach())
+        if self._is_main():
+            tensors = {k: v.cpu().contiguous() for k, v in tensors.items()}
+            tensors["rng.torch"] = torch.get_rng_state()
+            target = self.checkpoint_dir / CHECKPOINT
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".trainer-", dir=target.parent))
+            save_file(tensors, str(tmp / "state.safetensors"))
+            meta = {"state": asdict(self.state), "config": asdict(self.config)}
+            (tmp / "state.json").write_text(json.dumps(meta))
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        barrier()  # no process reads or rewrites the checkpoint before it is complete
 
     def load_checkpoint(self) -> bool:
         """Restore the state saved by :meth:`save_checkpoint`; False if there is none."""
@@ -169,12 +181,17 @@ class Trainer:
         tensors = load_file(str(source / "state.safetensors"))
         with torch.no_grad():
             for name, param in self.params.items():
-                param.copy_(tensors[f"param.{name}"])
+                param.copy_(shard_like(tensors[f"param.{name}"].to(param.device), param))
         opt = self.optimizer.state_dict()
-        for index, name in enumerate(self.params):
+        for index, (name, param) in enumerate(self.params.items()):
             keys = [k for k in tensors if k.startswith(f"opt.{name}.")]
-            if keys:
-                opt["state"][index] = {k.rsplit(".", 1)[1]: tensors[k] for k in keys}
+            if keys:  # moments shaped like the parameter are sharded like it ("step" is not)
+                opt["state"][index] = {
+                    k.rsplit(".", 1)[1]: shard_like(tensors[k].to(param.device), param)
+                    if tensors[k].shape == param.shape
+                    else tensors[k]
+                    for k in keys
+                }
         self.optimizer.load_state_dict(opt)
         torch.set_rng_state(tensors["rng.torch"])
         self.state = TrainState(**meta["state"])
@@ -194,6 +211,8 @@ class Trainer:
         config = self.config
         if resume:
             self.load_checkpoint()
+        if config.mmap_threshold:
+            memory.set_mmap_threshold(config.mmap_threshold)
         world = self.accelerator.num_processes if self.accelerator else 1
         rank = self.accelerator.process_index if self.accelerator else 0
         device = next(self.model.parameters()).device
@@ -238,7 +257,7 @@ class Trainer:
                 step=self.state.step,
                 loss=total,
                 lr=lr,
-                grad_norm=float(norm),
+                grad_norm=float(full_tensor(norm)),
                 seconds=time.perf_counter() - start,
             )
             self.state.history.append(logs)
@@ -255,12 +274,13 @@ class Trainer:
         return self.state
 
     def _all_reduce_grads(self) -> None:
-        """Average gradients over processes (the parameters live outside any DDP wrapper)."""
+        """Average gradients over processes (data parallel: the parameters live outside any DDP
+        wrapper; FSDP has already reduce-scattered the gradients of sharded parameters)."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
             return
         for param in self.params.values():
-            if param.grad is not None:
+            if param.grad is not None and not is_sharded(param):
                 dist.all_reduce(param.grad)
                 param.grad /= dist.get_world_size()

@@ -227,3 +227,20 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(
     assert errors[0].startswith("compress-model: error:") and message in errors[0], errors[0]
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no temp dirs either
+
+
+def test_a_non_main_process_compresses_but_neither_evaluates_nor_writes(
+    tiny_checkpoint, corpus, tmp_path, monkeypatch, capsys
+):
+    """Under ``accelerate launch`` only rank 0 evaluates, prints and writes the outputs."""
+    import lmcompress.pipeline as pipeline
+
+    def no_evaluation(*_args, **_kwargs):
+        raise AssertionError("a non-main process evaluated")
+
+    monkeypatch.setattr(pipeline, "evaluate", no_evaluation)
+    monkeypatch.setenv("RANK", "1")
+    out = tmp_path / "out"
+    assert main(_job(tiny_checkpoint, corpus, out, "--sparsity", "2:4", "-q")) == 0
+    assert not out.exists()
+    assert capsys.readouterr().out == ""

@@ -45,6 +45,14 @@ class MaskLLMConfig(PruningConfig):
     checkpoint_every: int = field(default=0, metadata={"help": "checkpoint every N steps"})
     resume: bool = field(default=False, metadata={"help": "continue from checkpoint_dir"})
     train_seed: int = field(default=0, metadata={"help": "seed of data order, init and noise"})
+    fsdp: bool = field(
+        default=False,
+        metadata={
+            "help": "under accelerate launch with several processes: shard the mask logits, "
+            "their gradients and AdamW moments over the processes (FSDP2) instead of "
+            "replicating them (data parallel)"
+        },
+    )
     # --- beyond the paper (off by default: the defaults above are the paper's method) ---
     blockwise: bool = field(
         default=False,
@@ -91,6 +99,8 @@ class MaskLLMConfig(PruningConfig):
             )
         if self.blockwise and (self.checkpoint_dir or self.resume):
             raise ConfigError("--blockwise runs do not checkpoint: drop --checkpoint-dir/--resume")
+        if self.blockwise and self.fsdp:
+            raise ConfigError("--fsdp is for end-to-end training; --blockwise runs one process")
         if self.blockwise and self.distill:
             raise ConfigError(
                 "--distill is for end-to-end training; --blockwise already matches the dense "

@@ -11,7 +11,6 @@ loss (~3).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from transformers.pytorch_utils import Conv1D
 
+from lmcompress.compressor import distributed, memory
 from lmcompress.compressor.config import Sparsity
 from lmcompress.compressor.export import STATS
 from lmcompress.compressor.layerwise import compress_layerwise
@@ -48,16 +48,6 @@ from lmcompress.methods.sparsegpt.solver import HessianAccumulator, sparsegpt_pr
 from lmcompress.methods.wanda.scores import wanda_mask
 
 logger = logging.getLogger(__name__)
-
-
-def _accelerator(model: nn.Module):
-    """An ``accelerate.Accelerator`` when launched on several processes (``accelerate launch``),
-    else None. The trainer averages the logits' gradients across processes."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
-    from accelerate import Accelerator
-
-    return Accelerator(cpu=next(model.parameters()).device.type == "cpu")
 
 
 class MaskLLM(PruningMethod):
@@ -139,7 +129,8 @@ class MaskLLM(PruningMethod):
 
         def argmax(mask: LearnableNMMask) -> torch.Tensor:  # small ints: 1 byte for 2:4
             small = torch.uint8 if mask.logits.shape[-1] <= 256 else torch.int32
-            return mask.logits.detach().argmax(-1).to(small)
+            # this process's groups only, under FSDP (the counts are summed over processes)
+            return distributed.local_tensor(mask.logits.detach()).argmax(-1).to(small)
 
         last_argmax = {n: argmax(m) for n, m in masks.items()}
 
@@ -156,11 +147,15 @@ class MaskLLM(PruningMethod):
                 flipped += int((current != last_argmax[name]).sum())
                 groups += current.numel()
                 last_argmax[name] = current
+            if any(distributed.is_sharded(m.logits) for m in masks.values()):
+                flipped, groups = distributed.all_reduce_sum([flipped, groups])
             return {"tau": tau, "kappa": kappa, "flipped": flipped / max(groups, 1)}
 
         return before_step
 
-    def _train_config(self, steps: int, batch_size: int, seed: int) -> TrainConfig:
+    def _train_config(
+        self, steps: int, batch_size: int, seed: int, mmap_threshold: int = 0
+    ) -> TrainConfig:
         config = self.config
         return TrainConfig(
             steps=steps,
@@ -170,6 +165,7 @@ class MaskLLM(PruningMethod):
             eval_every=config.eval_every,
             seed=seed,
             checkpoint_every=config.checkpoint_every,
+            mmap_threshold=mmap_threshold,
         )
 
     def _eval_hard(self, model: nn.Module, eval_data: torch.Tensor | None, masks=()) -> dict:
@@ -214,6 +210,12 @@ class MaskLLM(PruningMethod):
             param.requires_grad_(False)
         for mask in masks.values():
             mask.logits.requires_grad_(True)
+        device = next(model.parameters()).device
+        accelerator = distributed.accelerator(device)  # joins the processes, if several
+        if config.fsdp and accelerator is not None:  # each process keeps 1/world of the logits
+            distributed.shard_modules(masks.values(), device)
+        elif config.fsdp:
+            logger.info("fsdp: a single process, nothing to shard")
         total_mass = sum(float(weight_matrix(m).detach().square().sum()) for m in layers.values())
 
         def loss_fn(model: nn.Module, ids: torch.Tensor, step: int):
@@ -246,14 +248,16 @@ class MaskLLM(PruningMethod):
         trainer = Trainer(
             model,
             {n: m.logits for n, m in masks.items()},
-            self._train_config(config.steps, config.batch_size, config.train_seed),
+            # 1 MiB: every soft mask, gradient and AdamW moment of the whole model is live at once,
+            # and the heap would otherwise keep ~1 GB of freed step temporaries (compressor.memory)
+            self._train_config(config.steps, config.batch_size, config.train_seed, 1 << 20),
             loss_fn,
             before_step=self._schedules(masks, config.steps),
             evaluate=(lambda _step: self._eval_hard(model, eval_data, masks.values()))
             if eval_data is not None
             else None,
             checkpoint_dir=config.checkpoint_dir,
-            accelerator=_accelerator(model),
+            accelerator=accelerator,
         )
         torch.manual_seed(config.train_seed)  # the Gumbel noise comes from the global RNG
         prior_eval = self._eval_hard(model, eval_data, masks.values())
@@ -261,7 +265,11 @@ class MaskLLM(PruningMethod):
         state = trainer.fit(train_data, resume=config.resume)
         if state.step < config.steps:
             raise LmcompressError(f"training stopped at step {state.step} of {config.steps}")
-        logits = {n: m.logits.detach().clone() for n, m in masks.items()}
+        del trainer  # the AdamW moments: 2x the logits, no longer needed
+        memory.release_free_memory()
+        # the whole logits (gathered under FSDP); the parametrizations, which hold the
+        # trained ones, are removed in ``apply``, so no copy is needed
+        logits = {n: distributed.full_tensor(m.logits.detach()) for n, m in masks.items()}
         meta = {"history": state.history, "evals": state.evals, "step0": prior_eval}
         if config.refit != "none":
             for module in layers.values():  # back to the original dense weights
