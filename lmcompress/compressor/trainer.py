@@ -211,8 +211,9 @@ class Trainer:
         config = self.config
         if resume:
             self.load_checkpoint()
-        if config.mmap_threshold:
+        if config.mmap_threshold:  # and return what earlier work (a prior, loading) left free
             memory.set_mmap_threshold(config.mmap_threshold)
+            memory.release_free_memory()
         world = self.accelerator.num_processes if self.accelerator else 1
         rank = self.accelerator.process_index if self.accelerator else 0
         device = next(self.model.parameters()).device
