@@ -21,7 +21,6 @@ the processes (``Accelerator``); the sharding is torch's FSDP2, not a layer of o
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable
 
 import torch
@@ -30,14 +29,24 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
+def _rank_and_world() -> tuple[int, int]:
+    """From torchrun's ``RANK``/``WORLD_SIZE`` (``accelerate launch --multi_gpu``) or, before
+    accelerate has copied them there, from MPI's (``accelerate launch --cpu --num_processes N
+    --mpirun_hostfile FILE`` runs ``mpirun``): accelerate's own reading of the environment."""
+    from accelerate.utils import get_cpu_distributed_information
+
+    info = get_cpu_distributed_information()
+    return info.rank, info.world_size
+
+
 def world_size() -> int:
-    """Processes in this run (``WORLD_SIZE`` as set by ``accelerate launch`` / torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """Processes in this run (1 unless started by ``accelerate launch`` on several)."""
+    return _rank_and_world()[1]
 
 
 def is_main_process() -> bool:
     """Rank 0, or the only process (the one that evaluates, prints and writes the outputs)."""
-    return int(os.environ.get("RANK", "0")) == 0
+    return _rank_and_world()[0] == 0
 
 
 def accelerator(device: torch.device):

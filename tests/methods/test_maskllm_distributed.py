@@ -3,11 +3,14 @@
 moments sharded by FSDP2).
 
 accelerate 1.15's ``launch --cpu --num_processes 2`` starts ONE process unless an MPI hostfile
-is given; on a machine without GPUs, ``--multi_gpu --num_processes 2`` starts two through
-torchrun and ``Accelerator(cpu=True)`` joins them with the gloo backend. The tests use that.
+is given (then it runs ``mpirun``); on a machine without GPUs, ``--multi_gpu --num_processes 2``
+starts two through torchrun and ``Accelerator(cpu=True)`` joins them with the gloo backend. The
+tests use torchrun, and ``mpirun`` where MPI is installed (e.g. Debian's ``openmpi-bin``).
 """
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -57,19 +60,30 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _launch(tmp_path: Path, name: str, **options) -> tuple[list[dict], list[dict], str]:
-    """Run the script on two processes; per rank: its logits and its json record; stderr."""
+def _launch(
+    tmp_path: Path, name: str, mpi: bool = False, **options
+) -> tuple[list[dict], list[dict], str]:
+    """Run the script on two processes (torchrun, or ``mpirun``: ``mpi``); per rank: its logits
+    and its json record; stderr."""
     out = tmp_path / name
     out.mkdir()
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.format(tests=str(Path(__file__).resolve().parent.parent)))
     accelerate = Path(sys.executable).parent / "accelerate"
+    env = dict(os.environ)
+    if mpi:
+        hostfile = tmp_path / "hostfile"
+        hostfile.write_text("localhost slots=2\n")
+        mode = ["--cpu", "--mpirun_hostfile", str(hostfile)]
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")  # containers
+    else:
+        mode = ["--multi_gpu"]
     command = [
-        str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        str(accelerate), "launch", *mode, "--num_processes", "2", "--num_machines", "1",
         "--mixed_precision", "no", "--dynamo_backend", "no",
         str(script), json.dumps(options), str(out),
     ]  # fmt: skip
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     tensors = [load_file(out / f"rank{r}.safetensors") for r in (0, 1)]
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -130,3 +144,15 @@ def test_fsdp_checkpoint_resumes_to_the_uninterrupted_result(tmp_path, data_para
     assert [h["step"] for h in records[0]["history"]] == [1, 2, 3, 4]
     for key, logits in reference[0].items():
         torch.testing.assert_close(ranks[0][key], logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs MPI (mpirun)")
+def test_cpu_launch_through_mpirun_trains_the_same_fsdp_run(tmp_path, data_parallel):
+    """``accelerate launch --cpu --num_processes 2 --mpirun_hostfile H``: the ranks come from
+    MPI's environment (OMPI_COMM_WORLD_*), not torchrun's."""
+    reference, _, _ = data_parallel
+    ranks, records, _ = _launch(tmp_path, "mpi", mpi=True, fsdp=True)
+    assert all(r["local"]["numel"] * 2 == r["local"]["total"] for r in records)
+    for r in (0, 1):
+        for key, logits in reference[0].items():
+            torch.testing.assert_close(ranks[r][key], logits, rtol=1e-4, atol=1e-5)
