@@ -45,6 +45,14 @@ def test_trains_and_ends_exactly_nm(sparsity, model_type):
     assert all(p.requires_grad for p in model.parameters())  # unfrozen again afterwards
 
 
+def test_fsdp_in_a_single_process_trains_exactly_as_without():
+    config = dict(sparsity="2:4", steps=3, lr=0.05, batch_size=2, prior="magnitude")
+    _, _, plain = _run(MaskLLMConfig(**config))
+    _, _, flagged = _run(MaskLLMConfig(**config, fsdp=True))  # nothing to shard: logged, ignored
+    assert plain.tensors.keys() == flagged.tensors.keys()
+    assert all(torch.equal(plain.tensors[k], flagged.tensors[k]) for k in plain.tensors)
+
+
 def test_without_learning_the_mask_is_the_sparsegpt_prior():
     from conftest import make_tiny_model
 
@@ -110,6 +118,7 @@ def test_export_round_trip_and_transfer(tmp_path):
         ({"straight_through_from": 1.5}, "straight_through_from"),
         ({"blockwise": True, "checkpoint_dir": "x", "resume": True}, "do not checkpoint"),
         ({"blockwise": True, "distill": True}, "distill"),
+        ({"blockwise": True, "fsdp": True}, "fsdp"),
     ],
 )
 def test_bad_options(options, message):
