@@ -2,6 +2,7 @@
 data parallel, two processes FSDP (``--fsdp``), all under ``accelerate launch``.
 
     python benchmarks/maskllm_fsdp.py            # the three runs -> results/maskllm_fsdp.{json,md}
+    python benchmarks/maskllm_fsdp.py --render-only   # rewrite the md from the json
 
 Each run trains the 2:4 mask logits of every decoder linear for ``--steps`` steps of
 ``--batch-size`` windows of 512 tokens (split over the processes) from the magnitude prior (the
@@ -121,17 +122,24 @@ def launch(name: str, processes: int, options: dict, args: argparse.Namespace) -
 
 
 def table(rows: list[dict], settings: dict) -> str:
-    header = ["run", "peak RSS MB per process", "mask logits held per process", "train s",
-              "loss per step", "Σ|logits| (same training?)"]  # fmt: skip
+    header = [
+        "run",
+        "peak RSS MB per process",
+        "mask logits held per process",
+        "train s",
+        "loss per step (mean over processes)",
+        "sum of abs(logits) (same training?)",
+    ]
     body = []
     for row in rows:
         ranks = row["ranks"]
+        losses = zip(*(r["losses"] for r in ranks), strict=True)  # per step, over processes
         body.append([
             row["name"],
             " / ".join(f"{r['peak_rss_mb']:.0f}" for r in ranks),
             " / ".join(f"{r['logits_held']:,}" for r in ranks),
             f"{max(r['seconds'] for r in ranks):.0f}",
-            " ".join(f"{v:.3f}" for v in ranks[0]["losses"]),
+            " ".join(f"{sum(v) / len(v):.3f}" for v in losses),
             f"{ranks[0]['logits_abs_sum']:.6g}",
         ])  # fmt: skip
     intro = (
@@ -154,7 +162,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=2, help="windows per step, in all")
     parser.add_argument("--results-dir", default=str(HERE / "results"))
+    parser.add_argument("--render-only", action="store_true", help="rewrite the md from the json")
     args = parser.parse_args()
+    stem = Path(args.results_dir) / "maskllm_fsdp"
+    if args.render_only:
+        payload = json.loads(stem.with_suffix(".json").read_text())
+        stem.with_suffix(".md").write_text(table(payload["runs"], payload["settings"]))
+        return 0
     if args.child:
         child(json.loads(args.child[0]), Path(args.child[1]))
         return 0
@@ -166,7 +180,7 @@ def main() -> int:
         print(json.dumps(rows[-1]), flush=True)
     payload = {"settings": settings, "machine": machine(), "runs": rows,
                "finished": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
-    write_results(Path(args.results_dir) / "maskllm_fsdp", payload, table(rows, settings))
+    write_results(stem, payload, table(rows, settings))
     print(table(rows, settings))
     return 0
 
