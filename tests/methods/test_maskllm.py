@@ -53,6 +53,19 @@ def test_fsdp_in_a_single_process_trains_exactly_as_without():
     assert all(torch.equal(plain.tensors[k], flagged.tensors[k]) for k in plain.tensors)
 
 
+def test_bf16_autocast_trains_close_to_fp32():
+    config = dict(sparsity="2:4", steps=4, lr=0.05, batch_size=2, prior="magnitude")
+    _, fp32, _ = _run(MaskLLMConfig(**config))
+    model, bf16, stats = _run(MaskLLMConfig(**config, bf16=True))
+    ours = [h["loss"] for h in bf16.extra["loss_curve"]]
+    theirs = [h["loss"] for h in fp32.extra["loss_curve"]]
+    assert ours != theirs  # autocast was on
+    assert ours == pytest.approx(theirs, rel=1e-2)
+    assert all(t.dtype == torch.float32 for t in stats.tensors.values())  # fp32 logits
+    for keep in _masks(model).values():
+        assert torch.all(keep.reshape(-1, 4).sum(1) == 2)
+
+
 def test_without_learning_the_mask_is_the_sparsegpt_prior():
     from conftest import make_tiny_model
 

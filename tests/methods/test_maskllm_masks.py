@@ -218,3 +218,28 @@ def test_replayed_soft_mask_matches_autograd(source, hard):
     torch.testing.assert_close(value, expected.detach())
     torch.testing.assert_close(lean.grad, plain.grad, rtol=1e-4, atol=1e-4)  # scale κ/τ ≈ 67
     assert lean.grad.abs().sum() > 0
+
+
+def test_replayed_soft_mask_stays_fp32_under_bf16_autocast():
+    """Under autocast the mask is computed in the logits' dtype (a bf16 matmul would round it)
+    and the backward takes a bf16 upstream gradient (from bf16 layers) without a dtype error."""
+    from lmcompress.methods.maskllm.masks import replayable_noise, soft_mask_replayed
+
+    candidates = candidate_patterns(2, 4)
+    logits = torch.randn(64, 6, generator=torch.Generator().manual_seed(1)) * 0.05
+    torch.manual_seed(3)
+    noise_fn = replayable_noise("exact", logits.shape)
+    reference = logits.clone().requires_grad_(True)
+    expected = soft_mask_replayed(reference, candidates, 1.5, 100.0, noise_fn)
+    upstream = torch.randn(64, 4, generator=torch.Generator().manual_seed(2))
+    upstream = upstream.to(torch.bfloat16)  # what bf16 layers send back
+    (expected * upstream.float()).sum().backward()
+
+    lean = logits.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        value = soft_mask_replayed(lean, candidates, 1.5, 100.0, noise_fn)
+    assert value.dtype == torch.float32
+    torch.testing.assert_close(value, expected.detach(), rtol=0, atol=0)
+    value.backward(upstream)
+    assert lean.grad.dtype == torch.float32
+    torch.testing.assert_close(lean.grad, reference.grad, rtol=1e-5, atol=1e-5)

@@ -45,6 +45,11 @@ class MaskLLMConfig(PruningConfig):
     checkpoint_every: int = field(default=0, metadata={"help": "checkpoint every N steps"})
     resume: bool = field(default=False, metadata={"help": "continue from checkpoint_dir"})
     train_seed: int = field(default=0, metadata={"help": "seed of data order, init and noise"})
+    warmup_steps: int = field(default=0, metadata={"help": "linear lr warmup before the cosine"})
+    bf16: bool = field(
+        default=False,
+        metadata={"help": "bf16 autocast in forward/backward (logits and AdamW stay fp32)"},
+    )
     fsdp: bool = field(
         default=False,
         metadata={

@@ -220,12 +220,15 @@ class _ReplayedSoftMask(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, candidates, tau, kappa, noise_fn, hard):  # noqa: ANN001
-        scores = logits * kappa + noise_fn()  # (G, C)
-        if hard:
-            out = candidates[scores.argmax(dim=-1)]
-        else:
-            out = torch.softmax(scores.div_(tau), dim=-1) @ candidates
-            out.masked_fill_(out < MASK_FLOOR, 0.0)  # no subnormal weights (see MASK_FLOOR)
+        # in the logits' dtype even under autocast (a bf16 ``@`` would round the mask, and the
+        # backward below works in the logits' dtype)
+        with torch.autocast(logits.device.type, enabled=False):
+            scores = logits * kappa + noise_fn()  # (G, C)
+            if hard:
+                out = candidates[scores.argmax(dim=-1)]
+            else:
+                out = torch.softmax(scores.div_(tau), dim=-1) @ candidates
+                out.masked_fill_(out < MASK_FLOOR, 0.0)  # no subnormal weights (see MASK_FLOOR)
         ctx.save_for_backward(logits, candidates)
         ctx.tau, ctx.kappa, ctx.noise_fn = tau, kappa, noise_fn
         return out
@@ -233,6 +236,7 @@ class _ReplayedSoftMask(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001
         logits, candidates = ctx.saved_tensors
+        grad = grad.to(logits.dtype)
         p = torch.softmax((logits * ctx.kappa + ctx.noise_fn()).div_(ctx.tau), dim=-1)  # (G, C)
         dp = grad @ candidates.T  # dL/dp, (G, C)
         # softmax Jacobian-vector product: p ⊙ (dp − <p, dp>), then d scores / d logits = κ/τ

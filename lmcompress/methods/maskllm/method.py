@@ -165,6 +165,8 @@ class MaskLLM(PruningMethod):
             eval_every=config.eval_every,
             seed=seed,
             checkpoint_every=config.checkpoint_every,
+            warmup_steps=config.warmup_steps,
+            bf16=config.bf16,
             mmap_threshold=mmap_threshold,
         )
 
