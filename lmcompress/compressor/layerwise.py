@@ -136,7 +136,7 @@ def compress_layerwise(
     data: torch.Tensor,
     layers: dict[str, nn.Module],
     make_accumulator: Callable[[str, nn.Module], Accumulator],
-    compress_layer: Callable[[str, nn.Module, Accumulator], LayerReport],
+    compress_layer: Callable[[str, nn.Module, Accumulator], LayerReport] | None = None,
     device: str | torch.device = "cpu",
     batch_size: int = 8,
     progress: bool = True,
@@ -147,9 +147,11 @@ def compress_layerwise(
     ``make_accumulator(name, module)`` builds each layer's statistics; after the block has seen
     every batch, ``compress_layer(name, module, accumulator)`` compresses the layer in place and
     reports. With ``compress_block``, that call replaces the per-layer one and gets the whole
-    block, its batches and every accumulator (block-wise training, e.g. MaskLLM's block mode);
-    ``compress_layer`` is then unused. Layers outside the decoder blocks are not supported here.
+    block, its batches and every accumulator (block-wise training, e.g. MaskLLM's block mode):
+    give exactly one of the two. Layers outside the decoder blocks are not supported here.
     """
+    if (compress_layer is None) == (compress_block is None):
+        raise ValueError("give exactly one of compress_layer and compress_block")
     start = time.perf_counter()
     device = torch.device(device)
     prefix = family_of(model).blocks

@@ -120,3 +120,22 @@ def test_model_is_left_in_its_mode_and_place():
     )
     assert model.training
     assert {p.device.type for p in model.parameters()} == {"cpu"}
+
+
+def test_exactly_one_of_the_layer_and_block_callbacks():
+    from conftest import make_tiny_model
+
+    model = make_tiny_model("llama")
+    layers = LayerSelection().select(model)
+    with pytest.raises(ValueError, match="exactly one"):
+        compress_layerwise(model, _data(), layers, lambda *_: None, progress=False)
+    with pytest.raises(ValueError, match="exactly one"):
+        compress_layerwise(
+            model,
+            _data(),
+            layers,
+            lambda *_: None,
+            compress_layer=lambda *_: None,
+            compress_block=lambda *_: [],
+            progress=False,
+        )

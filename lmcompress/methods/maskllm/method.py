@@ -438,7 +438,6 @@ class MaskLLM(PruningMethod):
             train_data,
             layers,
             make_accumulator=self._hessian,
-            compress_layer=lambda *_: None,
             device=self.device or next(model.parameters()).device,
             batch_size=config.batch_size,
             compress_block=compress_block,
