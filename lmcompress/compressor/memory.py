@@ -4,11 +4,12 @@ A training step allocates and frees thousands of tensors of 0.1-10 MB (soft mask
 activations). glibc serves allocations below its mmap threshold from the heap, and that
 threshold rises by itself (up to 32 MB) each time a larger mmapped block is freed, so after the
 first steps nearly every tensor comes from the heap; freed heap memory is kept for reuse and,
-fragmented, is rarely returned. Measured with ``benchmarks/rss_profile.py`` on SmolLM2-135M, MaskLLM end to end (3 steps, magnitude
-prior): peak RSS 5723 MiB against ~4.6 GB of live tensors, and 5449 MiB still resident at the
-final evaluation with 1126 MiB of live tensors. With a fixed 1 MiB threshold: peak 4788 MiB and
-2191 MiB at the evaluation, for ~20 % longer steps (fresh pages are zeroed by the kernel). The
-paper-recipe benchmark (100 steps, SparseGPT prior): peak 6261 -> 4856 MiB, 1613 -> 1986 s.
+fragmented, is rarely returned. Measured with ``benchmarks/rss_profile.py`` on SmolLM2-135M,
+MaskLLM end to end (3 steps, magnitude prior): peak RSS 5723 MiB against ~4.6 GB of live
+tensors, and 5449 MiB still resident at the final evaluation with 1126 MiB of live tensors. With
+a fixed 1 MiB threshold: peak 4788 MiB and 2191 MiB at the evaluation, for ~20 % longer steps
+(fresh pages are zeroed by the kernel). The paper-recipe benchmark (100 steps, SparseGPT prior):
+peak 6261 -> 4856 MiB, 1613 -> 1986 s.
 
 Both calls are no-ops where glibc is absent (macOS, musl): the result then says so.
 """
