@@ -2,7 +2,7 @@
 learned method's parameters.
 
 Data parallel (the default): every process holds all the trainable parameters and the trainer
-averages their gradients (``Trainer._all_reduce_grads``).
+averages their gradients (``average_gradients``).
 
 FSDP (``shard_modules``): PyTorch's FSDP2 ``fully_shard`` is applied to each module that owns
 trainable parameters (MaskLLM: each layer's mask parametrization, which owns its logits), so
@@ -27,6 +27,13 @@ import torch
 from torch import nn
 
 logger = logging.getLogger(__name__)
+
+
+def is_initialized() -> bool:
+    """Whether this process belongs to a process group (several processes joined)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -66,7 +73,7 @@ def shard_modules(modules: Iterable[nn.Module], device: torch.device) -> int:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_initialized():
         raise RuntimeError("FSDP needs several processes: start the run with accelerate launch")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     count = 0
@@ -102,19 +109,32 @@ def shard_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(value.to(like.dtype), like.device_mesh, like.placements)
 
 
-def all_reduce_sum(values: list[float]) -> list[float]:
-    """Sum floats over processes (identity in a single process)."""
+def average_gradients(params: Iterable[nn.Parameter]) -> None:
+    """Average the gradients of replicated parameters over processes (data parallel: they live
+    outside any DDP wrapper). Sharded ones are skipped: FSDP has reduce-scattered theirs."""
+    if not is_initialized():
+        return
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    for param in params:
+        if param.grad is not None and not is_sharded(param):
+            dist.all_reduce(param.grad)
+            param.grad /= dist.get_world_size()
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum floats over processes (identity in a single process)."""
+    if not is_initialized():
         return values
+    import torch.distributed as dist
+
     tensor = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(tensor)
     return tensor.tolist()
 
 
 def barrier() -> None:
-    import torch.distributed as dist
+    if is_initialized():
+        import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
         dist.barrier()

@@ -33,7 +33,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from lmcompress.compressor import memory
-from lmcompress.compressor.distributed import barrier, full_tensor, is_sharded, shard_like
+from lmcompress.compressor.distributed import (
+    average_gradients,
+    barrier,
+    full_tensor,
+    shard_like,
+)
 from lmcompress.errors import ConfigError, LmcompressError
 
 logger = logging.getLogger(__name__)
@@ -248,7 +253,7 @@ class Trainer:
                 for key, value in micro_logs.items():
                     logs[key] = logs.get(key, 0.0) + value / config.grad_accum
             if self.accelerator is not None:
-                self._all_reduce_grads()
+                average_gradients(self.params.values())
             norm = torch.nn.utils.clip_grad_norm_(list(self.params.values()), config.grad_clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -273,15 +278,3 @@ class Trainer:
                 self.save_checkpoint()
         bar.close()
         return self.state
-
-    def _all_reduce_grads(self) -> None:
-        """Average gradients over processes (data parallel: the parameters live outside any DDP
-        wrapper; FSDP has already reduce-scattered the gradients of sharded parameters)."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        for param in self.params.values():
-            if param.grad is not None and not is_sharded(param):
-                dist.all_reduce(param.grad)
-                param.grad /= dist.get_world_size()
