@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +83,22 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
     old = getattr(parent, child)
     setattr(parent, child, new)
     return old
+
+
+def replace_modules(
+    model: nn.Module,
+    names: Iterable[str],
+    factory: Callable[[str, nn.Module], nn.Module | None],
+) -> dict[str, nn.Module]:
+    """The one module-replacement walker: ``factory(name, module)`` gives each named module's
+    replacement (``None``: leave it). Returns ``{name: new module}`` of what was replaced."""
+    replaced = {}
+    for name in list(names):
+        new = factory(name, model.get_submodule(name))
+        if new is not None:
+            replace_module(model, name, new)
+            replaced[name] = new
+    return replaced
 
 
 class WeightMask(nn.Module):

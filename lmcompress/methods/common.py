@@ -55,4 +55,6 @@ def prune_layer_(
         rel_error=float(err),
         error_kind="weight",
         seconds=time.perf_counter() - started,
+        format="nm_packed" if sparsity.is_nm else None,
+        format_options={"n": sparsity.n, "m": sparsity.m} if sparsity.is_nm else {},
     )
