@@ -33,6 +33,7 @@ _EXPORTS = {
     "WandaConfig": "lmcompress.methods.wanda",
     "SparseGPTConfig": "lmcompress.methods.sparsegpt",
     "MaskLLMConfig": "lmcompress.methods.maskllm",
+    "SVDConfig": "lmcompress.methods.svd",
 }
 
 __all__ = sorted(_EXPORTS)
