@@ -10,7 +10,6 @@ from lmcompress.errors import ConfigError
 from lmcompress.methods.magnitude import Magnitude
 from lmcompress.methods.maskllm import MaskLLM
 from lmcompress.methods.sparsegpt import SparseGPT
-from lmcompress.methods.svd import SVD
 from lmcompress.methods.wanda import Wanda
 
 METHODS: dict[str, type[Method]] = {
@@ -18,7 +17,6 @@ METHODS: dict[str, type[Method]] = {
     "wanda": Wanda,
     "sparsegpt": SparseGPT,
     "maskllm": MaskLLM,
-    "svd": SVD,
 }
 
 
