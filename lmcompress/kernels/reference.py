@@ -68,6 +68,21 @@ def unpack_nm(
     return dense.reshape(out_features, in_features)
 
 
+def gather_nm(dense: torch.Tensor, indices: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    """The entries of a dense ``(out, in)`` matrix at the packed positions: ``(out, in * n / m)``.
+
+    The adjoint of :func:`unpack_nm` in its values: the gradient of the packed ``values`` is
+    ``gather_nm(dW, indices, n, m)`` of the dense weight gradient ``dW``.
+    """
+    out_features, in_features = dense.shape
+    groups = in_features // m
+    positions = _unpack_bits(indices, index_bits(m), groups * n).to(torch.int64)
+    gathered = dense.reshape(out_features, groups, m).gather(
+        -1, positions.reshape(out_features, groups, n)
+    )  # (out, G, n)
+    return gathered.reshape(out_features, groups * n)
+
+
 def _pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """(rows, k) small integers -> (rows, ceil(k / (8 / bits))) uint8, low bits first."""
     per_byte = 8 // bits

@@ -1,1 +1,114 @@
-"""Placeholder: being written (issue 9)."""
+"""``nm_packed``: an N:M-sparse linear layer that holds only its packed form.
+
+The layer keeps the ``n`` kept weights of every group of ``m`` inputs and their 2-bit (for
+2:4) positions (layout in :mod:`lmcompress.kernels.reference`): at fp16, 56.25 % of the dense
+bytes for 2:4. It never materialises the dense weight as a buffer; its forward calls
+``torch.ops.lmcompress.nm_linear``, whose CPU implementation unpacks on the fly and whose CUDA
+implementation will be a Triton kernel reading the packed form directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+import lmcompress.kernels.ops  # noqa: F401  (registers torch.ops.lmcompress.nm_linear)
+from lmcompress.compressor.runtime import CompressedLinear, register_format
+from lmcompress.compressor.surgery import weight_matrix
+from lmcompress.errors import ModelLoadError
+from lmcompress.kernels.reference import index_bits, pack_nm, unpack_nm
+
+
+@register_format
+class PackedNMLinear(CompressedLinear):
+    """A linear layer stored as packed N:M ``values`` ``(out, in·n/m)`` and uint8 ``indices``.
+
+    Buffers (not parameters: the layer is an inference form): ``values``, ``indices`` and
+    ``bias`` (``None`` when the original had none). ``n`` and ``m`` are plain ints so that
+    ``torch.compile`` sees them as constants.
+    """
+
+    format = "nm_packed"
+
+    def __init__(
+        self,
+        values: torch.Tensor,
+        indices: torch.Tensor,
+        n: int,
+        m: int,
+        in_features: int,
+        bias: torch.Tensor | None = None,
+        conv1d: bool = False,
+    ) -> None:
+        super().__init__(in_features, values.shape[0], conv1d=conv1d)
+        self.n, self.m = n, m
+        self.register_buffer("values", values)
+        self.register_buffer("indices", indices)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Module, n: int, m: int) -> PackedNMLinear:
+        """Pack an ``nn.Linear`` or GPT-2 ``Conv1D`` whose weight is already N:M sparse (a
+        :class:`~lmcompress.errors.ConfigError` otherwise: packing drops nothing silently)."""
+        W = weight_matrix(linear).detach()  # (out, in)
+        values, indices = pack_nm(W, n, m)
+        bias = linear.bias.detach().clone() if linear.bias is not None else None
+        return cls(
+            values, indices, n, m, W.shape[1], bias=bias, conv1d=isinstance(linear, Conv1D)
+        )
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        tensors = {"values": self.values, "indices": self.indices}
+        if self.bias is not None:
+            tensors["bias"] = self.bias
+        return tensors
+
+    def meta(self) -> dict[str, Any]:
+        return {**super().meta(), "n": self.n, "m": self.m}
+
+    @classmethod
+    def from_state(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> PackedNMLinear:
+        """Rebuild from :meth:`state_tensors` and :meth:`meta`, checking every shape against the
+        metadata (a truncated or mismatched file is a :class:`ModelLoadError`, not a crash in
+        the first forward)."""
+        try:
+            n, m = int(meta["n"]), int(meta["m"])
+            in_features, out_features = int(meta["in_features"]), int(meta["out_features"])
+            values, indices = tensors["values"], tensors["indices"]
+        except (KeyError, TypeError, ValueError) as err:
+            raise ModelLoadError(f"nm_packed layer is missing {err}") from None
+        if not 0 < n < m or in_features % m:
+            raise ModelLoadError(f"nm_packed layer: invalid {n}:{m} for in_features={in_features}")
+        kept = in_features // m * n
+        index_bytes = -(-kept * index_bits(m) // 8)
+        bias = tensors.get("bias")
+        expected = {
+            "values": ((out_features, kept), values.shape),
+            "indices": ((out_features, index_bytes), indices.shape),
+            "bias": ((out_features,), bias.shape if bias is not None else (out_features,)),
+        }
+        for key, (want, got) in expected.items():
+            if tuple(got) != want:
+                raise ModelLoadError(
+                    f"nm_packed {key} has shape {list(got)}, expected {list(want)}"
+                )
+        if indices.dtype != torch.uint8:
+            raise ModelLoadError(f"nm_packed indices are {indices.dtype}, expected uint8")
+        return cls(
+            values, indices, n, m, in_features, bias=bias, conv1d=bool(meta.get("conv1d", False))
+        )
+
+    def dense_weight(self) -> torch.Tensor:
+        return unpack_nm(self.values, self.indices, self.n, self.m, self.in_features)  # (out, in)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.lmcompress.nm_linear(
+            x, self.values, self.indices, self.n, self.m, self.in_features, self.bias
+        )
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, n={self.n}, m={self.m}, dtype={self.values.dtype}"

@@ -1,0 +1,95 @@
+"""The ``torch.library`` ops behind lmcompress's compressed modules.
+
+One op name per computation, so that every call site (``PackedNMLinear.forward``, tests,
+benchmarks) runs everywhere through the same dispatcher entry:
+
+- the default implementation (CPU, and any device without a kernel of its own) is the
+  pure-torch reference in :mod:`lmcompress.kernels.reference`, the specification;
+- ``register_fake`` gives shapes and dtypes without computing, so ``torch.compile(fullgraph=True)``
+  traces through the op instead of breaking the graph;
+- ``register_autograd`` gives the backward in closed form (custom ops are opaque to autograd);
+- a device kernel (Triton on CUDA) registers under the same name with ``register_kernel``.
+
+Importing this module registers the ops (``torch.library`` is process-global, so it happens once,
+on the first import). This file has no ``from __future__ import annotations``: ``custom_op``
+reads the schema from the real annotations.
+"""
+
+import torch
+
+from lmcompress.kernels import reference
+
+
+@torch.library.custom_op("lmcompress::nm_linear", mutates_args=())
+def nm_linear(
+    x: torch.Tensor,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    n: int,
+    m: int,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W.T + bias`` for ``W`` in packed N:M form (``reference.pack_nm``), in ``x``'s dtype.
+
+    Shapes: ``x (..., in)``, ``values (out, in * n / m)``, ``indices`` uint8 ``(out, ·)``,
+    ``bias (out,)`` or ``None``; returns ``(..., out)``.
+    """
+    _check(x, values, n, m, in_features)
+    return reference.nm_linear(x, values, indices, n, m, in_features, bias)
+
+
+# The CUDA kernel goes here, once it exists (``kernels/nm_linear_triton.py``, which imports
+# triton lazily and must not be imported on CPU-only installs):
+#
+#     @nm_linear.register_kernel("cuda")
+#     def _nm_linear_cuda(x, values, indices, n, m, in_features, bias=None):
+#         from lmcompress.kernels.nm_linear_triton import nm_linear_triton
+#         return nm_linear_triton(x, values, indices, n, m, in_features, bias)
+#
+# Until then CUDA tensors run the reference (unpack + matmul) like every other device.
+
+
+@nm_linear.register_fake
+def _nm_linear_fake(x, values, indices, n, m, in_features, bias=None):  # noqa: ARG001
+    _check(x, values, n, m, in_features)
+    return x.new_empty((*x.shape[:-1], values.shape[0]))  # (..., out)
+
+
+def _check(x: torch.Tensor, values: torch.Tensor, n: int, m: int, in_features: int) -> None:
+    torch._check(
+        x.shape[-1] == in_features,
+        lambda: f"nm_linear: input has {x.shape[-1]} features, the layer {in_features}",
+    )
+    torch._check(
+        values.dim() == 2 and values.shape[-1] == in_features // m * n,
+        lambda: f"nm_linear: values {tuple(values.shape)} do not hold {n}:{m} of {in_features}",
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:  # noqa: ARG001
+    x, values, indices, n, m, in_features, bias = inputs
+    ctx.save_for_backward(x, values, indices)
+    ctx.layout = (n, m, in_features)
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, grad):
+    """``y = x Wᵀ + b`` with ``W = unpack(values)``: ``dx = dy W``, ``db = Σ dy``, and
+    ``dvalues`` = ``dW = dyᵀ x`` read at the stored positions (:func:`reference.gather_nm`)."""
+    x, values, indices = ctx.saved_tensors
+    n, m, in_features = ctx.layout
+    grad_x = grad_values = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        W = reference.unpack_nm(values, indices, n, m, in_features).to(grad.dtype)  # (out, in)
+        grad_x = grad @ W  # (..., in)
+    if ctx.needs_input_grad[1]:
+        grad_2d = grad.reshape(-1, grad.shape[-1])  # (N, out)
+        dW = grad_2d.t() @ x.reshape(-1, in_features).to(grad.dtype)  # (out, in)
+        grad_values = reference.gather_nm(dW, indices, n, m).to(values.dtype)
+    if ctx.has_bias and ctx.needs_input_grad[6]:
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
+    return grad_x, grad_values, None, None, None, None, grad_bias
+
+
+nm_linear.register_autograd(_backward, setup_context=_setup_context)
