@@ -10,6 +10,7 @@ from lmcompress.errors import ConfigError
 from lmcompress.methods.magnitude import Magnitude
 from lmcompress.methods.maskllm import MaskLLM
 from lmcompress.methods.sparsegpt import SparseGPT
+from lmcompress.methods.svd import SVD
 from lmcompress.methods.wanda import Wanda
 
 METHODS: dict[str, type[Method]] = {
@@ -17,6 +18,7 @@ METHODS: dict[str, type[Method]] = {
     "wanda": Wanda,
     "sparsegpt": SparseGPT,
     "maskllm": MaskLLM,
+    "svd": SVD,
 }
 
 
