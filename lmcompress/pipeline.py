@@ -9,16 +9,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from lmcompress.api import compress
 from lmcompress.compressor import distributed
-from lmcompress.compressor.config import MethodConfig
+from lmcompress.compressor.config import MethodConfig, check_choices
 from lmcompress.compressor.export import check_output_dir, save_compressed
 from lmcompress.compressor.families import family_of
-from lmcompress.compressor.models import DEFAULT_CHECKPOINT, load_model
+from lmcompress.compressor.models import DEFAULT_CHECKPOINT, check_checkpoint, load_model
 from lmcompress.errors import ConfigError, LmcompressError
 from lmcompress.evaluation.corpora import calibration_windows, load_documents, tokenize
 from lmcompress.evaluation.perplexity import perplexity
@@ -27,6 +27,7 @@ from lmcompress.methods import get_method
 logger = logging.getLogger(__name__)
 
 DEFAULT_EVAL_TOKENS = 32_768
+SaveDtype = Literal["auto", "float32", "float16", "bfloat16"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,9 @@ class RunOptions:
     lm_eval_tasks: tuple[str, ...] = field(default=(), metadata={"help": "lm-eval tasks to run"})
     output: str | None = field(default=None, metadata={"help": "output directory"})
     overwrite: bool = field(default=False, metadata={"help": "replace a non-empty output dir"})
-    save_dtype: str = field(default="auto", metadata={"help": "auto|float32|float16|bfloat16"})
+    save_dtype: SaveDtype = field(
+        default="auto", metadata={"help": "dtype of the saved weights (auto: the model's)"}
+    )
     dtype: str = field(default="float32", metadata={"help": "compute dtype"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda, cuda:1, ..."})
     trust_remote_code: bool = field(default=False, metadata={"help": "run a checkpoint's code"})
@@ -62,10 +65,7 @@ class RunOptions:
             raise ConfigError(f"seq_len must be at least 2, got {self.seq_len}")
         if self.eval_tokens < 0:
             raise ConfigError(f"eval_tokens must be >= 0 (0 = whole split), got {self.eval_tokens}")
-        if self.save_dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ConfigError(
-                f"save_dtype must be auto, float32, float16 or bfloat16, got {self.save_dtype!r}"
-            )
+        check_choices(self)
 
 
 def evaluate(
@@ -82,9 +82,14 @@ def evaluate(
 
 
 def run(options: RunOptions, config: MethodConfig) -> dict[str, Any]:
-    """Run the job; returns the results that the CLI prints and ``compression.json`` records."""
-    if options.output is not None:  # fail before any work
+    """Run the job; returns the results that the CLI prints and ``compression.json`` records.
+
+    Cheap checks come first, so that a bad input fails in seconds: the output directory, the
+    checkpoint's path and kind (no weights read), the method's options, the corpora (cleaning
+    Wikipedia takes seconds), and only then the model."""
+    if options.output is not None:
         check_output_dir(options.output, options.overwrite)
+    check_checkpoint(options.checkpoint)
     method = get_method(config.method)(config)
     needs_text = (*options.eval, *((options.calib,) if method.needs_calibration else ()))
     for source in needs_text:  # a misspelt corpus fails before the model loads

@@ -1,4 +1,10 @@
-"""CLI flags generated from config dataclasses: one flag per field, typed from its annotation."""
+"""CLI flags generated from config dataclasses: one flag per option, typed from its annotation.
+
+Options of a nested group (``training: TrainingOptions``) become flags of their own under their
+own names (``--steps``), as :func:`lmcompress.compressor.config.option_fields` flattens them;
+``Literal`` annotations become ``choices``; value types (``Sparsity``) are read as text and
+parsed by the config, so that their errors keep the config's one-line message.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +13,18 @@ import dataclasses
 import typing
 from typing import Any
 
+from lmcompress.compressor.config import (
+    is_value_type,
+    literal_choices,
+    option_fields,
+    recipe_value,
+)
+
 
 def _field_kwargs(hint: Any) -> dict[str, Any]:
+    choices = literal_choices(hint)
+    if choices is not None:
+        return {"type": type(choices[0]), "choices": choices}
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":  # X | None
         inner = [a for a in args if a is not type(None)]
@@ -16,16 +32,25 @@ def _field_kwargs(hint: Any) -> dict[str, Any]:
     if hint is bool:
         return {"action": argparse.BooleanOptionalAction}
     if origin is tuple:
-        if len(args) == 2 and args[1] is Ellipsis:
-            return {"nargs": "*", "type": args[0]}  # `--eval` alone: none
-        return {"nargs": len(args), "type": args[0]}
-    if hint in (int, float, str):
-        return {"type": hint}
+        element = _field_kwargs(args[0])
+        if "type" not in element:
+            raise TypeError(f"no CLI flag for a field of type {hint!r}")
+        nargs = "*" if len(args) == 2 and args[1] is Ellipsis else len(args)
+        return {**element, "nargs": nargs}  # `--eval` alone: none
+    if hint in (int, float, str) or is_value_type(hint):
+        return {"type": str if is_value_type(hint) else hint}
     raise TypeError(f"no CLI flag for a field of type {hint!r}")
 
 
 def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
+
+
+def _shown(default: Any) -> str:
+    if default is dataclasses.MISSING:
+        return "required"
+    value = recipe_value(default)
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def add_dataclass_flags(
@@ -34,37 +59,42 @@ def add_dataclass_flags(
     skip: tuple[str, ...] = (),
     aliases: dict[str, str] | None = None,
 ) -> list[str]:
-    """Add one flag per field of ``cls`` with ``default=SUPPRESS`` so that only the flags a
+    """Add one flag per option of ``cls`` with ``default=SUPPRESS`` so that only the flags a
     user gave appear in the namespace (recipes fill the rest). ``aliases`` adds short flags
-    (``{"output": "-o"}``). Returns the field names."""
+    (``{"output": "-o"}``). Returns the (flat) option names."""
     aliases = aliases or {}
-    hints = typing.get_type_hints(cls)
     names = []
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
+    for option in option_fields(cls):
+        if option.name in skip:
             continue
-        kwargs = _field_kwargs(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        shown = " ".join(map(str, default)) if isinstance(default, tuple) else default
-        help_text = f.metadata.get("help", "")
-        flags = [aliases[f.name]] if f.name in aliases else []
+        kwargs = _field_kwargs(option.hint)
+        help_text = option.field.metadata.get("help", "")
+        shown = _shown(option.default)
+        flags = [aliases[option.name]] if option.name in aliases else []
+        metavar = None if "action" in kwargs or "choices" in kwargs else option.name.upper()
         parser.add_argument(
             *flags,
-            flag_name(f.name),
-            dest=f.name,
+            flag_name(option.name),
+            dest=option.name,
             default=argparse.SUPPRESS,
             help=f"{help_text} (default: {shown})" if help_text else f"(default: {shown})",
-            metavar=None if "action" in kwargs else f.name.upper(),
+            metavar=metavar,
             **kwargs,
         )
-        names.append(f.name)
+        names.append(option.name)
     return names
 
 
 def describe(cls: type) -> list[tuple[str, str, str]]:
-    """(flag, default, help) for every field, for ``compress-model methods``."""
+    """(flag, default, help) for every option, for ``compress-model methods``; a ``Literal``
+    option's help ends with its choices."""
     rows = []
-    for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        rows.append((flag_name(f.name), repr(default), f.metadata.get("help", "")))
+    for option in option_fields(cls):
+        default = option.default
+        shown = "required" if default is dataclasses.MISSING else repr(recipe_value(default))
+        help_text = option.field.metadata.get("help", "")
+        choices = literal_choices(option.hint)
+        if choices is not None:
+            help_text = f"{help_text} [{'|'.join(map(str, choices))}]".strip()
+        rows.append((flag_name(option.name), shown, help_text))
     return rows

@@ -50,6 +50,7 @@ def _load_recipe(path: str) -> dict[str, Any]:
 def _compress(argv: Sequence[str]) -> int:
     from lmcompress.cli.flags import add_dataclass_flags
     from lmcompress.compressor import distributed
+    from lmcompress.compressor.config import option_fields
     from lmcompress.methods import get_method
     from lmcompress.pipeline import RunOptions, run
 
@@ -82,6 +83,9 @@ def _compress(argv: Sequence[str]) -> int:
     args = vars(parser.parse_args(argv))
     _setup_logging(args.pop("quiet"))
 
+    for group in {o.path[0] for o in option_fields(config_class) if len(o.path) > 1}:
+        if isinstance(recipe.get(group), dict):  # an option group as a mapping: flatten it
+            recipe.update({str(k).replace("-", "_"): v for k, v in recipe.pop(group).items()})
     unknown = set(recipe) - set(run_fields) - set(method_fields) - {"method", "checkpoint"}
     if unknown:
         raise ConfigError(

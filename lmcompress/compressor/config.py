@@ -1,16 +1,29 @@
 """Configs shared by every method: frozen dataclasses validated on construction.
 
 A method's config subclasses :class:`MethodConfig`; its fields become CLI flags (see
-``lmcompress.cli``) and its ``asdict`` is the recipe that ``compression.json`` records.
-Field metadata ``help`` is the flag's help text.
+``lmcompress.cli.flags``) and :meth:`MethodConfig.to_dict` is the recipe that
+``compression.json`` records. Field metadata ``help`` is the flag's help text.
+
+Three kinds of field annotation mean something beyond their type:
+
+- ``Literal["a", "b"]``: the allowed values, in one place. Construction checks them
+  (:func:`check_choices`) and the flag generator turns them into argparse ``choices``.
+- a *value type*: a class with a ``parse`` classmethod (:class:`Sparsity`). Recipes and flags
+  give its text form (``"2:4"``); the config stores it parsed and writes the text back.
+- an *option group*: any other dataclass (``training: TrainingOptions``). Its fields are
+  options of the outer config under their own names (flat flags ``--steps``, flat recipe keys),
+  so moving options into a shared group changes neither the CLI nor the recipes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from lmcompress.errors import ConfigError
 
@@ -18,11 +31,22 @@ from lmcompress.errors import ConfigError
 @dataclass(frozen=True)
 class Sparsity:
     """Either an N:M pattern (``n`` of every ``m`` consecutive input weights kept)
-    or an unstructured ratio of weights removed."""
+    or an unstructured ratio of weights removed. Always valid once constructed."""
 
     n: int = 0
     m: int = 0
     ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.m or self.n:
+            if not 0 < self.n < self.m:
+                raise ConfigError(f"impossible N:M sparsity {self.n}:{self.m}: need 0 < N < M")
+        elif not 0.0 < self.ratio < 1.0:
+            raise ConfigError(f"sparsity ratio {self.ratio!r} must lie strictly between 0 and 1")
+
+    @classmethod
+    def parse(cls, value: str | float | Sparsity) -> Sparsity:
+        return parse_sparsity(value)
 
     @property
     def is_nm(self) -> bool:
@@ -61,6 +85,136 @@ def parse_sparsity(value: str | float | Sparsity) -> Sparsity:
     return Sparsity(ratio=ratio)
 
 
+# --- what an annotation means -------------------------------------------------------------------
+
+
+def is_value_type(hint: Any) -> bool:
+    """A class stored parsed and written as text (``Sparsity``): it has a ``parse`` classmethod."""
+    return isinstance(hint, type) and callable(getattr(hint, "parse", None))
+
+
+def is_option_group(hint: Any) -> bool:
+    """A nested dataclass whose fields are options of the outer config."""
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint) and not is_value_type(hint)
+
+
+def literal_choices(hint: Any) -> tuple[Any, ...] | None:
+    """The allowed values of ``Literal[...]`` (also inside ``X | None``), else ``None``."""
+    if typing.get_origin(hint) is Literal:
+        return typing.get_args(hint)
+    inner = [a for a in typing.get_args(hint) if a is not type(None)]
+    if _is_union(hint) and len(inner) == 1:
+        return literal_choices(inner[0])
+    return None
+
+
+def _is_union(hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    return origin is typing.Union or str(origin) == "<class 'types.UnionType'>"
+
+
+@dataclass(frozen=True)
+class OptionField:
+    """One option of a config class, option groups flattened: ``path`` is where it lives
+    (``("training", "steps")``), ``name`` its flag and recipe key (``steps``)."""
+
+    name: str
+    path: tuple[str, ...]
+    field: dataclasses.Field
+    hint: Any
+    default: Any  # dataclasses.MISSING when required
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+_hints = functools.cache(typing.get_type_hints)  # per class: resolving annotations is slow
+
+
+@functools.cache
+def option_fields(cls: type) -> tuple[OptionField, ...]:
+    """Every option of ``cls`` in field order, option groups flattened. A name that appears
+    twice (an outer field and a group's field) is an error: flags and recipe keys are flat."""
+    hints = _hints(cls)
+    out: list[OptionField] = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        hint, default = hints[f.name], _default(f)
+        if is_option_group(hint):
+            for sub in option_fields(hint):
+                sub_default = (
+                    sub.default
+                    if default is dataclasses.MISSING
+                    else functools.reduce(getattr, sub.path, default)
+                )
+                out.append(
+                    OptionField(sub.name, (f.name, *sub.path), sub.field, sub.hint, sub_default)
+                )
+        else:
+            out.append(OptionField(f.name, (f.name,), f, hint, default))
+    seen: set[str] = set()
+    for option in out:
+        if option.name in seen:
+            raise TypeError(
+                f"{cls.__name__}: option {option.name!r} is defined twice (options of nested "
+                "groups become flat flags and recipe keys, so names must be unique)"
+            )
+        seen.add(option.name)
+    return tuple(out)
+
+
+def option_value(config: Any, option: OptionField) -> Any:
+    return functools.reduce(getattr, option.path, config)
+
+
+def check_choices(config: Any) -> None:
+    """Raise ``ConfigError`` for a ``Literal`` field (nested ones too) holding another value."""
+    for option in option_fields(type(config)):
+        choices = literal_choices(option.hint)
+        value = option_value(config, option)
+        if choices is None or value in choices or (value is None and _is_union(option.hint)):
+            continue
+        raise ConfigError(
+            f"{option.name} must be one of {', '.join(map(str, choices))}, got {value!r}"
+        )
+
+
+def recipe_value(value: Any) -> Any:
+    """A field value as a recipe holds it: tuples as lists, value types as their text."""
+    if isinstance(value, tuple):
+        return [recipe_value(v) for v in value]
+    return str(value) if is_value_type(type(value)) else value
+
+
+def _build(cls: type, values: Mapping[str, Any], base: Any = None) -> Any:
+    """An instance of ``cls`` from flat ``values``; fields not given keep ``base``'s values
+    (the outer config's default for a group), else the class defaults."""
+    hints = _hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        hint = hints[f.name]
+        if is_option_group(hint):
+            names = {o.name for o in option_fields(hint)}
+            sub = {k: v for k, v in values.items() if k in names}
+            if sub:
+                group_base = getattr(base, f.name) if base is not None else _default(f)
+                kwargs[f.name] = _build(
+                    hint, sub, None if group_base is dataclasses.MISSING else group_base
+                )
+        elif f.name in values:
+            value = values[f.name]
+            kwargs[f.name] = tuple(value) if isinstance(value, list) else value
+    return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
+
+
 @dataclass(frozen=True)
 class MethodConfig:
     """Options every method has: which layers to compress.
@@ -81,35 +235,51 @@ class MethodConfig:
     )
 
     def __post_init__(self) -> None:
-        # Recipes come from YAML/JSON where sequences are lists: store tuples (hashable, frozen).
+        hints = _hints(type(self))
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, list):
-                object.__setattr__(self, f.name, tuple(value))
+            value, hint = getattr(self, f.name), hints[f.name]
+            if isinstance(value, list):  # recipes come from YAML/JSON: store tuples (frozen)
+                value = tuple(value)
+            elif is_value_type(hint) and value is not None:
+                value = hint.parse(value)  # "2:4" -> Sparsity(2, 4), once
+            elif is_option_group(hint) and isinstance(value, Mapping):
+                value = _build(hint, value)
+            object.__setattr__(self, f.name, value)
+        option_fields(type(self))  # a name clash between groups fails at first construction
+        check_choices(self)
         for pattern in (*self.include, *self.exclude):
             if not isinstance(pattern, str) or not pattern:
                 raise ConfigError(f"layer patterns must be non-empty strings, got {pattern!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        """The recipe: JSON-serialisable field values, plus the method name."""
+        """The recipe: flat, JSON-serialisable option values, plus the method name."""
         out: dict[str, Any] = {"method": self.method}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            out[f.name] = list(value) if isinstance(value, tuple) else value
+        for option in option_fields(type(self)):
+            out[option.name] = recipe_value(option_value(self, option))
         return out
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> MethodConfig:
-        """Build from a recipe; unknown keys are an error, not silently ignored."""
-        values = {k: v for k, v in values.items() if k != "method"}
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - names)
+    def from_dict(cls, values: Mapping[str, Any]) -> MethodConfig:
+        """Build from a recipe; unknown keys are an error, not silently ignored. Options of a
+        group come as flat keys (as :meth:`to_dict` writes them) or as a mapping under the
+        group's field name."""
+        flat = {k: v for k, v in values.items() if k != "method"}
+        hints = _hints(cls)
+        for f in dataclasses.fields(cls):
+            if is_option_group(hints[f.name]) and isinstance(flat.get(f.name), Mapping):
+                group = flat.pop(f.name)
+                twice = sorted(set(group) & set(flat))
+                if twice:
+                    raise ConfigError(f"option(s) given twice, flat and in {f.name}: {twice}")
+                flat.update(group)
+        names = {o.name for o in option_fields(cls)}
+        unknown = sorted(set(flat) - names)
         if unknown:
             raise ConfigError(
                 f"unknown option(s) for method {cls.method!r}: {', '.join(unknown)} "
                 f"(known: {', '.join(sorted(names))})"
             )
         try:
-            return cls(**values)
+            return _build(cls, flat)
         except TypeError as err:
             raise ConfigError(f"bad options for method {cls.method!r}: {err}") from None

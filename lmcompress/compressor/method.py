@@ -22,12 +22,31 @@ from lmcompress.compressor.surgery import LayerSelection
 
 @dataclass
 class Stats:
-    """Per-layer calibration statistics (Hessians, input norms, learned logits, ...)."""
+    """Per-layer calibration statistics (Hessians, input norms, learned logits, ...).
+
+    ``tensors`` holds tensors only and ``meta`` JSON values only (numbers, strings, lists,
+    dicts: ``dataclasses.asdict`` of a report, not the report), so that :meth:`save` then
+    :meth:`load` gives stats that ``apply`` accepts as it accepts the fresh ones. Tuples come
+    back as lists.
+    """
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
 
     def save(self, path: str | Path) -> None:
+        """Write a safetensors file (``meta`` as JSON in its header). Raises ``TypeError``
+        naming the key whose value is not JSON, before anything is written."""
+        for key, value in self.meta.items():
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError) as err:
+                raise TypeError(
+                    f"Stats.meta[{key!r}] is not JSON-serialisable ({err}); store plain values "
+                    "(e.g. dataclasses.asdict of a report) or tensors in Stats.tensors"
+                ) from None
+        bad = sorted(k for k, v in self.tensors.items() if not isinstance(v, torch.Tensor))
+        if bad:
+            raise TypeError(f"Stats.tensors holds non-tensors under {bad}")
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.tensors.items()}
         save_file(tensors, str(path), metadata={"meta": json.dumps(self.meta)})
 

@@ -13,8 +13,6 @@ import json
 import logging
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -25,6 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from lmcompress.cache import cache_dir
 from lmcompress.compressor.families import family_of
 from lmcompress.errors import ConfigError, ModelLoadError
+from lmcompress.fsutil import atomic_dir
 
 logger = logging.getLogger(__name__)
 
@@ -77,25 +76,56 @@ def load_model(
         device = torch.device(device)
     except (RuntimeError, TypeError) as err:
         raise ConfigError(f"unknown device {device!r}: {err}") from err
+    kind = _checkpoint_kind(checkpoint)
+    if kind == "alias":
+        model, tokenizer = _load_alias(checkpoint, dtype, trust_remote_code)
+    elif kind == "gguf":
+        model, tokenizer = _load_gguf(Path(checkpoint).expanduser(), trust_remote_code)
+        model = model.to(dtype)
+    elif kind == "dir":
+        model, tokenizer = _load_pretrained(
+            str(Path(checkpoint).expanduser()), dtype, trust_remote_code
+        )
+    else:
+        model, tokenizer = _load_pretrained(checkpoint, dtype, trust_remote_code, hub=True)
+    return model.to(device).eval(), tokenizer
+
+
+def check_checkpoint(checkpoint: str | os.PathLike) -> None:
+    """Raise :class:`ModelLoadError` now for a checkpoint :func:`load_model` would refuse on
+    its path or kind alone: missing, neither directory nor ``.gguf``, a directory without
+    ``config.json`` / safetensors or of an unsupported architecture, a file without the GGUF
+    magic, an alias whose weights package is missing. Reads no weights (milliseconds), so a
+    job checks it before any corpus work. A hub id is only checked when loaded."""
+    checkpoint = os.fspath(checkpoint)
+    kind = _checkpoint_kind(checkpoint)
+    if kind == "alias" and not (cache_dir() / checkpoint).is_dir():
+        _alias_gguf(checkpoint)
+    elif kind == "gguf":
+        path = Path(checkpoint).expanduser()
+        with path.open("rb") as handle:
+            if handle.read(4) != b"GGUF":
+                raise ModelLoadError(f"{path}: not a GGUF file (no GGUF magic number)")
+
+
+def _checkpoint_kind(checkpoint: str) -> str:
+    """``alias``, ``gguf``, ``dir`` (checked by :func:`_check_local_dir`) or ``hub``."""
     path = Path(checkpoint).expanduser()
     if checkpoint in _ALIASES:
-        model, tokenizer = _load_alias(checkpoint, dtype, trust_remote_code)
-    elif path.is_file() and path.suffix == ".gguf":
-        model, tokenizer = _load_gguf(path, trust_remote_code)
-        model = model.to(dtype)
-    elif path.is_dir():
+        return "alias"
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf"
+    if path.is_dir():
         _check_local_dir(path)
-        model, tokenizer = _load_pretrained(str(path), dtype, trust_remote_code)
-    elif path.exists():
+        return "dir"
+    if path.exists():
         raise ModelLoadError(f"{checkpoint}: not a checkpoint directory or a .gguf file")
-    elif _HUB_ID.fullmatch(checkpoint):
-        model, tokenizer = _load_pretrained(checkpoint, dtype, trust_remote_code, hub=True)
-    else:
-        raise ModelLoadError(
-            f"checkpoint not found: {checkpoint} (not an alias, a path or an org/name hub id; "
-            f"aliases: {', '.join(_ALIASES)})"
-        )
-    return model.to(device).eval(), tokenizer
+    if _HUB_ID.fullmatch(checkpoint):
+        return "hub"
+    raise ModelLoadError(
+        f"checkpoint not found: {checkpoint} (not an alias, a path or an org/name hub id; "
+        f"aliases: {', '.join(_ALIASES)})"
+    )
 
 
 def _load_alias(
@@ -113,9 +143,8 @@ def _load_alias(
     if not target.is_dir():
         model, tokenizer = _load_gguf(_alias_gguf(name), trust_remote_code)
         logger.info("caching a safetensors copy of %s in %s", name, target)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))
-        try:
+        # Another process caching the same model meanwhile: keep its copy, drop ours.
+        with atomic_dir(target, keep_existing=True) as tmp:
             # A dequantized model is plain dense weights; its quantizer only blocks saving.
             if getattr(model, "hf_quantizer", None) is not None:
                 model.hf_quantizer = None
@@ -124,13 +153,6 @@ def _load_alias(
             model.save_pretrained(tmp)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
-            try:
-                os.replace(tmp, target)
-            except OSError:  # another process finished first: keep its copy
-                if not target.is_dir():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
         del model  # free the fp32 copy before reloading it from the cache
     try:
         return _load_pretrained(str(target), dtype, trust_remote_code)

@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,6 +39,7 @@ import torch
 from lmcompress.cache import cache_dir
 from lmcompress.errors import ConfigError, DataError
 from lmcompress.evaluation.wikitext import parse_wiki_dump
+from lmcompress.fsutil import atomic_file
 
 logger = logging.getLogger(__name__)
 
@@ -150,19 +150,11 @@ def _cached_json(path: Path, build: Callable[[], list]) -> list:
     except (OSError, ValueError) as err:  # truncated or foreign file
         logger.warning("ignoring the unreadable cache %s (%s)", path, err)
     value = build()
-    tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(
-            "w", encoding="utf-8", dir=path.parent, suffix=".tmp", delete=False
-        ) as f:
-            tmp = f.name
-            json.dump(value, f, ensure_ascii=False)
-        os.replace(tmp, path)  # atomic: readers see no file or the whole file
+        with atomic_file(path, "w", encoding="utf-8") as handle:  # readers see all or nothing
+            json.dump(value, handle, ensure_ascii=False)
     except OSError as err:
         logger.warning("could not write the cache %s (%s)", path, err)
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
     return value
 
 

@@ -4,8 +4,9 @@ sparsity and per-layer overrides, and the base class of calibrated (layer-wise) 
 from __future__ import annotations
 
 import fnmatch
+import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
 import torch
@@ -16,17 +17,24 @@ from lmcompress.compressor.layerwise import Accumulator, compress_layerwise
 from lmcompress.compressor.method import Method, Stats
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.compressor.sparsity import check_nm_shape
-from lmcompress.compressor.surgery import weight_matrix
+from lmcompress.compressor.surgery import is_linear, weight_matrix
 from lmcompress.errors import ConfigError
 from lmcompress.methods.common import count_params
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class PruningConfig(MethodConfig):
-    """A target sparsity for every selected layer, optionally overridden per layer."""
+    """A target sparsity for every selected layer, optionally overridden per layer.
 
-    sparsity: str = field(
-        default="2:4",
+    ``sparsity`` is stored parsed (a :class:`Sparsity`; ``"2:4"``, ``"0.5"`` or ``0.5`` are
+    accepted), and each ``layer_sparsity`` entry ``GLOB=SPARSITY`` is parsed once into
+    :attr:`layer_rules`; recipes keep the text forms.
+    """
+
+    sparsity: Sparsity = field(
+        default=Sparsity(n=2, m=4),
         metadata={"help": "N:M pattern (keep N of every M input weights) or fraction removed"},
     )
     layer_sparsity: tuple[str, ...] = field(
@@ -36,23 +44,32 @@ class PruningConfig(MethodConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        object.__setattr__(self, "sparsity", str(parse_sparsity(self.sparsity)))
-        for entry in self.layer_sparsity:
-            pattern, sep, value = entry.rpartition("=")
-            if not sep or not pattern:
-                raise ConfigError(f"layer_sparsity entry {entry!r} is not GLOB=SPARSITY")
-            parse_sparsity(value)
+        rules = tuple(_parse_rule(entry) for entry in self.layer_sparsity)
+        object.__setattr__(self, "layer_sparsity", tuple(f"{g}={s}" for g, s in rules))
+        object.__setattr__(self, "_layer_rules", rules)  # derived: not a field, not compared
+
+    @property
+    def layer_rules(self) -> tuple[tuple[str, Sparsity], ...]:
+        """The parsed ``layer_sparsity``: ``(glob, Sparsity)`` pairs, first match wins."""
+        return self._layer_rules
 
     @property
     def pattern(self) -> Sparsity:
-        return parse_sparsity(self.sparsity)
+        """The default target (an alias of ``sparsity``, kept for callers)."""
+        return self.sparsity
 
     def sparsity_of(self, layer_name: str) -> Sparsity:
-        for entry in self.layer_sparsity:
-            pattern, _, value = entry.rpartition("=")
+        for pattern, sparsity in self._layer_rules:
             if fnmatch.fnmatchcase(layer_name, pattern):
-                return parse_sparsity(value)
-        return self.pattern
+                return sparsity
+        return self.sparsity
+
+
+def _parse_rule(entry: str) -> tuple[str, Sparsity]:
+    pattern, sep, value = str(entry).rpartition("=")
+    if not sep or not pattern:
+        raise ConfigError(f"layer_sparsity entry {entry!r} is not GLOB=SPARSITY")
+    return pattern, parse_sparsity(value)
 
 
 @dataclass(frozen=True)
@@ -70,7 +87,8 @@ class CalibratedPruningConfig(PruningConfig):
 
 
 class PruningMethod(Method):
-    """Validation shared by every pruner: shapes fit each layer's N:M pattern."""
+    """Validation shared by every pruner: shapes fit each layer's N:M pattern; a per-layer
+    override that matches no selected layer (a typo, most likely) is warned about."""
 
     def validate(self, model: nn.Module) -> dict[str, nn.Module]:
         layers = super().validate(model)
@@ -78,6 +96,18 @@ class PruningMethod(Method):
             sparsity = self.config.sparsity_of(name)
             if sparsity.is_nm:
                 check_nm_shape(tuple(weight_matrix(module).shape), sparsity.m, name)
+        if getattr(self, "_warned_unused", False):  # validate runs more than once a job
+            return layers
+        self._warned_unused = True
+        for pattern, sparsity in self.config.layer_rules:
+            if not any(fnmatch.fnmatchcase(name, pattern) for name in layers):
+                logger.warning(
+                    "layer_sparsity %s=%s matches none of the %d selected layers (e.g. %s)",
+                    pattern,
+                    sparsity,
+                    len(layers),
+                    next(iter(layers)),
+                )
         return layers
 
 
@@ -116,7 +146,7 @@ class LayerwisePruningMethod(PruningMethod):
         )
         return Stats(
             meta={
-                "layers": reports,
+                "layers": [asdict(report) for report in reports],  # JSON, so Stats.save works
                 "seconds": time.perf_counter() - start,
                 "peak_state_bytes": loop.peak_state_bytes,
                 "nsamples": int(data.shape[0]),
@@ -125,11 +155,34 @@ class LayerwisePruningMethod(PruningMethod):
         )
 
     def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:
+        """The report of what :meth:`calibrate` did. The stats hold no weights, so ``model``
+        must be the model that was calibrated: a layer with more nonzero weights than the
+        stats say were kept is refused rather than reported as pruned."""
+        layers = [LayerReport.from_dict(layer) for layer in stats.meta["layers"]]
+        _check_pruned(model, layers, self.name)
         return CompressionReport(
             self.name,
             self.config.to_dict(),
-            layers=list(stats.meta["layers"]),
+            layers=layers,
             seconds=stats.meta["seconds"],
             model_params=count_params(model),
             extra={k: stats.meta[k] for k in ("peak_state_bytes", "nsamples", "seq_len")},
         )
+
+
+@torch.no_grad()
+def _check_pruned(model: nn.Module, layers: list[LayerReport], method: str) -> None:
+    for layer in layers:
+        try:
+            module = model.get_submodule(layer.name)
+        except AttributeError:
+            raise ConfigError(f"{method} stats name {layer.name}, which this model lacks") from None
+        if not is_linear(module):
+            continue
+        nonzero = int(torch.count_nonzero(weight_matrix(module)))
+        if nonzero > layer.params_kept:
+            raise ConfigError(
+                f"{method} prunes during calibrate(); its stats describe that model, but "
+                f"{layer.name} here has {nonzero} nonzero weights > {layer.params_kept} kept: "
+                "apply the stats to the calibrated model"
+            )

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from lmcompress.errors import ConfigError
 from lmcompress.methods.pruning import CalibratedPruningConfig
+
+HessianDtype = Literal["float32", "float64"]
 
 
 @dataclass(frozen=True)
@@ -18,7 +20,9 @@ class SparseGPTConfig(CalibratedPruningConfig):
     update_weights: bool = field(
         default=True, metadata={"help": "reconstruct the kept weights (off: the mask only)"}
     )
-    hessian_dtype: str = field(default="float32", metadata={"help": "float32 or float64"})
+    hessian_dtype: HessianDtype = field(
+        default="float32", metadata={"help": "dtype the Hessian is accumulated and solved in"}
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -26,7 +30,3 @@ class SparseGPTConfig(CalibratedPruningConfig):
             raise ConfigError(f"blocksize must be at least 1, got {self.blocksize}")
         if not 0 <= self.percdamp < 1:
             raise ConfigError(f"percdamp must lie in [0, 1), got {self.percdamp}")
-        if self.hessian_dtype not in ("float32", "float64"):
-            raise ConfigError(
-                f"hessian_dtype must be float32 or float64, got {self.hessian_dtype!r}"
-            )
