@@ -86,6 +86,19 @@ def _additive_mask(
     return mask[..., :k_len]
 
 
+def _upcast_scores(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """GPT-2's ``reorder_and_upcast_attn`` scores: float32, autocast off, the scale applied
+    inside ``baddbmm`` (as GPT-2 does, so the rounding is the same). (B, H, Tq, Tk)"""
+    b, h, q_len, d = query.shape
+    k_len = key.shape[2]
+    with torch.autocast(query.device.type, enabled=False):
+        out = torch.empty(b * h, q_len, k_len, dtype=torch.float32, device=query.device)
+        q = query.reshape(-1, q_len, d).float()  # (B·H, Tq, D)
+        k = key.transpose(-1, -2).reshape(-1, d, k_len).float()  # (B·H, D, Tk)
+        out = torch.baddbmm(out, q, k, beta=0, alpha=scaling)
+    return out.reshape(b, h, q_len, k_len)
+
+
 def eager_attention(
     module: nn.Module,
     query: torch.Tensor,  # (B, H, Tq, D)
@@ -112,7 +125,7 @@ def eager_attention(
     # GPT-2 keeps its own rules (the only family whose attention has this attribute).
     gpt2_style = hasattr(module, "reorder_and_upcast_attn")
     if gpt2_style and module.reorder_and_upcast_attn:
-        scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scaling
+        scores = _upcast_scores(query, key, scaling)
     else:
         scores = torch.matmul(query, key.transpose(-1, -2)) * scaling  # (B, H, Tq, Tk)
     if softcap is not None:
