@@ -1,16 +1,81 @@
-"""compressor.memory: glibc's mmap threshold and malloc_trim, where glibc is the allocator."""
+"""compressor.memory: glibc's mmap threshold and malloc_trim do what memory.py promises, measured
+through glibc's own accounting (mallinfo2) and the process's resident set (/proc/self/statm)."""
 
+from __future__ import annotations
+
+import ctypes
+import os
 import platform
 
 import pytest
 
 from lmcompress.compressor import memory
 
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+MiB = 1 << 20
 
-@pytest.mark.skipif(platform.system() != "Linux" or not platform.libc_ver()[0], reason="glibc")
-def test_mallopt_and_trim_take_effect_under_glibc():
-    assert memory.set_mmap_threshold(1 << 20) is True
-    assert isinstance(memory.release_free_memory(), bool)
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [  # glibc >= 2.33, malloc.h
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost",
+        )
+    ]  # fmt: skip
+
+
+def _libc():
+    libc = memory._glibc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        pytest.skip("needs glibc >= 2.33 (mallinfo2)")
+    libc.mallinfo2.restype = _Mallinfo2
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    return libc
+
+
+def _mmapped_bytes(libc) -> int:
+    return libc.mallinfo2().hblkhd  # bytes in chunks served by their own mmap
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc")
+def test_mmap_threshold_decides_which_allocations_get_their_own_mapping():
+    libc = _libc()
+    try:
+        for threshold, expect_mmapped in ((4 * MiB, False), (1 * MiB, True)):
+            assert memory.set_mmap_threshold(threshold) is True
+            before = _mmapped_bytes(libc)
+            block = libc.malloc(2 * MiB)  # between the two thresholds
+            assert block
+            grew = _mmapped_bytes(libc) - before
+            libc.free(block)
+            assert (grew >= 2 * MiB) == expect_mmapped, (threshold, grew)
+    finally:
+        memory.set_mmap_threshold(MiB)  # what the trainer sets; glibc's dynamic rule is gone
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc")
+def test_release_free_memory_returns_freed_heap_pages_to_the_system():
+    libc = _libc()
+    memory.set_mmap_threshold(MiB)  # 64 KiB blocks below it: served from the heap
+    blocks = [libc.malloc(64 * 1024) for _ in range(1024)]  # 64 MiB
+    assert all(blocks)
+    for block in blocks:
+        ctypes.memset(block, 1, 64 * 1024)  # make the pages resident
+    for block in blocks[:-1]:  # the last one pins the heap top: free() alone cannot trim
+        libc.free(block)
+    resident = _rss()
+    assert memory.release_free_memory() is True
+    released = resident - _rss()
+    libc.free(blocks[-1])
+    assert released > 32 * MiB, released
 
 
 def test_without_glibc_both_calls_are_harmless_no_ops(monkeypatch):

@@ -1,0 +1,148 @@
+"""The flag generator and the recipe round trip on toy configs: Literal choices, value types
+(Sparsity) and option groups (a nested dataclass whose fields are flat flags and recipe keys)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+import pytest
+
+from lmcompress.cli.flags import add_dataclass_flags, describe
+from lmcompress.compressor.config import MethodConfig, Sparsity, option_fields
+from lmcompress.errors import ConfigError
+
+Noise = Literal["exact", "pool"]
+
+
+@dataclass(frozen=True)
+class ToyTraining:
+    """Stands in for the shared ``TrainingOptions`` group."""
+
+    steps: int = field(default=100, metadata={"help": "optimiser steps"})
+    lr: float = field(default=2e-4, metadata={"help": "learning rate"})
+    tau: tuple[float, float] = field(default=(4.0, 0.05), metadata={"help": "START END"})
+    noise: Noise = field(default="exact", metadata={"help": "Gumbel noise"})
+
+
+@dataclass(frozen=True)
+class ToyConfig(MethodConfig):
+    method: ClassVar[str] = "toy"
+
+    sparsity: Sparsity = field(default=Sparsity(2, 4), metadata={"help": "target"})
+    training: ToyTraining = field(
+        default_factory=lambda: ToyTraining(steps=7), metadata={"help": "group"}
+    )
+    refit: Literal["none", "sparsegpt"] = field(default="none", metadata={"help": "re-fit"})
+    prior_from: str | None = field(default=None, metadata={"help": "a directory"})
+
+
+@dataclass(frozen=True)
+class ClashingConfig(MethodConfig):
+    method: ClassVar[str] = "clash"
+
+    steps: int = 3
+    training: ToyTraining = field(default_factory=ToyTraining)
+
+
+def _parse(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    names = add_dataclass_flags(parser, ToyConfig)
+    assert names == [o.name for o in option_fields(ToyConfig)]
+    return vars(parser.parse_args(argv))
+
+
+def test_group_fields_are_flat_flags_with_the_outer_default():
+    names = [o.name for o in option_fields(ToyConfig)]
+    assert names == [
+        "include", "exclude", "sparsity", "steps", "lr", "tau", "noise", "refit", "prior_from"
+    ]  # fmt: skip
+    steps = next(o for o in option_fields(ToyConfig) if o.name == "steps")
+    assert steps.path == ("training", "steps") and steps.default == 7  # the outer default wins
+    args = _parse(["--steps", "5", "--tau", "2", "0.1", "--noise", "pool", "--sparsity", "1:4"])
+    assert args == {"steps": 5, "tau": [2.0, 0.1], "noise": "pool", "sparsity": "1:4"}
+    config = ToyConfig.from_dict(args)
+    assert config.training == ToyTraining(steps=5, tau=(2.0, 0.1), noise="pool")
+    assert config.sparsity == Sparsity(1, 4)
+    assert ToyConfig.from_dict({"lr": 0.5}).training == ToyTraining(steps=7, lr=0.5)
+    assert ToyConfig.from_dict({}).training == ToyTraining(steps=7)
+
+
+def test_literal_annotations_become_choices():
+    with pytest.raises(argparse.ArgumentError, match="invalid choice: 'gauss'"):
+        _parse(["--noise", "gauss"])
+    with pytest.raises(argparse.ArgumentError, match="invalid choice: 'wanda'"):
+        _parse(["--refit", "wanda"])
+    assert _parse(["--refit", "sparsegpt"]) == {"refit": "sparsegpt"}
+    # constructed directly, the same Literal is the check (nested groups too)
+    with pytest.raises(ConfigError, match="refit must be one of none, sparsegpt, got 'x'"):
+        ToyConfig(refit="x")
+    with pytest.raises(ConfigError, match="noise must be one of exact, pool"):
+        ToyConfig.from_dict({"noise": "gauss"})
+
+
+def test_to_dict_is_flat_json_and_round_trips():
+    config = ToyConfig(sparsity="0.5", training=ToyTraining(steps=3, lr=1.0), refit="sparsegpt")
+    recipe = config.to_dict()
+    assert recipe == {
+        "method": "toy",
+        "include": [],
+        "exclude": [],
+        "sparsity": "0.5",
+        "steps": 3,
+        "lr": 1.0,
+        "tau": [4.0, 0.05],
+        "noise": "exact",
+        "refit": "sparsegpt",
+        "prior_from": None,
+    }
+    again = ToyConfig.from_dict(json.loads(json.dumps(recipe)))
+    assert again == config and isinstance(again.training.tau, tuple)
+
+
+def test_from_dict_accepts_a_nested_mapping_and_rejects_unknown_keys():
+    nested = ToyConfig.from_dict({"training": {"steps": 2, "tau": [1, 0.5]}, "refit": "none"})
+    assert nested.training == ToyTraining(steps=2, tau=(1, 0.5))
+    assert ToyConfig(training={"lr": 0.1}).training == ToyTraining(lr=0.1)  # mapping on init
+    with pytest.raises(ConfigError, match="unknown option.*: stepz"):
+        ToyConfig.from_dict({"stepz": 2})
+    with pytest.raises(ConfigError, match="unknown option.*: nope"):
+        ToyConfig.from_dict({"training": {"nope": 1}})
+    with pytest.raises(ConfigError, match="given twice"):
+        ToyConfig.from_dict({"training": {"steps": 2}, "steps": 3})
+
+
+def test_a_name_in_both_the_outer_config_and_a_group_is_refused():
+    with pytest.raises(TypeError, match="'steps' is defined twice"):
+        option_fields(ClashingConfig)
+    with pytest.raises(TypeError, match="'steps' is defined twice"):
+        ClashingConfig()
+
+
+def test_describe_lists_group_options_with_defaults_and_choices():
+    rows = {flag: (default, help_text) for flag, default, help_text in describe(ToyConfig)}
+    assert rows["--sparsity"] == ("'2:4'", "target")
+    assert rows["--steps"] == ("7", "optimiser steps")
+    assert rows["--noise"] == ("'exact'", "Gumbel noise [exact|pool]")
+    assert "--training" not in rows
+
+
+def test_help_shows_value_types_as_text_and_groups_by_default():
+    parser = argparse.ArgumentParser()
+    add_dataclass_flags(parser, ToyConfig)
+    text = parser.format_help()
+    assert "(default: 2:4)" in text and "--steps STEPS" in text and "{exact,pool}" in text
+    assert "(default: 4.0 0.05)" in text
+
+
+def test_every_registered_method_config_generates_flags():
+    from lmcompress.methods import METHODS
+
+    for method in METHODS.values():
+        parser = argparse.ArgumentParser()
+        names = add_dataclass_flags(parser, method.config_class)
+        assert names == [o.name for o in option_fields(method.config_class)]
+        default = method.config_class.from_dict({})
+        assert method.config_class.from_dict(default.to_dict()) == default
