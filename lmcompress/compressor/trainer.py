@@ -6,6 +6,12 @@ optional bf16 autocast, periodic evaluation, and checkpoints that make a killed 
 exactly the result of an uninterrupted one: the parameters, the optimiser moments, the step,
 the data order and the RNG state are saved (as safetensors + JSON; nothing is pickled).
 
+Data is any sequence of examples: token windows (an (N, L) tensor), or whatever the loss
+understands (a decoder block's captured inputs, ...). Micro-batch ``k`` of step ``s`` takes
+``batch_size`` examples from a seeded permutation, so the data order is a function of the step
+alone (what makes resuming exact). While ``fit`` runs only the trained parameters require
+gradients; every flag of the model is given back afterwards (``training.trainable_only``).
+
 Runs under ``accelerate`` (``accelerate launch --cpu --num_processes 2 ...``): each process
 takes every ``world_size``-th window of a batch and gradients are averaged across processes,
 by the trainer (data parallel) or by FSDP when the parameters are sharded ``DTensor`` s (see
@@ -18,12 +24,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import shutil
-import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +42,9 @@ from lmcompress.compressor.distributed import (
     full_tensor,
     shard_like,
 )
+from lmcompress.compressor.training import TrainingOptions, trainable_only
 from lmcompress.errors import ConfigError, LmcompressError
+from lmcompress.fsutil import atomic_dir
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +53,8 @@ CHECKPOINT = "trainer_state"
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """What determines the result of training (a checkpoint resumes only under the same)."""
+
     steps: int = 100
     lr: float = 2e-4
     batch_size: int = 1  # windows per micro-batch (per process)
@@ -74,6 +81,13 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
 
+    @classmethod
+    def from_options(cls, options: TrainingOptions, **overrides: Any) -> TrainConfig:
+        """The fields ``options`` shares by name, ``seed`` from ``train_seed``, then
+        ``overrides`` (e.g. a per-block seed, an mmap threshold)."""
+        shared = {f.name: getattr(options, f.name) for f in fields(cls) if hasattr(options, f.name)}
+        return cls(**{**shared, "seed": options.train_seed, **overrides})
+
 
 def cosine_lr(step: int, config: TrainConfig) -> float:
     """Learning rate at ``step``: linear warmup, then cosine decay to 0 at ``steps``."""
@@ -91,7 +105,7 @@ class TrainState:
 
 
 def batch_indices(step: int, micro: int, config: TrainConfig, n_windows: int) -> torch.Tensor:
-    """Window indices of micro-batch ``micro`` of ``step`` (before sharding across processes):
+    """Example indices of micro-batch ``micro`` of ``step`` (before sharding across processes):
     a seeded permutation per epoch, so the data position is a function of the step alone."""
     start = (step * config.grad_accum + micro) * config.batch_size
     epoch, offset = divmod(start, n_windows)
@@ -105,10 +119,22 @@ def batch_indices(step: int, micro: int, config: TrainConfig, n_windows: int) ->
     return idx
 
 
-class Trainer:
-    """Optimise ``params`` of ``model`` on token windows ``data`` (N, L).
+def default_collate(examples: Sequence | torch.Tensor, idx: torch.Tensor) -> Any:
+    """The examples at ``idx``: rows of a tensor as a tensor ((b, L) token ids), tensors
+    stacked, anything else as a list."""
+    if isinstance(examples, torch.Tensor):
+        return examples[idx]
+    items = [examples[i] for i in idx.tolist()]
+    if items and all(isinstance(item, torch.Tensor) for item in items):
+        return torch.stack(items)
+    return items
 
-    ``loss_fn(model, input_ids, step) -> (loss, logs)`` computes the loss of one micro-batch;
+
+class Trainer:
+    """Optimise ``params`` of ``model`` on a sequence of examples.
+
+    ``loss_fn(model, batch, step) -> (loss, logs)`` computes the loss of one micro-batch (by
+    default (b, L) token ids: see :func:`default_collate`, or give ``collate(examples, idx)``);
     ``before_step(step)`` sets schedules (temperatures, ...) before it; ``evaluate(step) ->
     dict`` scores the model (e.g. the hard-mask perplexity).
     """
@@ -118,15 +144,17 @@ class Trainer:
         model: nn.Module,
         params: dict[str, nn.Parameter],
         config: TrainConfig,
-        loss_fn: Callable[[nn.Module, torch.Tensor, int], tuple[torch.Tensor, dict[str, float]]],
+        loss_fn: Callable[[nn.Module, Any, int], tuple[torch.Tensor, dict[str, float]]],
         before_step: Callable[[int], dict[str, float]] | None = None,
         evaluate: Callable[[int], dict[str, float]] | None = None,
         checkpoint_dir: str | Path | None = None,
         accelerator: Any = None,
         desc: str = "train",
         leave: bool = True,
+        collate: Callable[[Sequence | torch.Tensor, torch.Tensor], Any] = default_collate,
     ) -> None:
         self.model, self.params, self.config = model, params, config
+        self.collate = collate
         self.desc, self.leave = desc, leave  # progress bar label; keep it when done
         self.loss_fn, self.before_step, self.evaluate = loss_fn, before_step, evaluate
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
@@ -160,15 +188,10 @@ class Trainer:
         if self._is_main():
             tensors = {k: v.cpu().contiguous() for k, v in tensors.items()}
             tensors["rng.torch"] = torch.get_rng_state()
-            target = self.checkpoint_dir / CHECKPOINT
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=".trainer-", dir=target.parent))
-            save_file(tensors, str(tmp / "state.safetensors"))
-            meta = {"state": asdict(self.state), "config": asdict(self.config)}
-            (tmp / "state.json").write_text(json.dumps(meta))
-            if target.exists():
-                shutil.rmtree(target)
-            os.replace(tmp, target)
+            with atomic_dir(self.checkpoint_dir / CHECKPOINT) as tmp:
+                save_file(tensors, str(tmp / "state.safetensors"))
+                meta = {"state": asdict(self.state), "config": asdict(self.config)}
+                (tmp / "state.json").write_text(json.dumps(meta))
         barrier()  # no process reads or rewrites the checkpoint before it is complete
 
     def load_checkpoint(self) -> bool:
@@ -209,19 +232,25 @@ class Trainer:
         return self.accelerator is None or self.accelerator.is_main_process
 
     def fit(
-        self, data: torch.Tensor, resume: bool = False, stop_after: int | None = None
+        self,
+        data: Sequence | torch.Tensor | Iterable,
+        resume: bool = False,
+        stop_after: int | None = None,
     ) -> TrainState:
-        """Train until ``config.steps`` (or ``stop_after`` steps of this call: for tests of
-        interrupted runs). With ``resume``, continue from the last checkpoint if there is one."""
+        """Train on ``data`` until ``config.steps`` (or ``stop_after`` steps of this call: for
+        tests of interrupted runs). With ``resume``, continue from the last checkpoint if there
+        is one. ``data``: a sequence of examples (an iterable is read into a list first: the
+        order must be a function of the step)."""
         config = self.config
+        if not isinstance(data, (torch.Tensor, Sequence)):
+            data = list(data)
+        if len(data) == 0:
+            raise ConfigError("nothing to train on: no examples")
         if resume:
             self.load_checkpoint()
         if config.mmap_threshold:  # and return what earlier work (a prior, loading) left free
             memory.set_mmap_threshold(config.mmap_threshold)
             memory.release_free_memory()
-        world = self.accelerator.num_processes if self.accelerator else 1
-        rank = self.accelerator.process_index if self.accelerator else 0
-        device = next(self.model.parameters()).device
         done_here = 0
         bar = tqdm(
             total=config.steps,
@@ -231,50 +260,66 @@ class Trainer:
             leave=self.leave,
             disable=not self._is_main(),
         )
-        while self.state.step < config.steps and (stop_after is None or done_here < stop_after):
-            step = self.state.step
-            logs = dict(self.before_step(step)) if self.before_step else {}
-            lr = cosine_lr(step, config)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            start = time.perf_counter()
-            total = 0.0
-            for micro in range(config.grad_accum):
-                idx = batch_indices(step, micro, config, data.shape[0])
-                ids = data[idx[rank::world]].to(device)  # this process's share
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
-                    loss, micro_logs = self.loss_fn(self.model, ids, step)
-                scaled = loss / config.grad_accum
-                if self.accelerator is not None:
-                    self.accelerator.backward(scaled)
-                else:
-                    scaled.backward()
-                total += float(loss.detach()) / config.grad_accum
-                for key, value in micro_logs.items():
-                    logs[key] = logs.get(key, 0.0) + value / config.grad_accum
-            if self.accelerator is not None:
-                average_gradients(self.params.values())
-            norm = torch.nn.utils.clip_grad_norm_(list(self.params.values()), config.grad_clip)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.state.step += 1
-            done_here += 1
-            logs.update(
-                step=self.state.step,
-                loss=total,
-                lr=lr,
-                grad_norm=float(full_tensor(norm)),
-                seconds=time.perf_counter() - start,
-            )
-            self.state.history.append(logs)
-            bar.update(1)
-            bar.set_postfix(
-                {k: f"{v:.3g}" for k, v in logs.items() if k in ("loss", "tau", "kappa", "flipped")}
-            )
-            at_eval = config.eval_every and self.state.step % config.eval_every == 0
-            if self.evaluate and (at_eval or self.state.step == config.steps):
-                self.state.evals.append({"step": self.state.step, **self.evaluate(self.state.step)})
-            if config.checkpoint_every and self.state.step % config.checkpoint_every == 0:
-                self.save_checkpoint()
+        with trainable_only(self.model, self.params.values()):
+            while self.state.step < config.steps and (stop_after is None or done_here < stop_after):
+                logs = self._step(data)
+                done_here += 1
+                bar.update(1)
+                bar.set_postfix(
+                    {
+                        k: f"{v:.3g}"
+                        for k, v in logs.items()
+                        if k in ("loss", "tau", "kappa", "flipped")
+                    }
+                )
+                at_eval = config.eval_every and self.state.step % config.eval_every == 0
+                if self.evaluate and (at_eval or self.state.step == config.steps):
+                    evals = self.evaluate(self.state.step)
+                    self.state.evals.append({"step": self.state.step, **evals})
+                if config.checkpoint_every and self.state.step % config.checkpoint_every == 0:
+                    self.save_checkpoint()
         bar.close()
         return self.state
+
+    def _step(self, data: Sequence | torch.Tensor) -> dict[str, Any]:
+        """One optimiser step (``grad_accum`` micro-batches); returns its log entry."""
+        config, step = self.config, self.state.step
+        world = self.accelerator.num_processes if self.accelerator else 1
+        rank = self.accelerator.process_index if self.accelerator else 0
+        device = next(self.model.parameters()).device
+        logs = dict(self.before_step(step)) if self.before_step else {}
+        lr = cosine_lr(step, config)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        start = time.perf_counter()
+        total = 0.0
+        for micro in range(config.grad_accum):
+            idx = batch_indices(step, micro, config, len(data))
+            batch = self.collate(data, idx[rank::world])  # this process's share
+            if isinstance(batch, torch.Tensor):
+                batch = batch.to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
+                loss, micro_logs = self.loss_fn(self.model, batch, step)
+            scaled = loss / config.grad_accum
+            if self.accelerator is not None:
+                self.accelerator.backward(scaled)
+            else:
+                scaled.backward()
+            total += float(loss.detach()) / config.grad_accum
+            for key, value in micro_logs.items():
+                logs[key] = logs.get(key, 0.0) + value / config.grad_accum
+        if self.accelerator is not None:
+            average_gradients(self.params.values())
+        norm = torch.nn.utils.clip_grad_norm_(list(self.params.values()), config.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.step += 1
+        logs.update(
+            step=self.state.step,
+            loss=total,
+            lr=lr,
+            grad_norm=float(full_tensor(norm)),
+            seconds=time.perf_counter() - start,
+        )
+        self.state.history.append(logs)
+        return logs

@@ -10,10 +10,10 @@ from tqdm.auto import tqdm
 
 from lmcompress.compressor.method import Stats
 from lmcompress.compressor.report import CompressionReport
-from lmcompress.compressor.sparsity import mask_from_scores
 from lmcompress.compressor.surgery import weight_matrix
 from lmcompress.methods.common import count_params, prune_layer_
 from lmcompress.methods.magnitude.config import MagnitudeConfig
+from lmcompress.methods.magnitude.prior import magnitude_mask
 from lmcompress.methods.pruning import PruningMethod
 
 
@@ -33,7 +33,7 @@ class Magnitude(PruningMethod):
         for name, module in tqdm(layers.items(), desc="magnitude", unit="layer"):
             layer_start = time.perf_counter()
             sparsity = self.config.sparsity_of(name)
-            keep = mask_from_scores(weight_matrix(module).detach().abs(), sparsity)
+            keep = magnitude_mask(weight_matrix(module).detach(), None, sparsity)
             report.layers.append(prune_layer_(name, module, keep, sparsity, layer_start))
         report.seconds = time.perf_counter() - start
         return report

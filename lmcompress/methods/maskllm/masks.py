@@ -21,8 +21,13 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
+from typing import Literal, get_args
 
 import torch
+
+# Where the Gumbel noise comes from: fresh samples, or windows of a pre-drawn pool.
+Noise = Literal["exact", "pool"]
+NOISES: tuple[str, ...] = get_args(Noise)
 
 
 def candidate_patterns(n: int, m: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -209,7 +214,7 @@ def replayable_noise(
         pool = shared_gumbel_pool()
         offset = int(torch.randint(pool.size, ()))
         return lambda: pool.sample(shape, device=device, dtype=dtype, offset=offset)
-    raise ValueError(f"noise must be 'exact' or 'pool', got {source!r}")
+    raise ValueError(f"noise must be one of {NOISES}, got {source!r}")
 
 
 class _ReplayedSoftMask(torch.autograd.Function):

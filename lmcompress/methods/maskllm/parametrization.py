@@ -16,6 +16,7 @@ from torch import nn
 
 from lmcompress.methods.maskllm.masks import (
     MASK_FLOOR,
+    NOISES,
     candidate_patterns,
     gumbel_noise,
     hard_mask,
@@ -24,8 +25,6 @@ from lmcompress.methods.maskllm.masks import (
     soft_mask,
     soft_mask_replayed,
 )
-
-NOISE_SOURCES = ("exact", "pool")
 
 
 class LearnableNMMask(nn.Module):
@@ -57,7 +56,7 @@ class LearnableNMMask(nn.Module):
             return gumbel_noise(shape, device=device)
         if self.noise == "pool":
             return pooled_gumbel_noise(shape, device=device, dtype=self.logits.dtype)
-        raise ValueError(f"noise must be one of {NOISE_SOURCES}, got {self.noise!r}")
+        raise ValueError(f"noise must be one of {NOISES}, got {self.noise!r}")
 
     def mask(self) -> torch.Tensor:
         """The current mask, (out, in): the argmax candidate if ``hard``; otherwise a Gumbel
@@ -65,8 +64,8 @@ class LearnableNMMask(nn.Module):
         if self.hard:
             groups = hard_mask(self.logits, self.candidates)
         elif self.recompute:
-            if self.noise not in NOISE_SOURCES:
-                raise ValueError(f"noise must be one of {NOISE_SOURCES}, got {self.noise!r}")
+            if self.noise not in NOISES:
+                raise ValueError(f"noise must be one of {NOISES}, got {self.noise!r}")
             noise_fn = replayable_noise(
                 self.noise, self.logits.shape, self.logits.device, self.logits.dtype
             )

@@ -240,6 +240,18 @@ def sparsegpt_prune(
     return Wt.T.contiguous().to(W.dtype), keep
 
 
+def sparsegpt_mask(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    sparsity: Sparsity,
+    blocksize: int = 128,
+    percdamp: float = 0.01,
+) -> torch.Tensor:
+    """Keep-mask (bool, (out, in)) that SparseGPT selects for ``W`` given the Hessian ``H``:
+    "SparseGPT without weight update", MaskLLM's default prior (see :func:`sparsegpt_prune`)."""
+    return sparsegpt_prune(W, H, sparsity, blocksize, percdamp, update_weights=False)[1]
+
+
 @torch.no_grad()
 def reconstruction_error(W: torch.Tensor, W_new: torch.Tensor, X: torch.Tensor) -> float:
     """Relative output error ``‖X W_newᵀ − X Wᵀ‖_F / ‖X Wᵀ‖_F`` on inputs X (..., in)."""

@@ -1,0 +1,106 @@
+"""What every learned method (MaskLLM, subnetwork extraction) shares about *how* it trains.
+
+``TrainingOptions`` is nested in a learned method's config as ``training`` (its fields stay
+flat flags and flat recipe keys: ``--steps``, ``{"steps": 100}``); :func:`flat_training_options`
+lets the config be built with the same flat keywords (``MaskLLMConfig(steps=8, lr=0.05)``).
+The trainer's result-determining hyperparameters (``trainer.TrainConfig``) are derived from it
+by ``TrainConfig.from_options``, never copied by hand. :func:`trainable_only` is how the trainer
+freezes everything but the trained parameters and gives every flag back afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmcompress.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TrainingOptions:
+    """Optimiser steps, batches, evaluation, checkpoints and processes of a learned method."""
+
+    steps: int = field(default=100, metadata={"help": "optimiser steps"})
+    lr: float = field(default=2e-4, metadata={"help": "peak learning rate (cosine schedule)"})
+    batch_size: int = field(default=1, metadata={"help": "windows per micro-batch"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per step"})
+    warmup_steps: int = field(default=0, metadata={"help": "linear lr warmup before the cosine"})
+    eval_windows: int = field(default=2, metadata={"help": "held-out windows for hard-mask ppl"})
+    eval_every: int = field(default=0, metadata={"help": "evaluate every N steps (0: at the end)"})
+    checkpoint_dir: str | None = field(default=None, metadata={"help": "where to checkpoint"})
+    checkpoint_every: int = field(default=0, metadata={"help": "checkpoint every N steps"})
+    resume: bool = field(default=False, metadata={"help": "continue from checkpoint_dir"})
+    train_seed: int = field(default=0, metadata={"help": "seed of data order, init and noise"})
+    bf16: bool = field(
+        default=False,
+        metadata={"help": "bf16 autocast in forward/backward (trained parameters stay fp32)"},
+    )
+    fsdp: bool = field(
+        default=False,
+        metadata={
+            "help": "under accelerate launch with several processes: shard the trained "
+            "parameters, their gradients and AdamW moments over the processes (FSDP2) instead "
+            "of replicating them (data parallel)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be positive, got {self.lr}")
+        for name in ("warmup_steps", "eval_windows", "eval_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.resume and not self.checkpoint_dir:
+            raise ConfigError("--resume needs --checkpoint-dir")
+
+
+TRAINING_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingOptions))
+
+
+def flat_training_options(cls: type) -> type:
+    """Class decorator for a config dataclass with a ``training: TrainingOptions`` field: its
+    constructor (hence ``dataclasses.replace``) also takes the training fields as flat keywords,
+    which override those of ``training``. Recipes and flags speak flat keys too (``MethodConfig``
+    flattens option groups); the config still holds one source, ``config.training``."""
+    if "training" not in {f.name for f in dataclasses.fields(cls)}:
+        raise TypeError(f"{cls.__name__} has no 'training' field")
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, training: TrainingOptions | None = None, **kwargs: Any) -> None:
+        flat = {k: kwargs.pop(k) for k in list(kwargs) if k in TRAINING_FIELDS}
+        training = training if training is not None else TrainingOptions()
+        if not isinstance(training, TrainingOptions):
+            raise ConfigError(f"training must be TrainingOptions, got {type(training).__name__}")
+        init(self, *args, training=dataclasses.replace(training, **flat), **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+@contextlib.contextmanager
+def trainable_only(model: nn.Module, params: Iterable[torch.Tensor]) -> Iterator[None]:
+    """``requires_grad`` on ``params`` only while the block runs (every other parameter of
+    ``model`` frozen), then every parameter's flag as it was, also after an error: a model
+    that came with frozen parameters leaves training with the same ones frozen."""
+    params = list(params)
+    before = {id(p): (p, p.requires_grad) for p in [*model.parameters(), *params]}
+    try:
+        for p, _ in before.values():
+            p.requires_grad_(False)
+        for p in params:
+            p.requires_grad_(True)
+        yield
+    finally:
+        for p, flag in before.values():
+            p.requires_grad_(flag)

@@ -1,0 +1,156 @@
+"""What MaskLLM's end-to-end and block-wise drivers share: a layer's learnable mask, the τ/κ
+schedules the trainer applies before each step, the hard-mask evaluation, the argmax keep-mask,
+and re-fitting the kept weights under a fixed mask (SparseGPT's OBS updates)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from lmcompress.compressor import distributed
+from lmcompress.compressor.layerwise import compress_layerwise
+from lmcompress.compressor.report import LayerReport
+from lmcompress.compressor.surgery import add_parametrization, weight_matrix
+from lmcompress.evaluation.perplexity import perplexity
+from lmcompress.methods.common import prune_layer_
+from lmcompress.methods.maskllm.config import MaskLLMConfig
+from lmcompress.methods.maskllm.masks import (
+    candidate_patterns,
+    hard_mask,
+    init_logits,
+    linear_schedule,
+    prior_logits,
+)
+from lmcompress.methods.maskllm.parametrization import LearnableNMMask
+from lmcompress.methods.sparsegpt.method import output_error
+from lmcompress.methods.sparsegpt.solver import HessianAccumulator, sparsegpt_prune
+
+
+def new_mask(
+    config: MaskLLMConfig,
+    name: str,
+    module: nn.Module,
+    prior: torch.Tensor | None,
+    generator: torch.Generator,
+) -> LearnableNMMask:
+    """Logits N(0, init_std²) for ``module``'s groups, shifted by the prior keep-mask (if any),
+    as a parametrization of its weight."""
+    sparsity = config.sparsity_of(name)
+    W = weight_matrix(module)
+    candidates = candidate_patterns(sparsity.n, sparsity.m)
+    logits = init_logits(W.numel() // sparsity.m, len(candidates), config.init_std, generator)
+    if prior is not None:
+        logits = prior_logits(
+            logits, prior.reshape(-1, sparsity.m), candidates, config.prior_strength
+        )
+    mask = LearnableNMMask(
+        logits.to(W.device),
+        sparsity.n,
+        sparsity.m,
+        tuple(W.shape),
+        transposed=isinstance(module, Conv1D),
+    )
+    mask.noise = config.noise
+    add_parametrization(module, mask)
+    return mask
+
+
+def schedules(
+    config: MaskLLMConfig, masks: dict[str, LearnableNMMask], steps: int
+) -> Callable[[int], dict[str, float]]:
+    """``before_step(step)`` for the trainer: sets τ, κ and straight-through on every mask and
+    logs them with the fraction of groups whose argmax changed since the last step."""
+
+    def argmax(mask: LearnableNMMask) -> torch.Tensor:  # small ints: 1 byte for 2:4
+        small = torch.uint8 if mask.logits.shape[-1] <= 256 else torch.int32
+        # this process's groups only, under FSDP (the counts are summed over processes)
+        return distributed.local_tensor(mask.logits.detach()).argmax(-1).to(small)
+
+    last_argmax = {n: argmax(m) for n, m in masks.items()}
+
+    def before_step(step: int) -> dict[str, float]:
+        tau = linear_schedule(*config.tau, step, steps)
+        kappa = linear_schedule(*config.kappa, step, steps)
+        straight = step >= config.straight_through_from * steps and config.straight_through_from < 1
+        flipped = groups = 0
+        for name, mask in masks.items():
+            mask.tau, mask.kappa, mask.straight_through = tau, kappa, straight
+            current = argmax(mask)
+            flipped += int((current != last_argmax[name]).sum())
+            groups += current.numel()
+            last_argmax[name] = current
+        if any(distributed.is_sharded(m.logits) for m in masks.values()):
+            flipped, groups = distributed.all_reduce_sum([flipped, groups])
+        return {"tau": tau, "kappa": kappa, "flipped": flipped / max(groups, 1)}
+
+    return before_step
+
+
+def eval_hard(
+    model: nn.Module, eval_data: torch.Tensor | None, masks: Iterable[LearnableNMMask] = ()
+) -> dict[str, float]:
+    """Perplexity of the argmax masks on the held-out windows (``{}`` without any)."""
+    if eval_data is None:
+        return {}
+    masks = list(masks)
+    for mask in masks:
+        mask.hard = True
+    try:
+        result = perplexity(model, eval_data.flatten(), eval_data.shape[1], progress=False)
+    finally:
+        for mask in masks:
+            mask.hard = False
+    return {"hard_ppl": result.perplexity}
+
+
+def keep_mask(config: MaskLLMConfig, name: str, module: nn.Module, logits: torch.Tensor):
+    """The argmax keep-mask of ``logits``, bool (out, in)."""
+    sparsity = config.sparsity_of(name)
+    keep = hard_mask(logits.detach().cpu(), candidate_patterns(sparsity.n, sparsity.m))
+    return keep.reshape(weight_matrix(module).shape).bool()
+
+
+def hessian(_name: str, module: nn.Module) -> HessianAccumulator:
+    W = weight_matrix(module)
+    return HessianAccumulator(W.shape[1], device=W.device)
+
+
+@torch.no_grad()
+def refit_layer(
+    config: MaskLLMConfig, name: str, module: nn.Module, H: torch.Tensor, keep: torch.Tensor
+) -> LayerReport:
+    """SparseGPT's OBS updates with the mask fixed to ``keep``: re-fit the kept weights."""
+    start = time.perf_counter()
+    sparsity = config.sparsity_of(name)
+    W = weight_matrix(module).detach()
+    W_new, keep = sparsegpt_prune(W, H, sparsity, mask=keep.to(W.device))
+    error = output_error(W, W_new, H)
+    report = prune_layer_(name, module, keep, sparsity, start, new_weight=W_new)
+    report.rel_error, report.error_kind = error, "output"
+    return report
+
+
+def refit(
+    config: MaskLLMConfig,
+    model: nn.Module,
+    data: torch.Tensor,
+    layers: dict[str, nn.Module],
+    keeps: dict[str, torch.Tensor],
+    device: torch.device,
+) -> dict[str, float]:
+    """Re-fit every layer to its mask through the layer-wise loop (each block sees the
+    re-fitted blocks before it, as SparseGPT does). Returns relative output errors."""
+    reports, _ = compress_layerwise(
+        model,
+        data,
+        layers,
+        make_accumulator=hessian,
+        compress_layer=lambda n, m, acc: refit_layer(config, n, m, acc.H, keeps[n]),
+        device=device,
+        batch_size=8,
+    )
+    return {r.name: r.rel_error for r in reports}
