@@ -1,9 +1,11 @@
 """Dense vs magnitude pruning (2:4, 4:8, 50% unstructured) of SmolLM2-135M.
 
-    python benchmarks/magnitude.py [--eval-tokens 32768]
+    python -m benchmarks.magnitude [--eval-tokens 32768]
+    python -m benchmarks.magnitude --only dense "magnitude 2:4"   # rerun rows, merge them
+    python -m benchmarks.magnitude --render-only                  # redraw the md from the JSON
 
-Every configuration runs in its own process, so wall time and peak RSS are its own (model
-load, compression and evaluation of every corpus included). Writes
+Every row of ``JOBS`` runs as its own process (``benchmarks.runner``), so wall time and peak RSS
+are its own: model load, compression and evaluation of every corpus included. Writes
 ``benchmarks/results/magnitude.{json,md}``.
 """
 
@@ -11,15 +13,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, markdown_table, peak_rss_mb, run_child, write_results  # noqa: E402
+from benchmarks.render import (
+    add_harness_args,
+    markdown_table,
+    merge_rows,
+    previous_rows,
+    render_files,
+    select_jobs,
+    write_results,
+)
+from benchmarks.runner import PYTHON, STDOUT, Job, machine, run_job
 
+log = logging.getLogger(__name__)
+
+NAME = "magnitude"
 CORPORA = ("wiki-test", "lee")
-JOBS = [
+JOBS = [  # name, method (None: the dense model), sparsity
     {"name": "dense", "method": None},
     {"name": "magnitude 2:4", "method": "magnitude", "sparsity": "2:4"},
     {"name": "magnitude 4:8", "method": "magnitude", "sparsity": "4:8"},
@@ -27,7 +43,8 @@ JOBS = [
 ]
 
 
-def child(job: dict) -> dict:
+def child(job: dict[str, Any]) -> dict[str, Any]:
+    """One row, in its own process: load, compress (unless dense), score every corpus."""
     from lmcompress import compress
     from lmcompress.compressor.models import load_model
     from lmcompress.evaluation.corpora import tokenize
@@ -36,7 +53,7 @@ def child(job: dict) -> dict:
 
     start = time.perf_counter()
     model, tokenizer = load_model(job["checkpoint"])
-    result = {"name": job["name"]}
+    result: dict[str, Any] = {"name": job["name"]}
     if job["method"]:
         config = get_method(job["method"]).config_class(sparsity=job["sparsity"])
         report = compress(model, config)
@@ -46,30 +63,16 @@ def child(job: dict) -> dict:
         ids = tokenize(tokenizer, corpus, job["eval_tokens"] or None)
         result[corpus] = perplexity(model, ids, job["seq_len"], progress=False).to_dict()
     result["seconds"] = round(time.perf_counter() - start, 1)
-    result["peak_rss_mb"] = peak_rss_mb()
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", default="smollm2-135m")
-    parser.add_argument("--eval-tokens", type=int, default=32768, help="per corpus, 0 = all")
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "magnitude"))
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        print(json.dumps(child(json.loads(args.child))))
-        return
-    common = {
-        "checkpoint": args.checkpoint,
-        "eval_tokens": args.eval_tokens,
-        "seq_len": args.seq_len,
-    }
-    results = []
-    for job in JOBS:
-        print(f"running {job['name']} ...", file=sys.stderr)
-        results.append(run_child(Path(__file__), {**job, **common}))
+def make_job(spec: dict[str, Any], settings: dict[str, Any]) -> Job:
+    payload = json.dumps({**spec, **settings})
+    return Job(spec["name"], (PYTHON, "-m", "benchmarks.magnitude", "--child", payload), STDOUT)
+
+
+def render(payload: dict[str, Any]) -> str:
+    results, seq_len = payload["results"], payload["settings"]["seq_len"]
     rows = [
         [
             r["name"],
@@ -80,17 +83,43 @@ def main() -> None:
         for r in results
     ]
     tokens = ", ".join(f"{c} {results[0][c]['tokens']}" for c in CORPORA)
-    table = (
-        f"SmolLM2-135M, every linear in the decoder blocks, seq-len {args.seq_len}, "
-        f"scored tokens: {tokens}.\n\n"
-        + markdown_table(
-            ["model", *(f"{c} ppl" for c in CORPORA), "wall s (whole process)", "peak RSS MB"], rows
-        )
+    header = ["model", *(f"{c} ppl" for c in CORPORA), "wall s (whole process)", "peak RSS MB"]
+    return (
+        f"SmolLM2-135M, every linear in the decoder blocks, seq-len {seq_len}, "
+        f"scored tokens: {tokens}.\n\n" + markdown_table(header, rows)
     )
-    payload = {"settings": common, "machine": machine(), "results": results}
-    write_results(Path(args.out), payload, table)
-    print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", default="smollm2-135m")
+    parser.add_argument("--eval-tokens", type=int, default=32768, help="per corpus, 0 = all")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    add_harness_args(parser, "rerun just these rows (names as in the table, e.g. dense)")
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.render_only:
+        print(render_files(args.results_dir, NAME, render))
+        return 0
+    names = select_jobs(parser, [j["name"] for j in JOBS], args.only)
+    settings = {"checkpoint": args.checkpoint, "eval_tokens": args.eval_tokens}
+    settings["seq_len"] = args.seq_len
+    rows = previous_rows(args.results_dir, NAME, args.only)
+    work = args.work or Path(tempfile.mkdtemp(prefix="lmcompress-magnitude-"))
+    for spec in (j for j in JOBS if j["name"] in names):
+        run = run_job(make_job(spec, settings), work)
+        row = {**run.result, "peak_rss_mb": run.peak_rss_mb, "wall_seconds": run.wall_seconds}
+        log.info("%s: %s", spec["name"], {c: row[c]["perplexity"] for c in CORPORA})
+        rows = merge_rows(rows, [row], key=lambda r: r["name"], order=[j["name"] for j in JOBS])
+    payload = {"settings": settings, "machine": machine(), "results": rows}
+    print(write_results(args.results_dir, NAME, payload, render))
+    log.info("job logs in %s", work)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

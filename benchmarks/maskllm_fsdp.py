@@ -1,34 +1,49 @@
 """Memory per process of MaskLLM end-to-end training on SmolLM2-135M: one process, two processes
 data parallel, two processes FSDP (``--fsdp``), all under ``accelerate launch``.
 
-    python benchmarks/maskllm_fsdp.py            # the three runs -> results/maskllm_fsdp.{json,md}
-    python benchmarks/maskllm_fsdp.py --render-only   # rewrite the md from the json
+    python -m benchmarks.maskllm_fsdp                 # the three runs -> results/maskllm_fsdp.*
+    python -m benchmarks.maskllm_fsdp --only "2 processes, FSDP"   # rerun one, merge it
+    python -m benchmarks.maskllm_fsdp --render-only   # rewrite the md from the json
 
 Each run trains the 2:4 mask logits of every decoder linear for ``--steps`` steps of
 ``--batch-size`` windows of 512 tokens (split over the processes) from the magnitude prior (the
 prior is not what is measured) and records, per process: its peak RSS (``getrusage``), the
-number of mask logits it holds (its shard under FSDP), the seconds per step, and the final
+number of mask logits it holds (its shard under FSDP: the method reports it in
+``report.extra["trainable_elements_per_process"]``), the seconds per step, and the final
 logits' checksum (the three runs see the same data and noise, so they should learn the same
 logits up to float rounding). On CPU, ``accelerate launch --multi_gpu --num_processes 2``
 starts the two processes (see ``tests/methods/test_maskllm_distributed.py``); each gets one
 OpenMP thread from torchrun, so the one-process run is launched the same way for comparison.
+Each launch is one job of ``benchmarks.runner`` (its wall time); every process of it writes its
+own record, which is why the per-process numbers come from the processes themselves.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from common import ROOT, machine, markdown_table, peak_rss_mb, write_results  # noqa: E402
+from benchmarks.render import (
+    add_harness_args,
+    markdown_table,
+    merge_rows,
+    previous_rows,
+    render_files,
+    select_jobs,
+    write_results,
+)
+from benchmarks.runner import PYTHON, Job, machine, run_job
 
+log = logging.getLogger(__name__)
+
+NAME = "maskllm_fsdp"
 RUNS = [  # name, processes, extra MaskLLM options
     ("1 process", 1, {}),
     ("2 processes, data parallel", 2, {}),
@@ -36,25 +51,35 @@ RUNS = [  # name, processes, extra MaskLLM options
 ]
 
 
-def child(job: dict, out: Path) -> None:
-    """One process of a run (started by accelerate launch): train, then write its record."""
-    import torch
+def _count_shards_legacy(held: dict[str, int]) -> None:
+    """TEMPORARY, until MaskLLM reports ``report.extra["trainable_elements_per_process"]``
+    (issue 9): count the logits this process keeps by wrapping ``distributed.shard_modules``.
+    Only read when the report lacks the number; delete once it has it."""
+    from lmcompress.compressor import distributed
 
-    from lmcompress import MaskLLMConfig, compress
-    from lmcompress.compressor.models import load_model
-    from lmcompress.evaluation.corpora import calibration_windows, tokenize
-    from lmcompress.methods.maskllm import method as maskllm_method
+    shard = distributed.shard_modules
 
-    held = {}
-    shard = maskllm_method.distributed.shard_modules
-
-    def recording_shard(modules, device):  # note the share of the logits this process keeps
+    def recording_shard(modules, device):
         modules = list(modules)
         count = shard(modules, device)
         held["local"] = sum(m.logits.to_local().numel() for m in modules)
         return count
 
-    maskllm_method.distributed.shard_modules = recording_shard
+    distributed.shard_modules = recording_shard
+
+
+def child(job: dict, out: Path) -> None:
+    """One process of a run (started by accelerate launch): train, then write its record."""
+    import resource
+
+    import torch
+
+    from lmcompress import MaskLLMConfig, compress
+    from lmcompress.compressor.models import load_model
+    from lmcompress.evaluation.corpora import calibration_windows, tokenize
+
+    held: dict[str, int] = {}
+    _count_shards_legacy(held)
     model, tokenizer = load_model(job["checkpoint"])
     ids = tokenize(tokenizer, job["calib"])
     data = calibration_windows(ids, job["nsamples"], job["seq_len"], job["seed"])
@@ -73,11 +98,12 @@ def child(job: dict, out: Path) -> None:
     total = sum(t.numel() for t in stats.tensors.values())
     checksum = sum(float(t.double().abs().sum()) for t in stats.tensors.values())
     history = report.extra["loss_curve"]
+    local = report.extra.get("trainable_elements_per_process", held.get("local", total))
     record = {
         "rank": int(os.environ.get("RANK", "0")),
-        "peak_rss_mb": peak_rss_mb(),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "logits_total": total,
-        "logits_held": held.get("local", total),
+        "logits_held": local,
         "seconds": round(seconds, 1),
         "losses": [round(h["loss"], 4) for h in history],
         "logits_abs_sum": checksum,
@@ -86,42 +112,36 @@ def child(job: dict, out: Path) -> None:
     (out / f"rank{record['rank']}.json").write_text(json.dumps(record))
 
 
-def launch(name: str, processes: int, options: dict, args: argparse.Namespace) -> dict:
-    job = {
-        "checkpoint": args.checkpoint,
-        "calib": args.calib,
-        "nsamples": args.nsamples,
-        "seq_len": args.seq_len,
-        "seed": 0,
-        "steps": args.steps,
-        "batch_size": args.batch_size,
-        "options": options,
-    }
+def launch_job(name: str, processes: int, options: dict, settings: dict, out: Path) -> Job:
+    """``accelerate launch`` of this module's ``--child`` on ``processes`` CPU processes."""
+    job = {**{k: settings[k] for k in ("checkpoint", "calib", "nsamples", "seq_len")}, "seed": 0}
+    job.update(steps=settings["steps"], batch_size=settings["batch_size"], options=options)
+    accelerate = Path(PYTHON).parent / "accelerate"
+    mode = ["--multi_gpu"] if processes > 1 else ["--cpu"]
+    command = (
+        accelerate, "launch", *mode, "--num_processes", str(processes),
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "-m", "benchmarks.maskllm_fsdp", "--child", json.dumps(job), str(out),
+    )  # fmt: skip
+    return Job(name, command, env={"OMP_NUM_THREADS": "1"})
+
+
+def launch(name: str, processes: int, options: dict, settings: dict, work: Path) -> dict:
+    """One row: the launch's wall time, and the record every process wrote."""
     with tempfile.TemporaryDirectory() as tmp:
-        accelerate = Path(sys.executable).parent / "accelerate"
-        mode = ["--multi_gpu"] if processes > 1 else ["--cpu"]
-        command = [
-            str(accelerate), "launch", *mode, "--num_processes", str(processes),
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            __file__, "--child", json.dumps(job), tmp,
-        ]  # fmt: skip
-        env = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}
-        start = time.perf_counter()
-        proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
-        wall = time.perf_counter() - start
-        if proc.returncode != 0:
-            raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
+        run = run_job(launch_job(name, processes, options, settings, Path(tmp)), work)
         ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
     return {
         "name": name,
         "processes": processes,
         "options": options,
-        "wall_seconds": round(wall, 1),
+        "wall_seconds": run.wall_seconds,
         "ranks": ranks,
     }
 
 
-def table(rows: list[dict], settings: dict) -> str:
+def render(payload: dict[str, Any]) -> str:
+    rows, settings = payload["runs"], payload["settings"]
     header = [
         "run",
         "peak RSS MB per process",
@@ -152,7 +172,7 @@ def table(rows: list[dict], settings: dict) -> str:
     return intro + markdown_table(header, body)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", default="smollm2-135m")
@@ -161,27 +181,28 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=2, help="windows per step, in all")
-    parser.add_argument("--results-dir", default=str(HERE / "results"))
-    parser.add_argument("--render-only", action="store_true", help="rewrite the md from the json")
-    args = parser.parse_args()
-    stem = Path(args.results_dir) / "maskllm_fsdp"
-    if args.render_only:
-        payload = json.loads(stem.with_suffix(".json").read_text())
-        stem.with_suffix(".md").write_text(table(payload["runs"], payload["settings"]))
-        return 0
+    add_harness_args(parser, f"rerun just these runs, of: {'; '.join(n for n, _, _ in RUNS)}")
+    args = parser.parse_args(argv)
     if args.child:
         child(json.loads(args.child[0]), Path(args.child[1]))
         return 0
-    settings = {k: v for k, v in vars(args).items() if k not in ("child", "results_dir")}
-    rows = []
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.render_only:
+        print(render_files(args.results_dir, NAME, render))
+        return 0
+    names = select_jobs(parser, [name for name, _, _ in RUNS], args.only)
+    keys = ("checkpoint", "calib", "nsamples", "seq_len", "steps", "batch_size")
+    settings = {k: getattr(args, k) for k in keys}
+    rows = previous_rows(args.results_dir, NAME, args.only, field="runs")
+    work = args.work or Path(tempfile.mkdtemp(prefix="lmcompress-fsdp-"))
     for name, processes, options in RUNS:
-        print(f"{name} ...", flush=True)
-        rows.append(launch(name, processes, options, args))
-        print(json.dumps(rows[-1]), flush=True)
+        if name in names:
+            row = launch(name, processes, options, settings, work)
+            log.info("%s", json.dumps(row))
+            rows = merge_rows(rows, [row], key=lambda r: r["name"], order=[n for n, _, _ in RUNS])
     payload = {"settings": settings, "machine": machine(), "runs": rows,
                "finished": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
-    write_results(stem, payload, table(rows, settings))
-    print(table(rows, settings))
+    print(write_results(args.results_dir, NAME, payload, render))
     return 0
 
 

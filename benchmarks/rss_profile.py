@@ -3,11 +3,16 @@ every 50 ms, and print the peak with the stack that was running at it, the RSS p
 when the compressed model is evaluated — the bytes of live tensors next to the RSS (the gap is
 memory the allocator keeps but nobody uses).
 
-    python benchmarks/rss_profile.py COMPRESS-MODEL ARGS...
-    MALLOC_MMAP_THRESHOLD_=1048576 python benchmarks/rss_profile.py ...   # glibc's knob, to compare
+    python -m benchmarks.rss_profile COMPRESS-MODEL ARGS...
+    MALLOC_MMAP_THRESHOLD_=1048576 python -m benchmarks.rss_profile ...   # glibc's knob, compare
 
-A diagnostic, not a benchmark: it prints to stderr and writes no results file. It produced the
-numbers in ``lmcompress/compressor/memory.py``'s docstring (3-step MaskLLM, magnitude prior).
+A diagnostic, not a benchmark, and deliberately outside the benchmark harness: it prints to
+stderr, writes no results file, and must run the CLI in its own process (the sampler thread
+reads this process's RSS and the main thread's stack; the tensor census needs this process's
+objects). For the same reason it wraps ``lmcompress.pipeline.evaluate`` to take the census at
+the start of the evaluation: an instrument of this script only, never used by a benchmark. It
+produced the numbers in ``lmcompress/compressor/memory.py``'s docstring (3-step MaskLLM,
+magnitude prior).
 """
 
 from __future__ import annotations

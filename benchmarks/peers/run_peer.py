@@ -3,12 +3,14 @@
 Run with OUR venv's python. It tokenizes the calibration corpus with our corpora code, draws
 the windows exactly as our pipeline does (``calibration_windows``, seeded), writes them to a
 safetensors file, then runs ``llmcompressor_prune.py`` in the peer venv (made by
-``setup_llmcompressor.sh``) under ``/usr/bin/time -v`` and writes
-``{"wall_seconds", "peak_rss_mb", "sparsity_check", "output"}`` to ``OUT/peer_run.json``.
-The pruned model (dense zeros) is saved in ``OUT`` itself, ready for ``lmcompress eval OUT``;
-the peer's log goes to ``OUT/peer.log``.
+``setup_llmcompressor.sh``) as one job of the benchmark runner (``benchmarks.runner``: its own
+process, wall time and peak RSS of that process alone, as GNU ``time -v`` measured them before)
+and writes ``{"wall_seconds", "peak_rss_mb", "sparsity_check", "output", ...}`` to
+``OUT/peer_run.json``. The pruned model (dense zeros) is saved in ``OUT`` itself, ready for
+``compress-model eval OUT``; the peer's stderr goes to ``OUT/peer.log``, its stdout
+(llm-compressor logs there; the last line is the check) to ``OUT/peer.out``.
 
-    python benchmarks/peers/run_peer.py --method sparsegpt --sparsity 2:4 --out out/peer-sgpt
+    python -m benchmarks.peers.run_peer --method sparsegpt --sparsity 2:4 --out out/peer-sgpt
 """
 
 from __future__ import annotations
@@ -17,14 +19,13 @@ import argparse
 import json
 import logging
 import os
-import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from safetensors.torch import save_file
 
+from benchmarks.runner import STDOUT, Job, run_job
 from lmcompress.compressor import models
 from lmcompress.evaluation.corpora import calibration_windows, tokenize
 
@@ -35,20 +36,6 @@ DEFAULT_VENV = HERE.parents[1] / ".venv-llmc"
 PRUNE_SCRIPT = HERE / "llmcompressor_prune.py"
 METHODS = ("wanda", "sparsegpt")
 SPARSITIES = ("2:4", "0.5")
-
-_WALL = re.compile(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)")
-_RSS = re.compile(r"Maximum resident set size \(kbytes\): (\d+)")
-
-
-def parse_time_v(text: str) -> tuple[float, float]:
-    """``(wall seconds, peak RSS in MiB)`` from GNU ``time -v`` output."""
-    wall, rss = _WALL.search(text), _RSS.search(text)
-    if wall is None or rss is None:
-        raise ValueError(f"not GNU time -v output: {text[-500:]!r}")
-    seconds = 0.0
-    for part in wall.group(1).split(":"):  # h:mm:ss or m:ss.ss
-        seconds = seconds * 60 + float(part)
-    return seconds, int(rss.group(1)) / 1024
 
 
 def model_dir(checkpoint: str) -> tuple[Path, object]:
@@ -89,39 +76,33 @@ def run_peer(
     windows = calibration_windows(tokenize(tokenizer, calib), nsamples, seq_len, seed)
 
     with tempfile.TemporaryDirectory() as tmp:
-        calib_file, time_file = Path(tmp, "calib.safetensors"), Path(tmp, "time.txt")
+        calib_file = Path(tmp, "calib.safetensors")
         save_file({"input_ids": windows.contiguous()}, calib_file)  # (nsamples, seq_len)
-        command = [
-            "/usr/bin/time", "-v", "-o", str(time_file), str(python), str(PRUNE_SCRIPT),
-            "--model", str(source), "--method", method, "--sparsity", sparsity,
-            "--calib", str(calib_file), "--output", str(out),
-        ]  # fmt: skip
-        log_file = out / "peer.log"
+        command = (
+            python, PRUNE_SCRIPT, "--model", source, "--method", method, "--sparsity", sparsity,
+            "--calib", calib_file, "--output", out,
+        )  # fmt: skip
         logger.info(
             "llm-compressor %s %s: %d x %d tokens of %s", method, sparsity, nsamples, seq_len, calib
         )
-        logger.info("pruned model -> %s (log: %s)", out, log_file)
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        with open(log_file, "w") as log:
-            proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-            log.write(proc.stdout)  # llm-compressor logs to stdout; its last line is the check
-        time_text = time_file.read_text() if time_file.is_file() else ""
+        logger.info("pruned model -> %s (log: %s)", out, out / "peer.log")
+        env = {"TOKENIZERS_PARALLELISM": "false"}
+        # check=False: a model that fails the check exits 1 but still prints the check
+        run = run_job(Job("peer", command, STDOUT, env, check=False), out)
 
-    lines = proc.stdout.strip().splitlines()
-    if not lines or not lines[-1].startswith("{") or not _RSS.search(time_text):
-        raise RuntimeError(f"the peer failed (exit {proc.returncode}); see {out / 'peer.log'}")
-    wall_seconds, peak_rss_mb = parse_time_v(time_text)
+    if not isinstance(run.result, dict):
+        raise RuntimeError(f"the peer failed (exit {run.returncode}); see {out / 'peer.log'}")
     record = {
-        "wall_seconds": round(wall_seconds, 1),
-        "peak_rss_mb": round(peak_rss_mb, 1),
-        "sparsity_check": json.loads(lines[-1]),
+        "wall_seconds": run.wall_seconds,
+        "peak_rss_mb": run.peak_rss_mb,
+        "sparsity_check": run.result,
         "output": str(out),
         "method": method,
         "sparsity": sparsity,
         "calibration": {"corpus": calib, "nsamples": nsamples, "seq_len": seq_len, "seed": seed},
     }
     (out / "peer_run.json").write_text(json.dumps(record, indent=2) + "\n")
-    if proc.returncode != 0 or not record["sparsity_check"].get("ok"):
+    if run.returncode != 0 or not record["sparsity_check"].get("ok"):
         raise RuntimeError(f"the peer's pruned model failed its check: {out / 'peer_run.json'}")
     return record
 

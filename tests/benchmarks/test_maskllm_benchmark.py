@@ -1,19 +1,14 @@
-"""The MaskLLM benchmark script (benchmarks/maskllm.py): parsing a ``compression.json``,
-merging rows, and rendering the table and the curves. No model runs."""
+"""The MaskLLM benchmark (benchmarks/maskllm.py, maskllm_results.py, maskllm_plot.py): parsing a
+``compression.json``, merging rows, and rendering the table and the curves. No model runs."""
 
 import copy
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-_BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(_BENCH))  # the script imports its sibling ``common``
-_SPEC = importlib.util.spec_from_file_location("maskllm_bench", _BENCH / "maskllm.py")
-bench = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(bench)
+from benchmarks import maskllm as bench
+from benchmarks import maskllm_plot
 
 SGPT_PPL = 50.0
 
@@ -142,9 +137,9 @@ def test_blockwise_curves_are_kept_and_concatenated():
     row, curves = bench.parse_manifest(manifest)
     assert row["blocks"] == 2 and "per block" in row["tokens_formula"]
     assert curves["blocks"]["block_curves"] == blocks
-    joined = bench.block_losses(curves)
+    joined = maskllm_plot.block_losses(curves)
     assert [e["block"] for e in joined] == [0, 0, 0, 1, 1, 1]
-    assert bench._xs(joined) == [1, 2, 3, 4, 5, 6]  # steps restart per block: global index
+    assert maskllm_plot._xs(joined) == [1, 2, 3, 4, 5, 6]  # steps restart per block: global index
 
 
 def test_merge_replaces_only_the_rerun_row():

@@ -1,40 +1,14 @@
-"""The llm-compressor peer runner (benchmarks/peers/run_peer.py).
+"""The llm-compressor peer runner (benchmarks/peers/run_peer.py; its wall time and peak RSS
+come from the benchmark runner, tested in test_runner.py).
 
 The end-to-end test needs the peer venv (``benchmarks/peers/setup_llmcompressor.sh``) and is
 skipped without it; the rest runs anywhere.
 """
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
+from benchmarks.peers import run_peer
 from lmcompress.compressor.models import load_model
-
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "peers" / "run_peer.py"
-_SPEC = importlib.util.spec_from_file_location("run_peer", _PATH)
-run_peer = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(run_peer)
-
-_TIME_V = """\
-\tCommand being timed: "python prune.py"
-\tElapsed (wall clock) time (h:mm:ss or m:ss): {wall}
-\tMaximum resident set size (kbytes): 2097152
-"""
-
-
-@pytest.mark.parametrize(
-    ("wall", "seconds"), [("0:00.50", 0.5), ("9:35.61", 575.61), ("1:02:03", 3723.0)]
-)
-def test_parse_time_v(wall, seconds):
-    parsed_seconds, rss_mb = run_peer.parse_time_v(_TIME_V.format(wall=wall))
-    assert parsed_seconds == pytest.approx(seconds)
-    assert rss_mb == 2048.0
-
-
-def test_parse_time_v_rejects_other_text():
-    with pytest.raises(ValueError, match="GNU time"):
-        run_peer.parse_time_v("real 0m1.0s")
 
 
 @pytest.mark.parametrize(("method", "sparsity"), [("magnitude", "2:4"), ("wanda", "0.7")])

@@ -1,0 +1,17 @@
+"""The scripts behind every number the README quotes, and their results (``results/``).
+
+Run each as a module from the repository root (``python -m benchmarks.pruning``). They share
+one job runner (``runner.py``: a process per job, its wall time, peak RSS and JSON result) and
+one renderer (``render.py``: the results JSON is the record, the md and PNG are drawn from it;
+every benchmark has ``--render-only``, ``--only`` and ``--results-dir``). Each benchmark module
+holds its job table and ``render(payload)``:
+
+- ``magnitude``: dense vs magnitude pruning;
+- ``pruning``: magnitude / Wanda / SparseGPT, ours next to llm-compressor (``peers/``);
+- ``maskllm`` (with ``maskllm_results``, ``maskllm_plot``): learned 2:4 masks;
+- ``maskllm_fsdp``: MaskLLM memory per process, data parallel vs FSDP.
+
+``rss_profile`` is a diagnostic, not a benchmark: it writes no results file.
+"""
+
+BENCHMARKS = ("magnitude", "pruning", "maskllm", "maskllm_fsdp")
