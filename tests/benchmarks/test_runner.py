@@ -83,4 +83,3 @@ def test_slug():
     assert slug("2 processes, FSDP") == "2-processes-FSDP"
     assert slug("magnitude 50%") == "magnitude-50"
     assert slug("eval sparsegpt:0.5") == "eval-sparsegpt-0.5"
-

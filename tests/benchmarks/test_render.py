@@ -1,0 +1,131 @@
+"""The benchmark renderer and the benchmarks' shared flags (benchmarks/render.py): every committed
+results file is regenerated from its JSON byte for byte, and ``--only`` merges rerun rows into
+the results file. No model runs (jobs are replaced by canned runs)."""
+
+import importlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from benchmarks import BENCHMARKS, magnitude, pruning
+from benchmarks.render import RESULTS_DIR, merge_rows
+from benchmarks.runner import Run
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_committed_markdown_is_rendered_from_its_json(name):
+    module = importlib.import_module(f"benchmarks.{name}")
+    payload = json.loads((RESULTS_DIR / f"{module.NAME}.json").read_text())
+    assert module.render(payload) == (RESULTS_DIR / f"{module.NAME}.md").read_text()
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_render_only_rewrites_the_md_and_png_and_nothing_else(tmp_path, name):
+    module = importlib.import_module(f"benchmarks.{name}")
+    shutil.copytree(RESULTS_DIR, tmp_path, dirs_exist_ok=True)
+    drawn = [f"{module.NAME}.md"] + ([f"{module.NAME}_curves.png"] if name == "maskllm" else [])
+    for file in drawn:
+        (tmp_path / file).unlink()
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    assert module.main(["--render-only", "--results-dir", str(tmp_path)]) == 0
+    after = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert sorted(set(after) - set(before)) == sorted(drawn)
+    assert all(after[f] == before[f] for f in before)  # the JSON files untouched
+    for file in drawn:  # the committed md (and PNG) again, byte for byte
+        assert after[file] == (RESULTS_DIR / file).read_bytes(), file
+
+
+def test_merge_rows_replaces_by_key_and_keeps_the_table_order():
+    def key(r):
+        return r["name"]
+
+    old = [{"name": "b", "v": 1}, {"name": "zz-retired", "v": 2}, {"name": "a", "v": 3}]
+    merged = merge_rows(old, [{"name": "b", "v": 9}], key=key, order=["a", "b", "c"])
+    assert merged == [{"name": "a", "v": 3}, {"name": "b", "v": 9}, {"name": "zz-retired", "v": 2}]
+
+
+def _canned(result, wall=12.5, rss=321.0):
+    def run_job(job, work):
+        return Run(job.name, wall, rss, 0, result(job), Path(work) / "x.out", Path(work) / "x.log")
+
+    return run_job
+
+
+def test_magnitude_only_reruns_one_row_and_keeps_the_others(tmp_path, monkeypatch):
+    shutil.copy(RESULTS_DIR / "magnitude.json", tmp_path)
+    old = json.loads((tmp_path / "magnitude.json").read_text())
+    ran = []
+
+    def result(job):
+        ran.append(job.name)
+        assert job.command[1:4] == ("-m", "benchmarks.magnitude", "--child")
+        spec = json.loads(job.command[4])
+        assert (spec["name"], spec["method"], spec["eval_tokens"]) == ("dense", None, 64)
+        ppl = {"perplexity": 42.0, "tokens": 64}
+        return {"name": "dense", "wiki-test": ppl, "lee": ppl, "seconds": 1.0}
+
+    monkeypatch.setattr(magnitude, "run_job", _canned(result))
+    monkeypatch.setattr(magnitude, "machine", lambda: {"cpu_count": 0})
+    argv = ["--only", "dense", "--eval-tokens", "64", "--results-dir", str(tmp_path)]
+    assert magnitude.main([*argv, "--work", str(tmp_path / "work")]) == 0
+
+    assert ran == ["dense"]
+    new = json.loads((tmp_path / "magnitude.json").read_text())
+    assert [r["name"] for r in new["results"]] == [r["name"] for r in old["results"]]
+    dense = new["results"][0]
+    assert (dense["wiki-test"]["perplexity"], dense["wall_seconds"], dense["peak_rss_mb"]) == (
+        42.0,
+        12.5,
+        321.0,
+    )
+    assert new["results"][1:] == old["results"][1:]
+    md = (tmp_path / "magnitude.md").read_text()
+    assert "| dense | 42.00 | 42.00 | 12.5 | 321.0 |" in md
+    assert "| magnitude 2:4 | 1160.35 |" in md
+
+
+def test_pruning_only_reruns_our_row_and_scores_its_output(tmp_path, monkeypatch):
+    shutil.copy(RESULTS_DIR / "pruning.json", tmp_path)
+    old = json.loads((tmp_path / "pruning.json").read_text())
+    ran = []
+
+    def result(job):
+        ran.append(job.name)
+        if job.name.startswith("eval "):
+            ppl = {"perplexity": 60.0, "tokens": 32704}
+            return {"perplexity": {"wiki-test": ppl, "lee": ppl}}
+        tail = job.command[3:]
+        assert tail[:5] == ("smollm2-135m", "--method", "sparsegpt", "--sparsity", "2:4")
+        return None
+
+    monkeypatch.setattr(pruning, "run_job", _canned(result))
+    monkeypatch.setattr(pruning, "machine", lambda: {"cpu_count": 0})
+    argv = ["--only", "lmcompress:sparsegpt:2:4", "--results-dir", str(tmp_path)]
+    assert pruning.main(argv) == 0
+
+    assert ran == ["lmcompress:sparsegpt:2:4", "eval lmcompress:sparsegpt:2:4"]
+    new = json.loads((tmp_path / "pruning.json").read_text())
+    assert [pruning.row_name(r) for r in new["results"]] == [
+        pruning.row_name(r) for r in old["results"]
+    ]
+    pairs = zip(old["results"], new["results"], strict=True)
+    changed = [i for i, (a, b) in enumerate(pairs) if a != b]
+    assert changed == [4]
+    row = new["results"][4]
+    assert (row["wall_seconds"], row["ppl"]["wiki-test"]["perplexity"]) == (12.5, 60.0)
+    # its ratio column now compares with the peer's row, which was kept
+    assert (
+        "| sparsegpt | 2:4 | lmcompress | 60.00 | 60.00 | 12.5 | 321.0 | 0.919 |"
+        in (tmp_path / "pruning.md").read_text()
+    )
+
+
+@pytest.mark.parametrize("module", [magnitude, pruning])
+def test_only_rejects_an_unknown_job_before_running_anything(tmp_path, module, monkeypatch):
+    monkeypatch.setattr(module, "run_job", _canned(lambda _job: pytest.fail("ran")))
+    with pytest.raises(SystemExit):
+        module.main(["--only", "no-such-job", "--results-dir", str(tmp_path)])
+    assert not list(tmp_path.iterdir())
