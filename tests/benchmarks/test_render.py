@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import BENCHMARKS, magnitude, pruning
+from benchmarks import BENCHMARKS, magnitude, maskllm_fsdp, pruning
 from benchmarks.render import RESULTS_DIR, merge_rows
 from benchmarks.runner import Run
 
@@ -129,3 +129,36 @@ def test_only_rejects_an_unknown_job_before_running_anything(tmp_path, module, m
     with pytest.raises(SystemExit):
         module.main(["--only", "no-such-job", "--results-dir", str(tmp_path)])
     assert not list(tmp_path.iterdir())
+
+
+def test_fsdp_only_launches_the_module_and_reads_every_process_record(tmp_path, monkeypatch):
+    shutil.copy(RESULTS_DIR / "maskllm_fsdp.json", tmp_path)
+    old = json.loads((tmp_path / "maskllm_fsdp.json").read_text())
+
+    def result(job):
+        command = [str(part) for part in job.command]
+        assert command[1] == "launch" and command[command.index("--num_processes") + 1] == "2"
+        assert command[command.index("-m") + 1] == "benchmarks.maskllm_fsdp"
+        assert json.loads(command[-2])["options"] == {"fsdp": True}
+        assert job.env == {"OMP_NUM_THREADS": "1"}
+        for rank in (0, 1):  # what each process of the launch writes
+            record = {"rank": rank, "peak_rss_mb": 100.0 + rank, "logits_held": 5, "seconds": 2}
+            record.update(losses=[1.0, 0.5], logits_abs_sum=3.0)
+            Path(command[-1], f"rank{rank}.json").write_text(json.dumps(record))
+        return None
+
+    monkeypatch.setattr(maskllm_fsdp, "run_job", _canned(result))
+    monkeypatch.setattr(maskllm_fsdp, "machine", lambda: {"cpu_count": 0})
+    argv = ["--only", "2 processes, FSDP", "--results-dir", str(tmp_path)]
+    assert maskllm_fsdp.main(argv) == 0
+
+    new = json.loads((tmp_path / "maskllm_fsdp.json").read_text())
+    assert new["runs"][:2] == old["runs"][:2]
+    fsdp = new["runs"][2]
+    assert (fsdp["name"], fsdp["wall_seconds"], [r["rank"] for r in fsdp["ranks"]]) == (
+        "2 processes, FSDP",
+        12.5,
+        [0, 1],
+    )
+    md = (tmp_path / "maskllm_fsdp.md").read_text()
+    assert "| 2 processes, FSDP | 100 / 101 | 5 / 5 | 2 | 1.000 0.500 | 3 |" in md
