@@ -51,23 +51,6 @@ RUNS = [  # name, processes, extra MaskLLM options
 ]
 
 
-def _count_shards_legacy(held: dict[str, int]) -> None:
-    """TEMPORARY, until MaskLLM reports ``report.extra["trainable_elements_per_process"]``
-    (issue 9): count the logits this process keeps by wrapping ``distributed.shard_modules``.
-    Only read when the report lacks the number; delete once it has it."""
-    from lmcompress.compressor import distributed
-
-    shard = distributed.shard_modules
-
-    def recording_shard(modules, device):
-        modules = list(modules)
-        count = shard(modules, device)
-        held["local"] = sum(m.logits.to_local().numel() for m in modules)
-        return count
-
-    distributed.shard_modules = recording_shard
-
-
 def child(job: dict, out: Path) -> None:
     """One process of a run (started by accelerate launch): train, then write its record."""
     import resource
@@ -78,8 +61,6 @@ def child(job: dict, out: Path) -> None:
     from lmcompress.compressor.models import load_model
     from lmcompress.evaluation.corpora import calibration_windows, tokenize
 
-    held: dict[str, int] = {}
-    _count_shards_legacy(held)
     model, tokenizer = load_model(job["checkpoint"])
     ids = tokenize(tokenizer, job["calib"])
     data = calibration_windows(ids, job["nsamples"], job["seq_len"], job["seed"])
@@ -98,12 +79,11 @@ def child(job: dict, out: Path) -> None:
     total = sum(t.numel() for t in stats.tensors.values())
     checksum = sum(float(t.double().abs().sum()) for t in stats.tensors.values())
     history = report.extra["loss_curve"]
-    local = report.extra.get("trainable_elements_per_process", held.get("local", total))
     record = {
         "rank": int(os.environ.get("RANK", "0")),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "logits_total": total,
-        "logits_held": local,
+        "logits_held": report.extra["trainable_elements_per_process"],
         "seconds": round(seconds, 1),
         "losses": [round(h["loss"], 4) for h in history],
         "logits_abs_sum": checksum,

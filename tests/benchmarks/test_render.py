@@ -162,3 +162,18 @@ def test_fsdp_only_launches_the_module_and_reads_every_process_record(tmp_path, 
     )
     md = (tmp_path / "maskllm_fsdp.md").read_text()
     assert "| 2 processes, FSDP | 100 / 101 | 5 / 5 | 2 | 1.000 0.500 | 3 |" in md
+
+
+def test_fsdp_child_records_what_the_report_says(tiny_checkpoint, tmp_path):
+    """One process of a launch, in process, on a tiny checkpoint: the logits it holds come from
+    ``report.extra`` (all of them without FSDP), its peak RSS and losses from the run."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    job = {"checkpoint": str(tiny_checkpoint), "calib": str(corpus), "nsamples": 4}
+    job.update(seq_len=16, seed=0, steps=2, batch_size=2, options={})
+    maskllm_fsdp.child(job, tmp_path)
+
+    record = json.loads((tmp_path / "rank0.json").read_text())
+    assert record["rank"] == 0 and len(record["losses"]) == 2
+    assert record["logits_held"] == record["logits_total"] > 0
+    assert record["peak_rss_mb"] > 0 and record["logits_abs_sum"] > 0
