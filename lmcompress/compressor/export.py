@@ -1,47 +1,50 @@
-"""Write and read compressed models.
+"""Write compressed models (reading them back is :mod:`lmcompress.compressor.load`).
 
-``save_compressed`` writes a directory that plain ``transformers`` loads as a normal model
-(pruned weights are stored as dense zeros), plus
+``save_compressed`` writes a directory with
 
-- ``compressed.safetensors``: the compressed forms, e.g. the packed N:M values and positions of
-  every pruned layer (``lmcompress.kernels.reference``), keyed ``<module>.<tensor>``;
-- ``compression.json``: method, config, report, package versions, format version, and for each
-  compressed layer how its tensors are encoded.
+- ``config.json`` + ``model.safetensors``: by default a dense copy that plain ``transformers``
+  loads as a normal model (pruned weights as zeros, factorised layers multiplied out); with
+  ``dense_copy=False`` only the parameters of the layers that are *not* compressed;
+- ``compressed.safetensors``: every compressed layer in its format's tensors, keyed
+  ``<module>.<tensor>`` (packed N:M values and positions, low-rank factors, ...);
+- ``compression.json``: method, config, report, package versions, format version, and per
+  compressed layer its ``format``, the ``meta`` that rebuilds it, and its tensor names.
 
-``load_compressed`` loads the dense model, then rebuilds every compressed layer from its
-compressed form, so the packed form is the source of truth and round-trips bit-exactly.
-Everything is written into a temporary sibling directory that is renamed at the end: a failed
-save leaves no half-written output.
+The stored form of a layer is chosen by name from the registry (``runtime.FORMATS``): a layer
+the method already replaced by a compressed module is stored as that module's tensors; a layer
+whose report names a format (``LayerReport.format``) is encoded with that format's
+``from_linear``. Everything is written into a temporary sibling directory that is renamed at
+the end (``fsutil.atomic_dir``): a failed save leaves no half-written output.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
-from lmcompress.compressor.config import parse_sparsity
-from lmcompress.compressor.models import load_model
-from lmcompress.compressor.report import CompressionReport, LayerReport
-from lmcompress.compressor.surgery import weight_matrix
-from lmcompress.errors import LmcompressError, ModelLoadError
-from lmcompress.kernels.reference import pack_nm, unpack_nm
+from lmcompress.compressor.load import (  # noqa: F401  (the on-disk layout; re-exported)
+    COMPRESSED_TENSORS,
+    DENSE_TENSORS,
+    FORMAT_VERSION,
+    MANIFEST,
+    STATS,
+    load_compressed,
+    read_manifest,
+    runtime_bytes,
+)
+from lmcompress.compressor.report import CompressionReport
+from lmcompress.compressor.runtime import CompressedLinear, format_class
+from lmcompress.compressor.surgery import replace_modules
+from lmcompress.errors import LmcompressError
+from lmcompress.fsutil import atomic_dir
 
 logger = logging.getLogger(__name__)
-
-FORMAT_VERSION = 1
-MANIFEST = "compression.json"
-COMPRESSED_TENSORS = "compressed.safetensors"
-STATS = "stats.safetensors"
 
 
 def _versions() -> dict[str, str]:
@@ -56,43 +59,6 @@ def _versions() -> dict[str, str]:
         "transformers": transformers.__version__,
         "safetensors": safetensors.__version__,
     }
-
-
-# --- per-layer formats --------------------------------------------------------------------
-# A format turns one compressed layer into tensors + JSON metadata and back. New compressed
-# forms (low-rank pairs, int8 + scales) add an encoder/decoder pair here.
-
-
-def _encode_layer(
-    module: nn.Module, layer: LayerReport, dtype: torch.dtype
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-    if layer.pattern is None or ":" not in layer.pattern:
-        return None  # unstructured: the dense zeros are the stored form
-    sparsity = parse_sparsity(layer.pattern)
-    values, indices = pack_nm(
-        weight_matrix(module).detach().to(dtype).cpu(), sparsity.n, sparsity.m
-    )
-    meta = {"format": "nm_packed", "n": sparsity.n, "m": sparsity.m, "shape": list(layer.shape)}
-    return {"values": values, "indices": indices}, meta
-
-
-@torch.no_grad()
-def _decode_layer(
-    module: nn.Module, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
-) -> None:
-    if meta.get("format") != "nm_packed":
-        raise ModelLoadError(f"unknown compressed format {meta.get('format')!r}")
-    out_features, in_features = meta["shape"]
-    dense = unpack_nm(tensors["values"], tensors["indices"], meta["n"], meta["m"], in_features)
-    target = weight_matrix(module)
-    if tuple(target.shape) != (out_features, in_features):
-        raise ModelLoadError(
-            f"compressed layer shape {meta['shape']} != model {list(target.shape)}"
-        )
-    target.copy_(dense.to(device=target.device, dtype=target.dtype))
-
-
-# --- save ---------------------------------------------------------------------------------
 
 
 def check_output_dir(out_dir: str | Path, overwrite: bool = False) -> None:
@@ -113,119 +79,121 @@ def save_compressed(
     overwrite: bool = False,
     extra: dict[str, Any] | None = None,
     stats: Any = None,
+    dense_copy: bool = True,
 ) -> Path:
     """Save ``model`` (compressed in place by ``report``'s method) to ``out_dir``.
 
     Args:
-        dtype: storage dtype of the weights and compressed values; ``None`` = the model's.
+        dtype: storage dtype of the weights and compressed tensors (floating ones only: packed
+            positions stay uint8); ``None`` = the model's. The model itself is not changed.
         overwrite: replace an existing non-empty ``out_dir`` (only once the new one is complete).
         extra: more JSON-serialisable results to record in ``compression.json`` (perplexities).
         stats: the method's :class:`Stats` (e.g. learned mask logits), saved as
             ``stats.safetensors`` when it holds tensors: for transfer and resuming.
+        dense_copy: also write the compressed layers' dense weights into ``model.safetensors``
+            so that plain ``transformers`` loads the directory. ``False`` writes only the
+            parameters of the layers that are not compressed (plus ``config.json``): a smaller
+            directory that only :func:`load_compressed` reads.
     """
     out_dir = Path(out_dir)
     check_output_dir(out_dir, overwrite)
     dtype = dtype or next(model.parameters()).dtype
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the output is an ordinary directory
-    try:
-        _write(model, tmp, report, tokenizer, dtype, extra or {})
+    compressed = compressed_modules(model, report)
+    with atomic_dir(out_dir) as tmp:
+        _write_weights(model, tmp, compressed, dtype, dense_copy)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        tensors: dict[str, torch.Tensor] = {}
+        layouts: dict[str, dict[str, Any]] = {}
+        for name, module in compressed.items():
+            layer_tensors = {key: _cast(t, dtype) for key, t in module.state_tensors().items()}
+            tensors.update({f"{name}.{key}": value for key, value in layer_tensors.items()})
+            layouts[name] = {
+                "format": module.format,
+                "meta": module.meta(),
+                "tensors": sorted(layer_tensors),
+            }
+        if tensors:
+            save_file(
+                tensors,
+                str(tmp / COMPRESSED_TENSORS),
+                metadata={"format_version": str(FORMAT_VERSION)},
+            )
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "method": report.method,
+            "config": report.config,
+            "dtype": str(dtype).removeprefix("torch."),
+            "dense_copy": dense_copy,
+            "versions": _versions(),
+            "compressed_layers": layouts,
+            "results": extra or {},
+            "report": report.to_dict(),
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         if stats is not None and stats.tensors:
             stats.save(tmp / STATS)
-        if out_dir.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.replace(out_dir, trash / "old")
-            os.replace(tmp, out_dir)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     logger.info("saved compressed model to %s", out_dir)
     return out_dir
 
 
-def _write(model, tmp: Path, report, tokenizer, dtype: torch.dtype, extra: dict) -> None:
-    model_dtype = next(model.parameters()).dtype
-    if dtype != model_dtype:
-        model.to(dtype)  # save_pretrained writes parameters in their own dtype
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-    finally:
-        if dtype != model_dtype:
-            model.to(model_dtype)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-
-    tensors: dict[str, torch.Tensor] = {}
-    layouts: dict[str, dict[str, Any]] = {}
-    for layer in report.layers:
-        encoded = _encode_layer(model.get_submodule(layer.name), layer, dtype)
-        if encoded is None:
-            continue
-        layer_tensors, meta = encoded
-        tensors.update({f"{layer.name}.{key}": value for key, value in layer_tensors.items()})
-        layouts[layer.name] = {**meta, "tensors": sorted(layer_tensors)}
-    if tensors:
-        save_file(
-            tensors, str(tmp / COMPRESSED_TENSORS), metadata={"format_version": str(FORMAT_VERSION)}
-        )
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "method": report.method,
-        "config": report.config,
-        "dtype": str(dtype).removeprefix("torch."),
-        "versions": _versions(),
-        "compressed_layers": layouts,
-        "results": extra,
-        "report": report.to_dict(),
+def compressed_modules(model: nn.Module, report: CompressionReport) -> dict[str, CompressedLinear]:
+    """``{name: compressed module}`` of every layer to store in a compressed format: the
+    :class:`CompressedLinear` modules in the model (a method that replaced the layer), and the
+    layers whose report names a format, encoded with that format's ``from_linear``."""
+    found = {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, CompressedLinear)
     }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    for layer in report.layers:
+        if layer.format is None or layer.name in found:
+            continue
+        module = model.get_submodule(layer.name)
+        found[layer.name] = format_class(layer.format).from_linear(module, **layer.format_options)
+    return found
 
 
-# --- load ---------------------------------------------------------------------------------
+def _write_weights(
+    model: nn.Module,
+    tmp: Path,
+    compressed: dict[str, CompressedLinear],
+    dtype: torch.dtype,
+    dense_copy: bool,
+) -> None:
+    """``config.json`` and ``model.safetensors`` in ``dtype``, through ``save_pretrained``.
 
-
-def read_manifest(out_dir: str | Path) -> dict[str, Any]:
-    path = Path(out_dir) / MANIFEST
-    if not path.is_file():
-        raise ModelLoadError(f"{out_dir} is not an lmcompress output directory (no {MANIFEST})")
+    For the dense copy, compressed modules standing in the model are swapped for their
+    ``to_dense()`` layers while the state dict is taken, and swapped back even on error.
+    """
+    in_model = {
+        name: module for name, module in compressed.items() if model.get_submodule(name) is module
+    }
+    swapped = {}
     try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ModelLoadError(f"{path} is not valid JSON: {err}") from None
-    version = manifest.get("format_version") if isinstance(manifest, dict) else None
-    if version != FORMAT_VERSION:
-        raise ModelLoadError(
-            f"{path}: unsupported format_version {version!r} (expected {FORMAT_VERSION})"
-        )
-    return manifest
+        if dense_copy:
+            swapped = replace_modules(model, in_model, lambda _, module: module.to_dense())
+            state = model.state_dict()
+        else:
+            skip = tuple(f"{name}." for name in compressed)
+            state = {k: v for k, v in model.state_dict().items() if not k.startswith(skip)}
+    finally:
+        replace_modules(model, swapped, lambda name, _: in_model[name])
+    cast: dict[tuple, torch.Tensor] = {}  # tied weights stay one tensor (saved once)
+    for key, value in state.items():
+        view = (value.untyped_storage().data_ptr(), value.storage_offset(), value.shape)
+        if view not in cast:
+            cast[view] = _cast(value, dtype)
+        state[key] = cast[view]
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
+    config_file = tmp / "config.json"  # save_pretrained records the model's dtype, not ours
+    config = json.loads(config_file.read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def load_compressed(
-    out_dir: str | Path, device: str | torch.device = "cpu"
-) -> tuple[nn.Module, Any, CompressionReport]:
-    """Load a directory written by :func:`save_compressed`: (model, tokenizer, report)."""
-    out_dir = Path(out_dir)
-    manifest = read_manifest(out_dir)
-    model, tokenizer = load_model(str(out_dir), dtype=manifest["dtype"], device=device)
-    layouts = manifest.get("compressed_layers", {})
-    if layouts:
-        try:
-            tensors = load_file(str(out_dir / COMPRESSED_TENSORS))
-        except (SafetensorError, OSError) as err:
-            raise ModelLoadError(f"cannot read {out_dir / COMPRESSED_TENSORS}: {err}") from None
-        for name, meta in layouts.items():
-            try:
-                module = model.get_submodule(name)
-                layer_tensors = {key: tensors[f"{name}.{key}"] for key in meta["tensors"]}
-            except (AttributeError, KeyError) as err:
-                raise ModelLoadError(
-                    f"{out_dir}: compressed layer {name} is incomplete ({err})"
-                ) from None
-            _decode_layer(module, layer_tensors, meta)
-    return model, tokenizer, CompressionReport.from_dict(manifest["report"])
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """On the CPU, in ``dtype`` if floating point (integer codes keep theirs); no copy when
+    nothing changes."""
+    target = dtype if tensor.is_floating_point() else tensor.dtype
+    return tensor.detach().to(device="cpu", dtype=target).contiguous()

@@ -36,7 +36,7 @@ def test_round_trip_is_bit_exact_and_plain_transformers_loads_it(tmp_path, model
     torch.testing.assert_close(plain(ids).logits, model(ids).logits, rtol=0, atol=0)
 
     manifest = json.loads((out / MANIFEST).read_text())
-    assert manifest["method"] == "magnitude" and manifest["format_version"] == 1
+    assert manifest["method"] == "magnitude" and manifest["format_version"] == 2
     assert set(manifest["versions"]) >= {"lmcompress", "torch", "transformers"}
     assert (out / COMPRESSED_TENSORS).exists() == (":" in sparsity)
 
