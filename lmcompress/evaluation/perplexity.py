@@ -6,6 +6,10 @@ and the mean next-token NLL over every predicted token is exponentiated. With ``
 seq_len`` windows overlap and each scores only the tokens the previous window did not (the
 Hugging Face sliding-window recipe). Families that need BOS (Gemma) get it at the start of every
 window, in place of the window's first token slot.
+
+The NLL is computed from the final hidden states a chunk of positions at a time
+(:func:`lmcompress.compressor.lm_loss.chunked_nll`): with a 262k-token vocabulary the whole
+batch's logits would be 2.1 GB at batch 4 x 512, and the peak now follows the chunk instead.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from lmcompress.compressor.lm_loss import IGNORE_INDEX, chunked_nll
 from lmcompress.errors import ConfigError, DataError
 
 
@@ -54,6 +59,7 @@ def perplexity(
     bos_token_id: int | None = None,
     max_tokens: int | None = None,
     progress: bool = True,
+    chunk_tokens: int | None = None,
 ) -> PerplexityResult:
     """Perplexity of ``model`` on 1-D ``token_ids``.
 
@@ -62,6 +68,8 @@ def perplexity(
         stride: step between window starts; ``None`` = ``seq_len`` (non-overlapping).
         bos_token_id: prepend this token to every window (families that need it).
         max_tokens: use only the first ``max_tokens`` tokens of the corpus (0/None = all).
+        chunk_tokens: positions whose logits exist at once (default: ~64 MB of them, see
+            :func:`lmcompress.compressor.lm_loss.default_chunk_tokens`).
     """
     if seq_len < 2:
         raise ConfigError(f"seq_len must be at least 2, got {seq_len}")
@@ -83,25 +91,19 @@ def perplexity(
     total_nll, total_tokens = 0.0, 0
     batches = range(0, len(spans), batch_size)
     for i in tqdm(batches, desc="perplexity", unit="batch", disable=not progress):
-        chunk = spans[i : i + batch_size]
-        inputs = torch.stack([ids[s:e] for s, e, _ in chunk])  # (B, body)
+        batch = spans[i : i + batch_size]
+        inputs = torch.stack([ids[s:e] for s, e, _ in batch])  # (B, body)
         if bos_token_id is not None:
             inputs = F.pad(inputs, (1, 0), value=bos_token_id)  # (B, seq_len)
         inputs = inputs.to(device)
-        logits = model(input_ids=inputs, use_cache=False).logits  # (B, T, V)
-        targets = inputs[:, 1:].clone()  # (B, T-1): position t predicts token t+1
+        labels = inputs.clone()  # (B, T): position t is scored on labels[:, t + 1]
         offset = bos_token_id is not None
-        for row, (_, _, first) in enumerate(chunk):
+        for row, (_, _, first) in enumerate(batch):
             # Tokens before `first` were scored by the previous window; the BOS is never a target.
-            targets[row, : max(first + offset - 1, 0)] = -100
-        nll = F.cross_entropy(
-            logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-            targets.reshape(-1),
-            ignore_index=-100,
-            reduction="sum",
-        )
+            labels[row, : first + offset] = IGNORE_INDEX
+        nll = chunked_nll(model, inputs, labels, chunk_tokens=chunk_tokens, reduction="sum")
         total_nll += float(nll)
-        total_tokens += int((targets != -100).sum())
+        total_tokens += int((labels[:, 1:] != IGNORE_INDEX).sum())
     mean_nll = total_nll / total_tokens
     return PerplexityResult(
         perplexity=math.exp(mean_nll),
