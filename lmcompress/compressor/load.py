@@ -131,6 +131,13 @@ def build_model(
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     dense = _DenseTensors(out_dir, device, model)
     layers = manifest["compressed_layers"]
+    for name in layers:
+        try:
+            model.get_submodule(name)
+        except AttributeError:
+            raise ModelLoadError(
+                f"{out_dir}: compressed layer {name} is not in the {config.model_type} model"
+            ) from None
     if layers:
         with _open(out_dir / COMPRESSED_TENSORS, device) as packed:
             replace_modules(
@@ -231,9 +238,7 @@ def _key_renaming(model: nn.Module):
         from transformers.core_model_loading import WeightRenaming, rename_source_key
     except ImportError:
         return lambda key: key
-    renamings = [
-        t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)
-    ]
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
     return lambda key: rename_source_key(key, renamings, [])[0]
 
 

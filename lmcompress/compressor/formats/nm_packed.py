@@ -57,9 +57,7 @@ class PackedNMLinear(CompressedLinear):
         W = weight_matrix(linear).detach()  # (out, in)
         values, indices = pack_nm(W, n, m)
         bias = linear.bias.detach().clone() if linear.bias is not None else None
-        return cls(
-            values, indices, n, m, W.shape[1], bias=bias, conv1d=isinstance(linear, Conv1D)
-        )
+        return cls(values, indices, n, m, W.shape[1], bias=bias, conv1d=isinstance(linear, Conv1D))
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         tensors = {"values": self.values, "indices": self.indices}
