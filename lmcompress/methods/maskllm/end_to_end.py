@@ -14,11 +14,11 @@ import logging
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
 from lmcompress.compressor import distributed, memory
+from lmcompress.compressor.lm_loss import distillation_losses, final_hidden, nll_from_hidden
 from lmcompress.compressor.method import Stats
 from lmcompress.compressor.surgery import weight_matrix
 from lmcompress.compressor.trainer import TrainConfig, Trainer
@@ -54,7 +54,8 @@ def prior_masks(
 
 def _loss_fn(config: MaskLLMConfig, masks: dict[str, LearnableNMMask], layers, total_mass):
     """``loss_fn(model, ids, step)`` for the trainer: LM loss minus the decaying sparse-weight
-    term, plus KL to the dense model's logits with ``distill``."""
+    term, plus KL(dense model || masked model) with ``distill``, both computed from the final
+    hidden states in chunks of positions (``compressor.lm_loss``)."""
     steps = config.training.steps
 
     def loss_fn(model: nn.Module, ids: torch.Tensor, step: int):
@@ -63,23 +64,23 @@ def _loss_fn(config: MaskLLMConfig, masks: dict[str, LearnableNMMask], layers, t
             with torch.no_grad():
                 for mask in masks.values():
                     mask.enabled = False
-                teacher = model(input_ids=ids, use_cache=False).logits
+                teacher = final_hidden(model, ids)  # (B, T, H)
                 for mask in masks.values():
                     mask.enabled = True
-        with parametrize.cached():  # one Gumbel sample per layer for forward and regulariser
-            out = model(input_ids=ids, labels=ids, use_cache=False)
+        # one Gumbel sample per layer for forward and regulariser; losses over the vocabulary
+        # a chunk of positions at a time (the (B, T, V) logits never exist whole)
+        with parametrize.cached():
+            hidden = final_hidden(model, ids)  # (B, T, H)
             reg = sum(weight_matrix(m).square().sum() for m in layers.values())
+            if teacher is None:
+                lm_loss, kl = nll_from_hidden(model, hidden, ids, reduction="mean"), None
+            else:
+                lm_loss, kl = distillation_losses(model, hidden, ids, teacher)
         if config.weight_reg_norm:
             reg = reg / total_mass
-        loss = out.loss - config.weight_reg * (1 - step / steps) * reg
-        logs = {"lm_loss": float(out.loss.detach()), "reg": float(reg.detach())}
-        if teacher is not None:
-            kl = F.kl_div(
-                F.log_softmax(out.logits.float(), -1).flatten(0, 1),
-                F.log_softmax(teacher.float(), -1).flatten(0, 1),
-                log_target=True,
-                reduction="batchmean",
-            )
+        loss = lm_loss - config.weight_reg * (1 - step / steps) * reg
+        logs = {"lm_loss": float(lm_loss.detach()), "reg": float(reg.detach())}
+        if kl is not None:
             loss = loss + kl
             logs["kl"] = float(kl.detach())
         return loss, logs
