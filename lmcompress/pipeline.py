@@ -54,6 +54,10 @@ class RunOptions:
     dtype: str = field(default="float32", metadata={"help": "compute dtype"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda, cuda:1, ..."})
     trust_remote_code: bool = field(default=False, metadata={"help": "run a checkpoint's code"})
+    dense_copy: bool = field(
+        default=True,
+        metadata={"help": "also write dense weights that plain transformers loads"},
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eval", tuple(self.eval))
@@ -140,6 +144,7 @@ def run(options: RunOptions, config: MethodConfig) -> dict[str, Any]:
             overwrite=options.overwrite,
             extra=results,
             stats=stats,  # learned tensors (MaskLLM's logits): for --prior-from and inspection
+            dense_copy=options.dense_copy,
         )
         results["output"] = options.output
     results["report"] = report
