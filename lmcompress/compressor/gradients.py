@@ -122,12 +122,12 @@ class _Collector:
         self.dtype = dtype
         self.recomputing = False  # True during backward: forwards then are checkpoint replays
         self.stats: dict[str, GradientStats] = {}
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, device=device, dtype=dtype)
+
         for name, module in layers.items():
             out_features, in_features = weight_matrix(module).shape
-
-            def zeros(*shape: int) -> torch.Tensor:
-                return torch.zeros(*shape, device=device, dtype=dtype)
-
             self.stats[name] = GradientStats(
                 name=name,
                 fisher=zeros(out_features, in_features) if fisher else None,
@@ -138,7 +138,10 @@ class _Collector:
     def on_forward(
         self, name: str, _module: nn.Module, inputs: tuple, output: torch.Tensor
     ) -> None:
-        if self.recomputing:  # a checkpointed block replayed in backward: already counted
+        # A forward inside backward is a non-reentrant checkpoint replaying a block: its inputs
+        # were counted, and the gradient reaches the first forward's output hook. (A model's own
+        # *reentrant* checkpointing would lose δ here; HF's is off in eval mode.)
+        if self.recomputing:
             return
         stats = self.stats[name]
         x = inputs[0].detach()

@@ -15,7 +15,7 @@ from lmcompress.compressor.gradients import (
     gradient_stats_tensors,
 )
 from lmcompress.compressor.method import Stats
-from lmcompress.compressor.surgery import LayerSelection, weight_matrix
+from lmcompress.compressor.surgery import LayerSelection, forward_hooks, weight_matrix
 from lmcompress.errors import ConfigError
 from tests.conftest import VOCAB, make_tiny_model
 
@@ -89,13 +89,8 @@ def test_kronecker_factors_match_autograd(family):
         def capture(name, _module, args, output, inputs=inputs, outputs=outputs):
             inputs[name], outputs[name] = args[0], output
 
-        handles = [
-            module.register_forward_hook(lambda m, a, o, n=name, c=capture: c(n, m, a, o))
-            for name, module in layers.items()
-        ]
-        loss = _loss(model, data[first : first + 2])
-        for handle in handles:
-            handle.remove()
+        with forward_hooks(layers, capture):
+            loss = _loss(model, data[first : first + 2])
         deltas = torch.autograd.grad(loss, [outputs[name] for name in names])
         for name, delta in zip(names, deltas, strict=True):
             x = inputs[name].reshape(-1, inputs[name].shape[-1])  # (tokens, in)
@@ -285,3 +280,17 @@ def test_bad_arguments_are_config_errors(change, message):
         kwargs["layers"] = {"model.norm": model.model.norm}
     with pytest.raises(ConfigError, match=message):
         gradient_statistics(model, kwargs.pop("data"), kwargs.pop("layers"), **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_accumulates_on_the_model_device():
+    model, layers, data = _setup("llama")
+    on_cpu = gradient_statistics(model, data, layers, progress=False, dtype=torch.float64)
+    model.cuda()
+    on_gpu = gradient_statistics(model, data, layers, progress=False, dtype=torch.float64)
+    for name in layers:
+        for key in ("fisher", "xx", "dd"):
+            value = getattr(on_gpu[name], key)
+            assert value.device.type == "cuda"
+            assert torch.allclose(value.cpu(), getattr(on_cpu[name], key), 1e-6, 1e-12), name
