@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import torch
 
-from lmcompress.api import compress
+from lmcompress.api import run_method
 from lmcompress.compressor import distributed
 from lmcompress.compressor.config import MethodConfig, check_choices
 from lmcompress.compressor.export import check_output_dir, save_compressed
@@ -122,7 +122,7 @@ def run(options: RunOptions, config: MethodConfig) -> dict[str, Any]:
     main = distributed.is_main_process()
     if not options.skip_dense and main:
         results["dense"] = evaluate(model, tokenizer, corpora, options)
-    report, stats = compress(model, config, calib, return_stats=True)
+    report, stats = run_method(method, model, calib, return_stats=True)  # validated above
     if not main:
         results.update(report=report, compressed={}, seconds=time.perf_counter() - start)
         return results

@@ -137,6 +137,21 @@ def test_methods_lists_options_generated_from_configs(capsys):
     assert main(["methods"]) == 0
     printed = capsys.readouterr().out
     assert "magnitude:" in printed and "--sparsity" in printed and "'2:4'" in printed
+    assert "[float32|float64]" in printed  # SparseGPT's hessian_dtype Literal
+
+
+def test_layer_sparsity_matching_no_layer_warns(tiny_checkpoint, corpus, tmp_path, caplog):
+    out = tmp_path / "out"
+    flags = ["--layer-sparsity", "nomatch.*=0.3", "*.q_proj=0.25", "--skip-dense", "-q"]
+    with caplog.at_level("WARNING", logger="lmcompress"):
+        assert main(_job(tiny_checkpoint, corpus, out, *flags)) == 0
+    warned = [r.getMessage() for r in caplog.records if "matches none" in r.getMessage()]
+    assert len(warned) == 1 and "nomatch.*=0.3" in warned[0], warned
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["config"]["layer_sparsity"] == ["nomatch.*=0.3", "*.q_proj=0.25"]
+    layers = manifest["report"]["layers"]
+    patterns = {layer["name"].rsplit(".", 1)[-1]: layer["pattern"] for layer in layers}
+    assert patterns["q_proj"] == "0.25" and patterns["k_proj"] == "2:4"
 
 
 def _bad(tmp_path, tiny_checkpoint, corpus):
@@ -182,7 +197,11 @@ def _bad(tmp_path, tiny_checkpoint, corpus):
         "missing recipe": ([good, "--config", str(tmp_path / "none.yaml")], "not found"),
         "unknown flag": ([good, "--sparsityy", "2:4"], "unrecognized arguments"),
         "zero seq-len": ([good, "--seq-len", "0"], "seq_len must be at least 1"),
-        "bad save dtype": ([good, "--save-dtype", "int3"], "save_dtype"),
+        "bad save dtype": ([good, "--save-dtype", "int3"], "invalid choice: 'int3'"),
+        "bad literal option": (
+            [good, "--method", "sparsegpt", "--hessian-dtype", "half"],
+            "argument --hessian-dtype: invalid choice: 'half' (choose from 'float32', 'float64')",
+        ),
     }
 
 
@@ -203,6 +222,7 @@ BAD = [
     "unknown flag",
     "zero seq-len",
     "bad save dtype",
+    "bad literal option",
 ]
 
 
