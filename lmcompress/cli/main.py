@@ -2,7 +2,7 @@
 
     compress-model [CHECKPOINT] --method magnitude --sparsity 2:4 -o OUT
     compress-model methods
-    compress-model eval CHECKPOINT_OR_OUT --data wiki-test
+    compress-model eval CHECKPOINT_OR_OUT --data wiki-test [--runtime packed|dense]
 
 User errors print one line and exit 2, leaving no output directory behind.
 """
@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -146,6 +147,12 @@ def _eval(argv: Sequence[str]) -> int:
     parser.add_argument("--eval-batch-size", type=int, default=4)
     parser.add_argument("--lm-eval-tasks", nargs="+", default=[])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--runtime",
+        choices=("packed", "dense"),
+        help="for a compress-model output: keep compressed layers in their compressed modules "
+        "(packed, the default) or rebuild plain dense layers (dense); ignored for checkpoints",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("-q", "--quiet", action="store_true")
     args = parser.parse_args(argv)
@@ -158,14 +165,29 @@ def _eval(argv: Sequence[str]) -> int:
         eval_batch_size=args.eval_batch_size,
         device=args.device,
     )
-    from lmcompress.compressor.export import MANIFEST, load_compressed
+    from lmcompress.compressor.export import (
+        MANIFEST,
+        load_compressed,
+        read_manifest,
+        runtime_bytes,
+    )
     from lmcompress.compressor.models import load_model
     from lmcompress.evaluation.corpora import tokenize
 
+    start = time.perf_counter()
+    load: dict[str, Any] = {}
     if (Path(args.checkpoint) / MANIFEST).is_file():
-        model, tokenizer, _ = load_compressed(args.checkpoint, device=args.device)
+        runtime = args.runtime or "packed"
+        model, tokenizer, _ = load_compressed(args.checkpoint, runtime=runtime, device=args.device)
+        names = list(read_manifest(args.checkpoint)["compressed_layers"])
+        load = {"runtime": runtime, **runtime_bytes(model, names)}
     else:
+        if args.runtime:
+            logging.getLogger(__name__).warning(
+                "--runtime %s ignored: %s is a plain checkpoint", args.runtime, args.checkpoint
+            )
         model, tokenizer = load_model(args.checkpoint, device=args.device)
+    load.update(seconds=round(time.perf_counter() - start, 3), peak_rss_mib=_peak_rss_mib())
     if tokenizer is None:
         raise LmcompressError(f"{args.checkpoint} has no tokenizer: cannot read text")
     corpora = {
@@ -176,17 +198,34 @@ def _eval(argv: Sequence[str]) -> int:
         from lmcompress.evaluation.lm_eval_adapter import run_lm_eval
 
         results["lm_eval"] = run_lm_eval(model, tokenizer, args.lm_eval_tasks)
+    results.update(load=load, peak_rss_mib=_peak_rss_mib())
     if args.json:
         print(json.dumps(results, indent=2))
-    else:
-        for corpus, res in results["perplexity"].items():
-            print(
-                f"{corpus}: perplexity {res['perplexity']:.3f} over {res['tokens']} tokens "
-                f"({res['seconds']:.1f} s)"
-            )
-        for name, metrics in results.get("lm_eval", {}).items():
-            print(f"lm-eval {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        return 0
+    if "runtime" in load:
+        ratio = load["ratio_to_dense_fp16"]
+        print(
+            f"{load['runtime']} runtime: {load['layers']} compressed layers hold "
+            f"{load['resident_bytes'] / 2**20:.1f} MiB"
+            + (f" ({ratio:.1%} of their dense fp16 bytes)" if ratio is not None else "")
+            + f"; peak RSS {load['peak_rss_mib']:.0f} MiB after loading"
+        )
+    for corpus, res in results["perplexity"].items():
+        print(
+            f"{corpus}: perplexity {res['perplexity']:.3f} over {res['tokens']} tokens "
+            f"({res['seconds']:.1f} s)"
+        )
+    for name, metrics in results.get("lm_eval", {}).items():
+        print(f"lm-eval {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
     return 0
+
+
+def _peak_rss_mib() -> float:
+    """Peak resident set size of this process so far (Linux reports KiB, macOS bytes)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)
 
 
 def _setup_logging(quiet: bool) -> None:

@@ -252,3 +252,32 @@ def test_torch_compile_of_a_packed_llama_matches_eager():
         eager = model(ids).logits
         compiled = torch.compile(model, fullgraph=True)(ids).logits
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_cli_eval_runtimes_agree_and_report_resident_bytes(
+    tmp_path, capsys, tiny_checkpoint, caplog
+):
+    from lmcompress.cli.main import main
+
+    _, report, out = _export(tmp_path, dtype=torch.float16)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(f"word{i} and some text {i}." for i in range(300)))
+    results = {}
+    for runtime in ("packed", "dense", None):
+        argv = ["eval", str(out), "--data", str(corpus), "--seq-len", "32", "--json", "-q"]
+        assert main([*argv, *(["--runtime", runtime] if runtime else [])]) == 0
+        results[runtime] = json.loads(capsys.readouterr().out)
+    ppl = {key: res["perplexity"][str(corpus)]["perplexity"] for key, res in results.items()}
+    assert ppl["packed"] == pytest.approx(ppl["dense"], rel=1e-5)
+    assert results[None]["load"]["runtime"] == "packed"  # the default for lmcompress outputs
+    packed, dense = results["packed"]["load"], results["dense"]["load"]
+    assert packed["layers"] == dense["layers"] == len(report.layers)
+    assert packed["ratio_to_dense_fp16"] == pytest.approx(0.5625)
+    assert dense["ratio_to_dense_fp16"] == pytest.approx(1.0)
+    assert 0 < packed["peak_rss_mib"] <= results["packed"]["peak_rss_mib"]
+
+    # A plain checkpoint has no runtime to choose: the flag is ignored with a warning.
+    argv = ["eval", str(tiny_checkpoint), "--data", str(corpus), "--seq-len", "32", "--json"]
+    assert main([*argv, "--runtime", "packed"]) == 0
+    assert "runtime" not in json.loads(capsys.readouterr().out)["load"]
+    assert "ignored" in caplog.text
