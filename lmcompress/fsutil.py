@@ -48,7 +48,11 @@ def atomic_dir(
             os.replace(tmp, target)
             shutil.rmtree(trash, ignore_errors=True)
         else:
-            os.replace(tmp, target)
+            try:
+                os.replace(tmp, target)
+            except OSError:  # another process renamed its copy in first: keep theirs
+                if not (keep_existing and target.is_dir()):
+                    raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
 
