@@ -16,6 +16,9 @@ pre-scales its queries and passes 1.0; GPT-2 folds ``scale_attn_weights`` and
 additive mask (sliding windows live in the mask), softmax in float32 cast back to the query
 dtype (GPT-2: softmax in the scores' dtype, cast to the value dtype; with
 ``reorder_and_upcast_attn`` the scores are computed in float32), dropout only in training.
+The softcap follows the family's call, not its config: Gemma2 passes ``softcap``; Gemma3
+(transformers 5.x) never passes its ``attn_logit_softcapping``, so its eager attention (and
+sdpa) run without one, and so does this function.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ _registered = False
 @dataclass(eq=False)
 class AttentionHook:
     """What one ``attention_hook`` block installed; ``name(module)`` is the attention module's
-    qualified name in the hooked model (for per-layer statistics keyed like everything else)."""
+    qualified name in the hooked model (for per-layer statistics keyed like everything else).
+    ``observe`` and ``transform`` are read at every call, so they may be set inside the block."""
 
     observe: ProbsObserver | None = None
     transform: ProbsTransform | None = None

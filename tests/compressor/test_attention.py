@@ -276,3 +276,19 @@ def test_dropout_only_in_training():
     kept = dropped != 0
     assert 0 < kept.sum() < kept.numel()
     _close(dropped[kept], 2 * plain[kept])  # inverted dropout: survivors scaled by 1/(1-p)
+
+
+@pytest.mark.parametrize("variant", ["llama", "gemma3_text", "gpt2", "gpt2-reorder-upcast"])
+def test_identity_hook_matches_eager_in_bfloat16(variant):
+    """Half precision shows the dtype rules (float32 softmax, GPT-2's float32 scores)."""
+    if variant in VARIANTS:
+        model = _from_config(VARIANTS[variant]())
+    else:
+        model = make_tiny_model(variant)
+    model = _eager(model.to(torch.bfloat16))
+    ids = _ids()
+    with torch.no_grad():
+        reference = model(ids).logits
+        with attention_hook(model):
+            hooked = model(ids).logits
+    assert torch.equal(hooked, reference)

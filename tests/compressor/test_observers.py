@@ -124,6 +124,22 @@ def test_observe_whole_block_output_takes_first_element(family):
     assert torch.equal(out_obs.absmax, in_obs.absmax)
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_observe_tuple_output_takes_first_element(family):
+    """Attention modules return (output, probabilities): the output is what is observed."""
+    model = make_tiny_model(family)
+    model.set_attn_implementation("eager")  # eager returns the probabilities as a tensor
+    attn, proj = {
+        "llama": ("model.layers.0.self_attn", "model.layers.0.self_attn.o_proj"),
+        "gpt2": ("transformer.h.0.attn", "transformer.h.0.attn.c_proj"),
+    }[family]
+    whole, last = AbsMaxObserver(per_channel=True), AbsMaxObserver(per_channel=True)
+    with torch.no_grad(), observe(model, {attn: whole, proj: last}, on="output"):
+        model(_ids())
+    assert whole.absmax.shape == (32,)
+    assert torch.equal(whole.absmax, last.absmax)
+
+
 def test_observe_input_given_as_keyword():
     model = torch.nn.Sequential(torch.nn.Linear(3, 2))
     x = torch.randn(5, 3)
