@@ -67,3 +67,31 @@ def test_smollm2_magnitude_2_4_end_to_end(tmp_path, capsys):
     dense_fp16 = sum(layer.params for layer in report.layers) * 2
     ratio = (half / COMPRESSED_TENSORS).stat().st_size / dense_fp16
     assert ratio <= 0.57, ratio
+
+
+def test_smollm2_2_4_packed_runtime_matches_dense_in_56_percent_of_the_bytes(tmp_path, capsys):
+    """Issue 9: a 2:4 export reloaded with runtime=packed holds the pruned linears in <= 0.6x
+    their dense fp16 bytes and scores the same perplexity as runtime=dense. Each eval runs in
+    its own process, so its peak RSS is that of the load and evaluation alone."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "mag-2of4"
+    argv = ["smollm2-135m", "--method", "magnitude", "--sparsity", "2:4", "--eval"]  # no eval
+    argv += ["--skip-dense", "--save-dtype", "bfloat16", "-o", str(out)]
+    assert main([*argv, "-q"]) == 0
+    capsys.readouterr()
+    results = {}
+    for runtime in ("packed", "dense"):
+        command = [sys.executable, "-m", "lmcompress.cli.main", "eval", str(out), "--json", "-q"]
+        command += ["--eval-tokens", "4096", "--runtime", runtime]
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        results[runtime] = json.loads(done.stdout)
+    ppl = {key: res["perplexity"]["wiki-test"]["perplexity"] for key, res in results.items()}
+    assert ppl["packed"] == pytest.approx(ppl["dense"], rel=1e-5)
+    packed, dense = results["packed"]["load"], results["dense"]["load"]
+    assert packed["layers"] == dense["layers"] == 210
+    assert packed["ratio_to_dense_fp16"] <= 0.6  # bf16 values + 2-bit positions: 0.5625
+    assert dense["ratio_to_dense_fp16"] == pytest.approx(1.0)
+    assert packed["peak_rss_mib"] < dense["peak_rss_mib"]  # after loading, before evaluating
+    print(json.dumps({key: {**res["load"], "ppl": ppl[key]} for key, res in results.items()}))

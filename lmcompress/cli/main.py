@@ -221,7 +221,18 @@ def _eval(argv: Sequence[str]) -> int:
 
 
 def _peak_rss_mib() -> float:
-    """Peak resident set size of this process so far (Linux reports KiB, macOS bytes)."""
+    """Peak resident set size of this process so far, in MiB.
+
+    On Linux this is ``VmHWM`` of the process's own address space: ``getrusage``'s
+    ``ru_maxrss`` survives ``execve``, so a process started by a large one (a test runner, a
+    benchmark driver) would report its parent's peak instead of its own.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 2**10, 1)  # kB
+    except OSError:
+        pass
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
