@@ -63,6 +63,9 @@ def atomic_file(target: str | Path, mode: str = "w", **open_kwargs) -> Iterator:
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; the output is an ordinary file
     try:
         with os.fdopen(fd, mode, **open_kwargs) as handle:
             yield handle
