@@ -2,9 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import FAMILY_NAMES, make_tiny_model
+from conftest import FAMILY_NAMES, make_tiny_model, peak_allocated_bytes
 from torch.nn.utils import parametrize
-from torch.profiler import ProfilerActivity, profile
 
 from lmcompress.compressor.lm_loss import (
     chunked_kl,
@@ -22,23 +21,6 @@ B, T = 3, 20  # 3 x 19 = 57 scored positions: no chunk size below divides it
 
 def _ids(seed: int = 0, vocab: int = 256) -> torch.Tensor:
     return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
-
-
-def peak_allocated_bytes(fn) -> int:
-    """Peak of the CPU allocator's live bytes while ``fn`` runs, above where it started.
-
-    The profiler reports every allocation and free of torch's CPU allocator (not just the
-    largest tensor), so the running sum is the live-bytes curve; the same calls always give the
-    same curve.
-    """
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -176,7 +158,9 @@ def test_chunked_kl_equals_kl_div_and_its_gradient(family):
     kl = chunked_kl(
         student, final_hidden(student, ids), teacher_hidden, teacher=teacher, chunk_tokens=7
     )
-    torch.testing.assert_close(kl, reference, rtol=1e-6, atol=0)
+    # a KL is a small difference of large log-probabilities: float32 summation order (thread
+    # count) moves it by ~1e-6 relative
+    torch.testing.assert_close(kl, reference, rtol=1e-5, atol=0)
     assert float(kl.detach()) > 1e-3  # two different models: a KL that is not trivially zero
     got = _grads(student, kl)
     assert expected.keys() == got.keys()
@@ -201,7 +185,7 @@ def test_distillation_losses_share_one_pass_and_match_both_terms():
         model, final_hidden(model, ids), ids, teacher_hidden, chunk_tokens=7
     )
     torch.testing.assert_close(nll, out.loss, rtol=1e-6, atol=0)
-    torch.testing.assert_close(kl, reference_kl, rtol=1e-6, atol=0)
+    torch.testing.assert_close(kl, reference_kl, rtol=1e-5, atol=0)  # see the KL test above
     got = _grads(model, nll + kl)
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-7)

@@ -4,8 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import FAMILY_NAMES, make_tiny_model
-from torch.profiler import ProfilerActivity, profile
+from conftest import FAMILY_NAMES, make_tiny_model, peak_allocated_bytes
 
 from lmcompress.errors import ConfigError, DataError
 from lmcompress.evaluation.perplexity import _windows, perplexity
@@ -162,23 +161,6 @@ def test_bos_is_prepended_to_every_window_and_never_scored():
 def test_bad_arguments(kwargs, error, message):
     with pytest.raises(error, match=message):
         perplexity(uniform_lm(5), torch.zeros(100, dtype=torch.long), **kwargs)
-
-
-def peak_allocated_bytes(fn) -> int:
-    """Peak of the CPU allocator's live bytes while ``fn`` runs, above where it started.
-
-    The profiler reports every allocation and free of torch's CPU allocator (not just the
-    largest tensor), so the running sum is the live-bytes curve; the same calls always give the
-    same curve.
-    """
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
 
 
 def test_peak_memory_follows_the_chunk_not_batch_times_sequence_times_vocabulary():
