@@ -9,9 +9,11 @@ holds its job table and ``render(payload)``:
 - ``magnitude``: dense vs magnitude pruning;
 - ``pruning``: magnitude / Wanda / SparseGPT, ours next to llm-compressor (``peers/``);
 - ``maskllm`` (with ``maskllm_results``, ``maskllm_plot``): learned 2:4 masks;
-- ``maskllm_fsdp``: MaskLLM memory per process, data parallel vs FSDP.
+- ``maskllm_fsdp``: MaskLLM memory per process, data parallel vs FSDP;
+- ``runtime``: compress, then reload in the packed and the dense runtime (bytes, RSS,
+  perplexity), and the README's main job from an empty cache.
 
 ``rss_profile`` is a diagnostic, not a benchmark: it writes no results file.
 """
 
-BENCHMARKS = ("magnitude", "pruning", "maskllm", "maskllm_fsdp")
+BENCHMARKS = ("magnitude", "pruning", "maskllm", "maskllm_fsdp", "runtime")
