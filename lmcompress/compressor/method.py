@@ -89,9 +89,12 @@ class Method:
         before any expensive work, so a bad option fails in seconds)."""
         return self.select(model)
 
-    def calibrate(self, model: nn.Module, data: torch.Tensor | None) -> Stats:
-        """Collect statistics on calibration token ids ``data`` of shape (nsamples, seq_len)."""
-        raise NotImplementedError
+    def calibrate(self, model: nn.Module, data: torch.Tensor | None) -> Stats:  # noqa: ARG002
+        """Collect statistics on calibration token ids ``data`` of shape (nsamples, seq_len).
+        A method that needs no calibration (``needs_calibration = False``) collects none."""
+        if self.needs_calibration:
+            raise NotImplementedError
+        return Stats()
 
     def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:
         """Compress ``model`` in place using ``stats``; return what was done."""

@@ -42,7 +42,7 @@ from lmcompress.compressor.distributed import (
     full_tensor,
     shard_like,
 )
-from lmcompress.compressor.training import TrainingOptions, trainable_only
+from lmcompress.compressor.training import TrainingOptions, check_counts, trainable_only
 from lmcompress.errors import ConfigError, LmcompressError
 from lmcompress.fsutil import atomic_dir
 
@@ -72,14 +72,7 @@ class TrainConfig:
     mmap_threshold: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "grad_accum"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.lr <= 0:
-            raise ConfigError(f"lr must be positive, got {self.lr}")
-        for name in ("warmup_steps", "eval_every", "checkpoint_every", "mmap_threshold"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        check_counts(self, non_negative=("eval_every", "checkpoint_every", "mmap_threshold"))
 
     @classmethod
     def from_options(cls, options: TrainingOptions, **overrides: Any) -> TrainConfig:

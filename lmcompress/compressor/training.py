@@ -52,16 +52,23 @@ class TrainingOptions:
     )
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "grad_accum"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.lr <= 0:
-            raise ConfigError(f"lr must be positive, got {self.lr}")
-        for name in ("warmup_steps", "eval_windows", "eval_every", "checkpoint_every"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        check_counts(self, non_negative=("eval_windows", "eval_every", "checkpoint_every"))
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("--resume needs --checkpoint-dir")
+
+
+def check_counts(options: Any, non_negative: tuple[str, ...] = ()) -> None:
+    """The checks every training config shares (``TrainingOptions``, the trainer's
+    ``TrainConfig``): steps, batch size and accumulation at least 1, a positive learning rate,
+    no negative warmup, plus the ``non_negative`` fields the config names."""
+    for name in ("steps", "batch_size", "grad_accum"):
+        if getattr(options, name) < 1:
+            raise ConfigError(f"{name} must be at least 1, got {getattr(options, name)}")
+    if options.lr <= 0:
+        raise ConfigError(f"lr must be positive, got {options.lr}")
+    for name in ("warmup_steps", *non_negative):
+        if getattr(options, name) < 0:
+            raise ConfigError(f"{name} must be >= 0, got {getattr(options, name)}")
 
 
 TRAINING_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingOptions))

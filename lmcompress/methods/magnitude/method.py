@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-import torch
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -20,9 +19,6 @@ from lmcompress.methods.pruning import PruningMethod
 class Magnitude(PruningMethod):
     config_class = MagnitudeConfig
     needs_calibration = False
-
-    def calibrate(self, model: nn.Module, data: torch.Tensor | None) -> Stats:  # noqa: ARG002
-        return Stats()
 
     def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:  # noqa: ARG002
         start = time.perf_counter()

@@ -30,9 +30,6 @@ class SVD(Method):
     config_class = SVDConfig
     needs_calibration = False
 
-    def calibrate(self, model: nn.Module, data: torch.Tensor | None) -> Stats:  # noqa: ARG002
-        return Stats()
-
     def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:  # noqa: ARG002
         start = time.perf_counter()
         layers = self.validate(model)
