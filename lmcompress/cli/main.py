@@ -4,7 +4,9 @@
     compress-model methods
     compress-model eval CHECKPOINT_OR_OUT --data wiki-test [--runtime packed|dense]
 
-User errors print one line and exit 2, leaving no output directory behind.
+Exit codes: 0 success; 2 a user error (one line on stderr, nothing written); 130 interrupted
+(Ctrl-C, SIGINT); 143 terminated (SIGTERM). An interrupted or terminated run cleans up what it
+was writing, exactly as on an error.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -22,6 +25,15 @@ from typing import Any, NoReturn
 from lmcompress.errors import ConfigError, LmcompressError
 
 PROG = "compress-model"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process was so that the same clean-up as for Ctrl-C runs
+    (temporary output directories removed, nothing half-written left behind)."""
+
+
+def _raise_terminated(signum: int, _frame: Any) -> NoReturn:
+    raise Terminated(signal.Signals(signum).name)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -255,14 +267,25 @@ COMMANDS = {"methods": _methods, "eval": _eval}
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = COMMANDS.get(argv[0]) if argv else None
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:  # not the main thread (main() called from a worker): leave it alone
+        previous = None
     try:
         return command(argv[1:]) if command else _compress(argv)
     except LmcompressError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
+    except Terminated:
+        print(f"{PROG}: terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
