@@ -3,16 +3,170 @@
 One helper for every writer in lmcompress (exported models, the model cache, trainer
 checkpoints, corpus caches): a run killed half-way leaves the old output (or none), never a
 partial one.
+
+A temporary sibling is named after its owner, ``.{name}.tmp-{pid}-{host}-XXXXXXXX`` (the
+trash of a replaced output ``.{name}.old-{pid}-{host}-XXXXXXXX``), so that what a killed run
+(SIGKILL, power loss) leaves behind can be told from what a running one is still writing:
+:func:`sweep_stale` removes the siblings whose process is gone, and every writer calls it
+before it starts. The host is in the name because a pid only means something on its own
+machine (a cache directory on a shared filesystem is written from several).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# A sibling whose owner cannot be checked (another host, or a name from before the owner was
+# recorded) counts as abandoned once nothing in it has been written for this long.
+UNCHECKABLE_STALE_AFTER_S = 3600.0
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux allows (``/proc``);
+    elsewhere set and restored at once (which races with other threads creating files)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    umask = os.umask(0o077)
+    os.umask(umask)
+    return umask
+
+
+def make_ordinary_(root: str | Path) -> None:
+    """Give ``root`` and everything under it the modes of ordinary new files and directories
+    (``0o666`` / ``0o777`` less the umask): ``mkdtemp``, ``mkstemp`` and safetensors'
+    ``save_file`` create private ones (0700 / 0600) that other users cannot read."""
+    umask = current_umask()
+    root = Path(root)
+    if not root.is_dir():
+        root.chmod(0o666 & ~umask)
+        return
+    root.chmod(0o777 & ~umask)
+    for parent, dirs, files in os.walk(root):
+        for name in dirs:
+            path = os.path.join(parent, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o777 & ~umask)
+        for name in files:
+            path = os.path.join(parent, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~umask)
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:40] or "localhost"
+
+
+def _prefix(target: Path, kind: str) -> str:
+    return f".{target.name}.{kind}-{os.getpid()}-{_host()}-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    except (OSError, OverflowError):  # pid out of range: nothing runs under it
+        return False
+    return True
+
+
+def _last_write(path: Path) -> float:
+    """Newest modification time in ``path``'s tree: a writer at work keeps it recent."""
+    newest = path.lstat().st_mtime
+    if path.is_dir() and not path.is_symlink():
+        for parent, _, files in os.walk(path):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    newest = max(newest, os.lstat(os.path.join(parent, name)).st_mtime)
+    return newest
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def sweep_stale(target: str | Path) -> list[Path]:
+    """Remove the temporary siblings of ``target`` that killed runs left behind.
+
+    A sibling whose owner (pid on this host) is no longer running is removed; one whose owner
+    runs is left alone (another process building the same cache). A sibling whose owner cannot
+    be checked (another host, or the pid-less names of earlier versions) is removed once
+    nothing in it was written for :data:`UNCHECKABLE_STALE_AFTER_S`, else left with a warning.
+    If a killed run had moved ``target`` aside to replace it and died before renaming the new
+    one in, the old ``target`` is put back.
+
+    Returns:
+        The paths removed.
+    """
+    target = Path(target)
+    if not target.parent.is_dir():
+        return []
+    name = re.escape(target.name)
+    ours = re.compile(rf"\.{name}\.(tmp|old)-(\d+)-(.+)-[a-z0-9_]{{8}}")  # mkdtemp's 8
+    pidless = re.compile(rf"\.{name}\.(?:(tmp|old)-[a-z0-9_]{{8}}|[a-z0-9_]{{8}}\.tmp)")
+    host, now = _host(), time.time()
+    stale, young = [], []
+    for path in sorted(target.parent.iterdir()):
+        if match := ours.fullmatch(path.name):
+            kind, pid, owner = match.group(1), int(match.group(2)), match.group(3)
+            if owner == host:
+                if pid == os.getpid() or _pid_alive(pid):
+                    continue
+                stale.append((path, kind))
+                continue
+        elif match := pidless.fullmatch(path.name):
+            kind = match.group(1) or "tmp"
+        else:
+            continue
+        with contextlib.suppress(FileNotFoundError):  # its owner finished meanwhile
+            recent = now - _last_write(path) < UNCHECKABLE_STALE_AFTER_S
+            (young if recent else stale).append((path, kind))
+    removed = []
+    for path, kind in stale:
+        try:
+            if kind == "old" and os.path.lexists(path / "old") and not os.path.lexists(target):
+                os.replace(path / "old", target)  # killed between the two renames of a replace
+                logger.warning("put back %s, which a killed run had moved aside", target)
+            _remove(path)
+        except FileNotFoundError:
+            continue
+        except OSError as err:
+            logger.warning("cannot remove %s, left by a killed run: %s", path, err)
+            continue
+        removed.append(path)
+    if removed:
+        logger.warning(
+            "removed %d stale temporary item(s) left by a killed run next to %s",
+            len(removed),
+            target,
+        )
+    if young:
+        logger.warning(
+            "left %d temporary item(s) next to %s that a run elsewhere may still be writing "
+            "(remove them if none is): %s",
+            len(young),
+            target,
+            ", ".join(str(path) for path, _ in young),
+        )
+    return removed
 
 
 @contextlib.contextmanager
@@ -27,25 +181,30 @@ def atomic_dir(
         keep_existing: if another process created ``target`` meanwhile, keep theirs and drop
             ours (caches that two processes may build at once).
 
-    On an exception the temporary directory is removed and ``target`` is untouched. The
-    directory gets the permissions of an ordinary ``mkdir`` (``mkdtemp`` makes it private).
+    Stale siblings of killed runs are swept first (:func:`sweep_stale`). On an exception
+    (``KeyboardInterrupt`` and the CLI's SIGTERM included) the temporary directory is removed
+    and ``target`` is untouched. Before the rename every file and directory in it gets the
+    modes of an ordinary ``open``/``mkdir`` (:func:`make_ordinary_`).
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)
+    sweep_stale(target)
+    tmp = Path(tempfile.mkdtemp(prefix=_prefix(target, "tmp"), dir=target.parent))
     try:
         yield tmp
+        make_ordinary_(tmp)
         if target.exists():
             if keep_existing:
                 return
             if not replace:
                 raise FileExistsError(f"{target} exists")
-            trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            trash = Path(tempfile.mkdtemp(prefix=_prefix(target, "old"), dir=target.parent))
             os.replace(target, trash / "old")
-            os.replace(tmp, target)
+            try:
+                os.replace(tmp, target)
+            except BaseException:
+                os.replace(trash / "old", target)  # put the old one back
+                raise
             shutil.rmtree(trash, ignore_errors=True)
         else:
             try:
@@ -59,15 +218,18 @@ def atomic_dir(
 
 @contextlib.contextmanager
 def atomic_file(target: str | Path, mode: str = "w", **open_kwargs) -> Iterator:
-    """Open a temporary file next to ``target`` for writing; rename it to ``target`` on success."""
+    """Open a temporary file next to ``target`` for writing; rename it to ``target`` on success.
+
+    Stale siblings are swept first and the file gets ordinary permissions, as in
+    :func:`atomic_dir`.
+    """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; the output is an ordinary file
+    sweep_stale(target)
+    fd, tmp = tempfile.mkstemp(prefix=_prefix(target, "tmp"), dir=target.parent)
     try:
         with os.fdopen(fd, mode, **open_kwargs) as handle:
+            make_ordinary_(tmp)  # mkstemp makes it private; the output is an ordinary file
             yield handle
         os.replace(tmp, target)
     finally:
