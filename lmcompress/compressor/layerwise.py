@@ -206,3 +206,38 @@ def compress_layerwise(
     model.train(was_training)
     stats.seconds = time.perf_counter() - start
     return reports, stats
+
+
+def layerwise_estimate(
+    model: nn.Module,
+    layers: dict[str, nn.Module],
+    nsamples: int,
+    seq_len: int,
+    batch_size: int,
+    itemsize: int = 4,
+    state: dict[str, Callable[[nn.Module], int]] | None = None,
+) -> dict[str, int]:
+    """Peak bytes of :func:`compress_layerwise` beyond the weights, from shapes alone (a
+    meta-device skeleton will do): every window's block inputs, one batch's transient block
+    activations (attention probabilities included: CPU attention materialises them), and, per
+    ``state`` entry, the largest block's sum of ``state[part](layer)`` over its layers."""
+    config = model.config
+    hidden = config.hidden_size
+    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    heads = getattr(config, "num_attention_heads", 1)
+    batch = min(batch_size, nsamples)
+    parts = {
+        "calibration activations": nsamples * seq_len * hidden * itemsize,
+        "one block's forward": batch
+        * seq_len
+        * (6 * hidden + 3 * intermediate + 2 * heads * seq_len)
+        * itemsize,
+    }
+    prefix = family_of(model).blocks + "."
+    for part, nbytes in (state or {}).items():
+        per_block: dict[str, int] = {}
+        for name, module in layers.items():
+            block = name.removeprefix(prefix).split(".", 1)[0]
+            per_block[block] = per_block.get(block, 0) + nbytes(module)
+        parts[part] = max(per_block.values(), default=0)
+    return parts

@@ -89,6 +89,20 @@ class Method:
         before any expensive work, so a bad option fails in seconds)."""
         return self.select(model)
 
+    def memory_estimate(
+        self,
+        model: nn.Module,  # noqa: ARG002
+        nsamples: int,  # noqa: ARG002
+        seq_len: int,  # noqa: ARG002
+        itemsize: int = 4,  # noqa: ARG002
+    ) -> dict[str, int]:
+        """Bytes this method holds at its peak beyond the model's weights, by what holds them
+        (``{"calibration activations": ..., "hessians": ...}``), for ``nsamples`` windows of
+        ``seq_len`` tokens at ``itemsize`` bytes per value. ``model`` may be a meta-device
+        skeleton: use shapes only. The job refuses to start when the sum exceeds the machine's
+        memory (see :mod:`lmcompress.compressor.budget`). Default: nothing beyond the weights."""
+        return {}
+
     def calibrate(self, model: nn.Module, data: torch.Tensor | None) -> Stats:  # noqa: ARG002
         """Collect statistics on calibration token ids ``data`` of shape (nsamples, seq_len).
         A method that needs no calibration (``needs_calibration = False``) collects none."""

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lmcompress.compressor.config import MethodConfig, Sparsity, parse_sparsity
-from lmcompress.compressor.layerwise import Accumulator, compress_layerwise
+from lmcompress.compressor.layerwise import Accumulator, compress_layerwise, layerwise_estimate
 from lmcompress.compressor.method import Method, Stats
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.compressor.sparsity import check_nm_shape
@@ -96,17 +96,11 @@ class PruningMethod(Method):
             sparsity = self.config.sparsity_of(name)
             if sparsity.is_nm:
                 check_nm_shape(tuple(weight_matrix(module).shape), sparsity.m, name)
-        if getattr(self, "_warned_unused", False):  # validate runs more than once a job
-            return layers
-        self._warned_unused = True
         for pattern, sparsity in self.config.layer_rules:
             if not any(fnmatch.fnmatchcase(name, pattern) for name in layers):
-                logger.warning(
-                    "layer_sparsity %s=%s matches none of the %d selected layers (e.g. %s)",
-                    pattern,
-                    sparsity,
-                    len(layers),
-                    next(iter(layers)),
+                raise ConfigError(
+                    f"--layer-sparsity {pattern}={sparsity} matches none of the {len(layers)} "
+                    f"selected layers (e.g. {next(iter(layers), 'none')})"
                 )
         return layers
 
@@ -122,6 +116,25 @@ class LayerwisePruningMethod(PruningMethod):
 
     def make_accumulator(self, name: str, module: nn.Module) -> Accumulator:
         raise NotImplementedError
+
+    def accumulator_bytes(self, module: nn.Module) -> int:  # noqa: ARG002
+        """Bytes of one layer's accumulator (the Hessian for SparseGPT), for the estimate."""
+        return 0
+
+    def memory_estimate(
+        self, model: nn.Module, nsamples: int, seq_len: int, itemsize: int = 4
+    ) -> dict[str, int]:
+        """Every window's block inputs are held through the layer-wise loop, plus one block's
+        accumulators and one batch's transient activations."""
+        return layerwise_estimate(
+            model,
+            self.validate(model),
+            nsamples,
+            seq_len,
+            self.config.calib_batch_size,
+            itemsize,
+            state={"per-layer statistics": self.accumulator_bytes},
+        )
 
     def prune_layer(
         self, name: str, module: nn.Module, stats: Accumulator, sparsity: Sparsity

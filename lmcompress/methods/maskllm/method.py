@@ -8,8 +8,11 @@ model's block outputs); ``priors`` gives the masks they start from.
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -18,14 +21,20 @@ from torch.nn.utils import parametrize
 # ``distributed`` is reached as ``maskllm.method.distributed`` by tests that spy on the
 # sharding of the logits (``shard_modules``)
 from lmcompress.compressor import distributed  # noqa: F401
+from lmcompress.compressor.export import STATS
+from lmcompress.compressor.families import family_of
+from lmcompress.compressor.layerwise import layerwise_estimate
 from lmcompress.compressor.method import Stats
 from lmcompress.compressor.report import CompressionReport
+from lmcompress.compressor.surgery import weight_matrix
+from lmcompress.compressor.trainer import CHECKPOINT
 from lmcompress.errors import ConfigError
 from lmcompress.methods.common import count_params, prune_layer_
 from lmcompress.methods.maskllm.blockwise import calibrate_blockwise
 from lmcompress.methods.maskllm.config import MaskLLMConfig
 from lmcompress.methods.maskllm.end_to_end import calibrate_end_to_end
 from lmcompress.methods.maskllm.learning import keep_mask
+from lmcompress.methods.maskllm.priors import PRIOR_BATCH_SIZE
 from lmcompress.methods.pruning import PruningMethod
 
 logger = logging.getLogger(__name__)
@@ -47,6 +56,91 @@ class MaskLLM(PruningMethod):
             raise ConfigError("maskllm needs training text (calibration windows)")
         held = min(self.config.training.eval_windows, data.shape[0] - 1)
         return (data[:-held], data[-held:]) if held > 0 else (data, None)
+
+    def validate(self, model: nn.Module) -> dict[str, nn.Module]:
+        """Also the files this run reads: ``--resume`` needs a checkpoint to resume from (it is
+        not "resume if possible": a typo in ``--checkpoint-dir`` would silently start afresh),
+        ``--prior-from`` a maskllm output directory."""
+        layers = super().validate(model)
+        training = self.config.training
+        if training.resume and not (Path(training.checkpoint_dir) / CHECKPOINT).is_dir():
+            raise ConfigError(
+                f"--resume: no checkpoint in {training.checkpoint_dir} (nothing to resume from; "
+                "drop --resume to start afresh)"
+            )
+        if self.config.prior_from and not (Path(self.config.prior_from) / STATS).is_file():
+            raise ConfigError(
+                f"--prior-from {self.config.prior_from}: no {STATS} (not a maskllm output)"
+            )
+        return layers
+
+    def memory_estimate(
+        self, model: nn.Module, nsamples: int, seq_len: int, itemsize: int = 4
+    ) -> dict[str, int]:
+        """The learned state: per layer, logits over the C(M, N) patterns of every group with
+        their gradient and two AdamW moments (fp32), and the weight-sized soft mask and masked
+        weight that backward keeps; end to end, every block's activations for backward and the
+        logits; block-wise, the layer-wise loop's windows, twice (inputs and dense targets)."""
+        layers = self.validate(model)
+        if self.config.prior in ("sparsegpt", "wanda"):  # runs first, and is freed before
+            prior = layerwise_estimate(
+                model,
+                layers,
+                nsamples,
+                seq_len,
+                PRIOR_BATCH_SIZE,
+                itemsize,
+                state={"prior statistics": lambda m: 3 * 4 * weight_matrix(m).shape[1] ** 2},
+            )
+            prior["weights kept aside by the prior"] = sum(
+                weight_matrix(m).numel() * itemsize for m in layers.values()
+            )
+        else:
+            prior = {}
+        training_parts = self._training_estimate(model, layers, nsamples, seq_len, itemsize)
+        return max(prior, training_parts, key=lambda parts: sum(parts.values()))
+
+    def _training_estimate(
+        self,
+        model: nn.Module,
+        layers: dict[str, nn.Module],
+        nsamples: int,
+        seq_len: int,
+        itemsize: int,
+    ) -> dict[str, int]:
+        config, training = model.config, self.config.training
+
+        def state(name: str, module: nn.Module) -> int:
+            sparsity = self.config.sparsity_of(name)
+            numel = weight_matrix(module).numel()
+            patterns = math.comb(sparsity.m, sparsity.n)
+            return 4 * 4 * numel // sparsity.m * patterns + 2 * numel * itemsize
+
+        if self.config.blockwise:
+            sized = {name: functools.partial(state, name) for name in layers}
+            parts = layerwise_estimate(
+                model, layers, nsamples, seq_len, training.batch_size, itemsize
+            )
+            prefix = family_of(model).blocks + "."
+            per_block: dict[str, int] = {}
+            for name in layers:
+                block = name.removeprefix(prefix).split(".", 1)[0]
+                per_block[block] = per_block.get(block, 0) + sized[name](layers[name])
+            parts["mask logits, gradients and AdamW moments"] = max(per_block.values(), default=0)
+            parts["dense block outputs"] = parts["calibration activations"]
+            return parts
+        hidden = config.hidden_size
+        intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+        heads = getattr(config, "num_attention_heads", 1)
+        tokens = training.batch_size * seq_len
+        per_block = tokens * (12 * hidden + 4 * intermediate + 2 * heads * seq_len) * itemsize
+        logits = tokens * config.vocab_size * itemsize * (5 if self.config.distill else 3)
+        return {
+            "mask logits, gradients and AdamW moments": sum(
+                state(name, module) for name, module in layers.items()
+            ),
+            "activations kept for backward": config.num_hidden_layers * per_block + logits,
+        }
 
     def calibrate(self, model: nn.Module, data: torch.Tensor | None) -> Stats:
         train_data, eval_data = self._split(data)

@@ -35,6 +35,13 @@ class SparseGPT(LayerwisePruningMethod):
             W.shape[1], device=W.device, dtype=getattr(torch, self.config.hessian_dtype)
         )
 
+    def accumulator_bytes(self, module: nn.Module) -> int:
+        """The (in, in) Hessian, and the solver's inverse and working copy of it."""
+        columns = weight_matrix(module).shape[1]
+        return (
+            3 * columns * columns * torch.finfo(getattr(torch, self.config.hessian_dtype)).bits // 8
+        )
+
     def prune_layer(
         self, name: str, module: nn.Module, stats: HessianAccumulator, sparsity: Sparsity
     ) -> LayerReport:

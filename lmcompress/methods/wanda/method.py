@@ -22,6 +22,9 @@ class Wanda(LayerwisePruningMethod):
         W = weight_matrix(module)
         return InputNorms(W.shape[1], device=W.device)
 
+    def accumulator_bytes(self, module: nn.Module) -> int:
+        return 8 * weight_matrix(module).shape[1]  # a float64 sum of squares per input
+
     def prune_layer(
         self, name: str, module: nn.Module, stats: InputNorms, sparsity: Sparsity
     ) -> LayerReport:
