@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 import typing
 from collections.abc import Mapping
@@ -32,6 +33,8 @@ from lmcompress.errors import ConfigError
 class Sparsity:
     """Either an N:M pattern (``n`` of every ``m`` consecutive input weights kept)
     or an unstructured ratio of weights removed. Always valid once constructed."""
+
+    expected: ClassVar[str] = "an N:M pattern or a ratio removed (e.g. 2:4 or 0.5)"
 
     n: int = 0
     m: int = 0
@@ -81,8 +84,18 @@ def parse_sparsity(value: str | float | Sparsity) -> Sparsity:
             f"sparsity {text!r} is neither N:M (e.g. 2:4) nor a ratio in (0, 1) (e.g. 0.5)"
         ) from None
     if not 0.0 < ratio < 1.0:
-        raise ConfigError(f"sparsity ratio {text!r} must lie strictly between 0 and 1")
+        raise ConfigError(
+            f"sparsity ratio {text!r} must lie strictly between 0 and 1{_sexagesimal_hint(value)}"
+        )
     return Sparsity(ratio=ratio)
+
+
+def _sexagesimal_hint(value: Any) -> str:
+    """YAML 1.1 (PyYAML) reads an unquoted ``2:4`` as the base-60 integer 124: say so."""
+    if type(value) is not int or value < 60:
+        return ""
+    high, low = divmod(value, 60)
+    return f' (YAML reads an unquoted {high}:{low} as the number {value}: quote it, "{high}:{low}")'
 
 
 # --- what an annotation means -------------------------------------------------------------------
@@ -185,6 +198,109 @@ def check_choices(config: Any) -> None:
         )
 
 
+# --- the types of option values ---------------------------------------------------------------
+
+_WRONG = object()  # a value that does not fit its annotation
+_ABSENT = object()  # an option of a group given as a mapping without it
+
+
+def check_types(config: Any) -> None:
+    """Raise ``ConfigError`` naming the option whose value does not fit its annotation.
+
+    Recipes come from YAML/JSON, where any value can have any type: call this first in the
+    ``__post_init__`` of any (frozen) dataclass, before a value is compared or iterated. It
+    stores the config's own fields normalised (an int given for a float as a float, a list as
+    a tuple). ``Literal`` values are :func:`check_choices`' job; value types (``Sparsity``) take
+    text, a number or an instance, parsed afterwards. Numbers written as text are accepted for
+    int and float options: YAML 1.1 reads ``lr: 2e-4`` as the text ``"2e-4"``."""
+    for option in option_fields(type(config)):
+        value = _given(config, option)
+        if value is _ABSENT:
+            continue
+        fitted = _fit(value, option.hint)
+        if fitted is _WRONG:
+            got = _as_written(value, option.hint)
+            raise ConfigError(f"{option.name} must be {_expected(option.hint)}, got {got}")
+        if len(option.path) == 1 and fitted is not value:  # a group normalises its own fields
+            object.__setattr__(config, option.name, fitted)
+
+
+def _given(config: Any, option: OptionField) -> Any:
+    """The option's value; an option group may still be the mapping a recipe gave."""
+    value, owner = config, type(config)
+    for depth, name in enumerate(option.path):
+        value = value.get(name, _ABSENT) if isinstance(value, Mapping) else getattr(value, name)
+        if value is _ABSENT or depth == len(option.path) - 1:
+            return value
+        owner = _hints(owner)[name]  # a group: its instance or a mapping of its options
+        if isinstance(value, Mapping):
+            unknown = sorted(set(map(str, value)) - {o.name for o in option_fields(owner)})
+            if unknown:
+                raise ConfigError(f"unknown option(s) in {name}: {', '.join(unknown)}")
+        elif not isinstance(value, owner):
+            raise ConfigError(f"{name} must be a mapping of options, got {value!r}")
+    return value
+
+
+def _fit(value: Any, hint: Any) -> Any:
+    """``value`` normalised to ``hint``, or ``_WRONG``."""
+    if typing.get_origin(hint) is Literal or hint is Any:
+        return value
+    if _is_union(hint):
+        if value is None and type(None) in typing.get_args(hint):
+            return None
+        fits = (_fit(value, a) for a in typing.get_args(hint) if a is not type(None))
+        return next((f for f in fits if f is not _WRONG), _WRONG)
+    if isinstance(value, bool):  # an int subclass: only a bool option takes it
+        return value if hint is bool else _WRONG
+    if hint in (int, float):
+        try:  # text too; int() refuses "1.5" and 1.5, float() "many"
+            number = hint(value.strip()) if isinstance(value, str) else value
+        except ValueError:
+            return _WRONG
+        ok = isinstance(number, int if hint is int else (int, float)) and math.isfinite(number)
+        return hint(number) if ok else _WRONG
+    if is_value_type(hint):
+        return value if isinstance(value, (hint, str, int, float)) else _WRONG
+    if typing.get_origin(hint) is tuple:
+        args = typing.get_args(hint)
+        hints = args[:1] * len(value) if args[-1:] == (Ellipsis,) else args
+        if not isinstance(value, (list, tuple)) or len(hints) != len(value):
+            return _WRONG
+        fitted = tuple(_fit(v, h) for v, h in zip(value, hints, strict=True))
+        return _WRONG if any(f is _WRONG for f in fitted) else fitted
+    if isinstance(hint, type):
+        return value if isinstance(value, hint) else _WRONG
+    return value  # an annotation this module does not know: the config's own checks decide
+
+
+def _as_written(value: Any, hint: Any) -> str:
+    """A wrong value as a recipe spells it (lists, null, true), with the usual slip named."""
+    if isinstance(value, str) and typing.get_origin(hint) is tuple:
+        return f"the string {value!r} (write [{value}])"
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return repr(list(value)) if isinstance(value, tuple) else repr(value)
+
+
+_NAMED = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false"}
+_PLURAL = {int: "integers", float: "numbers", str: "strings", bool: "true/false values"}
+
+
+def _expected(hint: Any) -> str:
+    """What an annotation asks for, as a recipe writer reads it."""
+    args = typing.get_args(hint)
+    if _is_union(hint):
+        text = " or ".join(_expected(a) for a in args if a is not type(None))
+        return f"{text} or null" if type(None) in args else text
+    if typing.get_origin(hint) is tuple:
+        if args[-1:] == (Ellipsis,):
+            return f"a list of {_PLURAL.get(args[0], 'values')}"
+        kind = _PLURAL.get(args[0], "values") if len(set(args)) == 1 else "values"
+        return f"a list of {len(args)} {kind}"
+    return _NAMED.get(hint) or getattr(hint, "expected", None) or f"a {hint!r}"
+
+
 def recipe_value(value: Any) -> Any:
     """A field value as a recipe holds it: tuples as lists, value types as their text."""
     if isinstance(value, tuple):
@@ -235,20 +351,18 @@ class MethodConfig:
     )
 
     def __post_init__(self) -> None:
+        check_types(self)  # first (recipes are YAML/JSON); a group name clash fails here too
         hints = _hints(type(self))
         for f in dataclasses.fields(self):
             value, hint = getattr(self, f.name), hints[f.name]
-            if isinstance(value, list):  # recipes come from YAML/JSON: store tuples (frozen)
-                value = tuple(value)
-            elif is_value_type(hint) and value is not None:
+            if is_value_type(hint) and value is not None:
                 value = hint.parse(value)  # "2:4" -> Sparsity(2, 4), once
             elif is_option_group(hint) and isinstance(value, Mapping):
                 value = _build(hint, value)
             object.__setattr__(self, f.name, value)
-        option_fields(type(self))  # a name clash between groups fails at first construction
         check_choices(self)
         for pattern in (*self.include, *self.exclude):
-            if not isinstance(pattern, str) or not pattern:
+            if not pattern:
                 raise ConfigError(f"layer patterns must be non-empty strings, got {pattern!r}")
 
     def to_dict(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmcompress.compressor.config import check_types
 from lmcompress.errors import ConfigError
 
 
@@ -52,6 +53,7 @@ class TrainingOptions:
     )
 
     def __post_init__(self) -> None:
+        check_types(self)  # before the comparisons below: recipes can hold any type
         check_counts(self, non_negative=("eval_windows", "eval_every", "checkpoint_every"))
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("--resume needs --checkpoint-dir")

@@ -71,10 +71,7 @@ class MaskLLMConfig(PruningConfig):
     )
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        object.__setattr__(self, "tau", tuple(float(v) for v in self.tau))
-        object.__setattr__(self, "kappa", tuple(float(v) for v in self.kappa))
-        # prior, refit and noise are checked against their Literal choices by MethodConfig
+        super().__post_init__()  # types first (tau, kappa: two floats), Literal choices
         if not self.sparsity.is_nm or any(not s.is_nm for _, s in self.layer_rules):
             raise ConfigError("maskllm learns N:M masks: give --sparsity N:M (e.g. 2:4)")
         if min(self.tau) <= 0 or min(self.kappa) <= 0:

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -26,13 +25,8 @@ class SVDConfig(MethodConfig):
     )
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        try:
-            ratio = float(self.ratio) if not isinstance(self.ratio, bool) else math.nan
-        except (TypeError, ValueError):
-            ratio = math.nan
-        if not 0.0 < ratio <= 1.0:  # NaN fails too
+        super().__post_init__()  # ratio is a finite float from here on
+        if not 0.0 < self.ratio <= 1.0:
             raise ConfigError(
                 f"ratio {self.ratio!r} must lie in (0, 1]: the fraction of parameters kept"
             )
-        object.__setattr__(self, "ratio", ratio)
