@@ -209,10 +209,10 @@ def check_types(config: Any) -> None:
 
     Recipes come from YAML/JSON, where any value can have any type: call this first in the
     ``__post_init__`` of any (frozen) dataclass, before a value is compared or iterated. It
-    stores the config's own fields normalised (an int given for a float as a float, a list as
-    a tuple). ``Literal`` values are :func:`check_choices`' job; value types (``Sparsity``) take
-    text, a number or an instance, parsed afterwards. Numbers written as text are accepted for
-    int and float options: YAML 1.1 reads ``lr: 2e-4`` as the text ``"2e-4"``."""
+    stores the dataclass's own fields normalised (int for float: a float; list: a tuple); an
+    option group normalises its fields by calling it in its own ``__post_init__``. ``Literal``
+    values are left to :func:`check_choices`; value types (``Sparsity``) take text, a number or
+    an instance. Numbers as text count: YAML 1.1 reads ``lr: 2e-4`` as the text ``"2e-4"``."""
     for option in option_fields(type(config)):
         value = _given(config, option)
         if value is _ABSENT:
@@ -246,10 +246,8 @@ def _fit(value: Any, hint: Any) -> Any:
     """``value`` normalised to ``hint``, or ``_WRONG``."""
     if typing.get_origin(hint) is Literal or hint is Any:
         return value
-    if _is_union(hint):
-        if value is None and type(None) in typing.get_args(hint):
-            return None
-        fits = (_fit(value, a) for a in typing.get_args(hint) if a is not type(None))
+    if _is_union(hint):  # None fits NoneType below
+        fits = (_fit(value, a) for a in typing.get_args(hint))
         return next((f for f in fits if f is not _WRONG), _WRONG)
     if isinstance(value, bool):  # an int subclass: only a bool option takes it
         return value if hint is bool else _WRONG
@@ -263,9 +261,11 @@ def _fit(value: Any, hint: Any) -> Any:
     if is_value_type(hint):
         return value if isinstance(value, (hint, str, int, float)) else _WRONG
     if typing.get_origin(hint) is tuple:
+        if not isinstance(value, (list, tuple)):
+            return _WRONG
         args = typing.get_args(hint)
         hints = args[:1] * len(value) if args[-1:] == (Ellipsis,) else args
-        if not isinstance(value, (list, tuple)) or len(hints) != len(value):
+        if len(hints) != len(value):
             return _WRONG
         fitted = tuple(_fit(v, h) for v, h in zip(value, hints, strict=True))
         return _WRONG if any(f is _WRONG for f in fitted) else fitted
