@@ -14,7 +14,10 @@ The stored form of a layer is chosen by name from the registry (``runtime.FORMAT
 the method already replaced by a compressed module is stored as that module's tensors; a layer
 whose report names a format (``LayerReport.format``) is encoded with that format's
 ``from_linear``. Everything is written into a temporary sibling directory that is renamed at
-the end (``fsutil.atomic_dir``): a failed save leaves no half-written output.
+the end (``fsutil.atomic_dir``): a failed or interrupted save leaves no half-written output,
+and the hidden ``.OUT.tmp-PID-HOST-*`` sibling a killed one (SIGKILL) leaves is removed by the
+next save next to it. Every file gets the modes of an ordinary new file (safetensors' own are
+0600).
 """
 
 from __future__ import annotations
