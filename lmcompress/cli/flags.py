@@ -3,7 +3,9 @@
 Options of a nested group (``training: TrainingOptions``) become flags of their own under their
 own names (``--steps``), as :func:`lmcompress.compressor.config.option_fields` flattens them;
 ``Literal`` annotations become ``choices``; value types (``Sparsity``) are read as text and
-parsed by the config, so that their errors keep the config's one-line message.
+parsed by the config, so that their errors keep the config's one-line message. Field metadata:
+``help`` (the text, to which ``(default: ...)`` is appended once), ``default_text`` (the default
+in words, where the value would mislead) and ``metavar`` (``("START", "END")``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import typing
 from typing import Any
 
 from lmcompress.compressor.config import (
+    OptionField,
     is_value_type,
     literal_choices,
     option_fields,
@@ -30,7 +33,7 @@ def _field_kwargs(hint: Any) -> dict[str, Any]:
         inner = [a for a in args if a is not type(None)]
         return _field_kwargs(inner[0]) if len(inner) == 1 else {"type": str}
     if hint is bool:
-        return {"action": argparse.BooleanOptionalAction}
+        return {"action": _BooleanFlag}
     if origin is tuple:
         element = _field_kwargs(args[0])
         if "type" not in element:
@@ -46,10 +49,29 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def _shown(default: Any) -> str:
+class _BooleanFlag(argparse.BooleanOptionalAction):
+    """``--x`` / ``--no-x`` with the help as given: Python 3.9 to 3.11 append their own
+    ``(default: %(default)s)``, which with ``default=SUPPRESS`` shows a wrong default."""
+
+    def __init__(self, *args: Any, help: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, help=help, **kwargs)
+        self.help = help
+
+
+def shown_default(option: OptionField) -> str:
+    """The default as ``--help`` shows it: as typed on the command line (``2:4``, ``4.0 0.05``),
+    ``on``/``off`` for a switch, ``none`` for nothing; field metadata ``default_text`` says it
+    in words where the value alone would mislead (``include``'s empty default)."""
+    if "default_text" in option.field.metadata:
+        return option.field.metadata["default_text"]
+    default = option.default
     if default is dataclasses.MISSING:
         return "required"
+    if isinstance(default, bool):
+        return "on" if default else "off"
     value = recipe_value(default)
+    if value is None or value == []:
+        return "none"
     return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
@@ -68,16 +90,16 @@ def add_dataclass_flags(
         if option.name in skip:
             continue
         kwargs = _field_kwargs(option.hint)
-        help_text = option.field.metadata.get("help", "")
-        shown = _shown(option.default)
+        help_text = f"{option.field.metadata.get('help', '')} (default: {shown_default(option)})"
         flags = [aliases[option.name]] if option.name in aliases else []
-        metavar = None if "action" in kwargs or "choices" in kwargs else option.name.upper()
+        metavar = option.field.metadata.get("metavar", option.name.upper())
+        metavar = None if "action" in kwargs or "choices" in kwargs else metavar
         parser.add_argument(
             *flags,
             flag_name(option.name),
             dest=option.name,
             default=argparse.SUPPRESS,
-            help=f"{help_text} (default: {shown})" if help_text else f"(default: {shown})",
+            help=help_text.strip().replace("%", "%%"),  # argparse %-formats help
             metavar=metavar,
             **kwargs,
         )
@@ -92,6 +114,7 @@ def describe(cls: type) -> list[tuple[str, str, str]]:
     for option in option_fields(cls):
         default = option.default
         shown = "required" if default is dataclasses.MISSING else repr(recipe_value(default))
+        shown = option.field.metadata.get("default_text", shown)
         help_text = option.field.metadata.get("help", "")
         choices = literal_choices(option.hint)
         if choices is not None:

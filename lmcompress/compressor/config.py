@@ -2,7 +2,8 @@
 
 A method's config subclasses :class:`MethodConfig`; its fields become CLI flags (see
 ``lmcompress.cli.flags``) and :meth:`MethodConfig.to_dict` is the recipe that
-``compression.json`` records. Field metadata ``help`` is the flag's help text.
+``compression.json`` records. Field metadata ``help`` is the flag's help text (and
+``default_text`` its default in words, where the value would mislead).
 
 Three kinds of field annotation mean something beyond their type:
 
@@ -344,7 +345,7 @@ class MethodConfig:
 
     include: tuple[str, ...] = field(
         default=(),
-        metadata={"help": "glob(s) of module names to compress (default: decoder linears)"},
+        metadata={"help": "glob(s) of module names to compress", "default_text": "decoder linears"},
     )
     exclude: tuple[str, ...] = field(
         default=(), metadata={"help": "glob(s) of module names to leave alone"}

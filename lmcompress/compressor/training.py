@@ -35,9 +35,15 @@ class TrainingOptions:
     warmup_steps: int = field(default=0, metadata={"help": "linear lr warmup before the cosine"})
     eval_windows: int = field(default=2, metadata={"help": "held-out windows for hard-mask ppl"})
     eval_every: int = field(default=0, metadata={"help": "evaluate every N steps (0: at the end)"})
-    checkpoint_dir: str | None = field(default=None, metadata={"help": "where to checkpoint"})
-    checkpoint_every: int = field(default=0, metadata={"help": "checkpoint every N steps"})
-    resume: bool = field(default=False, metadata={"help": "continue from checkpoint_dir"})
+    checkpoint_dir: str | None = field(
+        default=None, metadata={"help": "directory of the training checkpoints"}
+    )
+    checkpoint_every: int = field(
+        default=0, metadata={"help": "checkpoint every N steps (0: never)"}
+    )
+    resume: bool = field(
+        default=False, metadata={"help": "continue from the checkpoint in --checkpoint-dir"}
+    )
     train_seed: int = field(default=0, metadata={"help": "seed of data order, init and noise"})
     bf16: bool = field(
         default=False,

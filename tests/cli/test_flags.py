@@ -10,7 +10,7 @@ from typing import ClassVar, Literal
 
 import pytest
 
-from lmcompress.cli.flags import add_dataclass_flags, describe
+from lmcompress.cli.flags import add_dataclass_flags, describe, flag_name
 from lmcompress.compressor.config import MethodConfig, Sparsity, option_fields
 from lmcompress.errors import ConfigError
 
@@ -146,3 +146,82 @@ def test_every_registered_method_config_generates_flags():
         assert names == [o.name for o in option_fields(method.config_class)]
         default = method.config_class.from_dict({})
         assert method.config_class.from_dict(default.to_dict()) == default
+
+
+# --- --help shows each default once, as a user types it -----------------------------------------
+
+
+@dataclass(frozen=True)
+class HelpConfig(MethodConfig):
+    method: ClassVar[str] = "help"
+
+    fast: bool = field(default=False, metadata={"help": "go fast"})
+    dense: bool = field(default=True, metadata={"help": "keep a dense copy"})
+    names: tuple[str, ...] = field(default=(), metadata={"help": "some names"})
+    pair: tuple[float, float] = field(
+        default=(4.0, 0.05), metadata={"help": "a pair", "metavar": ("START", "END")}
+    )
+    mode: Literal["x", "y"] = field(default="y", metadata={"help": "a mode"})
+    where: str | None = field(default=None, metadata={"help": "a directory"})
+    share: float = field(default=0.5, metadata={"help": "50% or so"})
+    bare: int = 3
+
+
+def _help_lines(cls: type) -> dict[str, str]:
+    """{flag: its help line}, unwrapped (a very wide formatter)."""
+    parser = argparse.ArgumentParser(
+        formatter_class=lambda prog: argparse.HelpFormatter(prog, width=1000, max_help_position=80)
+    )
+    add_dataclass_flags(parser, cls)
+    lines = [line.strip() for line in parser.format_help().splitlines()]
+    return {line.split()[0].rstrip(","): line for line in lines if line.startswith("--")}
+
+
+def test_help_shows_every_default_once_as_typed():
+    lines = _help_lines(HelpConfig)
+    assert set(lines) == {flag_name(o.name) for o in option_fields(HelpConfig)}
+    for line in lines.values():
+        assert line.count("(default:") == 1, line
+        assert "(default: )" not in line and "None" not in line and "False" not in line, line
+    assert lines["--fast"].endswith("go fast (default: off)")
+    assert lines["--dense"].startswith("--dense, --no-dense")
+    assert lines["--dense"].endswith("keep a dense copy (default: on)")
+    assert lines["--names"].endswith("some names (default: none)")
+    assert lines["--pair"].startswith("--pair START END")
+    assert lines["--pair"].endswith("a pair (default: 4.0 0.05)")
+    assert lines["--mode"].endswith("a mode (default: y)") and "{x,y}" in lines["--mode"]
+    assert lines["--where"].endswith("a directory (default: none)")
+    assert lines["--share"].endswith("50% or so (default: 0.5)")  # % is not a format
+    assert lines["--bare"].startswith("--bare BARE") and lines["--bare"].endswith(" (default: 3)")
+    assert lines["--include"].endswith("(default: decoder linears)")  # default_text
+
+
+def test_switch_help_stays_ours_where_argparse_appends_a_default(monkeypatch):
+    # Python 3.9-3.11.x BooleanOptionalAction append "(default: %(default)s)" themselves
+    original = argparse.BooleanOptionalAction.__init__
+
+    def appending(self, *args, help=None, **kwargs):
+        original(self, *args, help=f"{help} (default: %(default)s)", **kwargs)
+
+    monkeypatch.setattr(argparse.BooleanOptionalAction, "__init__", appending)
+    line = _help_lines(HelpConfig)["--fast"]
+    assert line.endswith("go fast (default: off)") and line.count("default") == 1, line
+
+
+def test_switches_still_parse_both_ways():
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_dataclass_flags(parser, HelpConfig)
+    assert vars(parser.parse_args(["--fast", "--no-dense"])) == {"fast": True, "dense": False}
+    assert vars(parser.parse_args([])) == {}  # SUPPRESS: recipes fill the rest
+
+
+@pytest.mark.parametrize("name", ["magnitude", "wanda", "sparsegpt", "maskllm", "svd", "job"])
+def test_real_help_has_no_empty_or_python_defaults(name):
+    from lmcompress.methods import METHODS
+    from lmcompress.pipeline import RunOptions
+
+    lines = _help_lines(RunOptions if name == "job" else METHODS[name].config_class)
+    for line in lines.values():
+        assert line.count("(default:") == 1, line
+        assert "(default: )" not in line, line
+        assert not any(f"(default: {v})" in line for v in ("None", "False", "True", "()")), line

@@ -5,7 +5,7 @@ from typing import ClassVar, Literal, get_args
 
 from lmcompress.compressor.training import TrainingOptions, flat_training_options
 from lmcompress.errors import ConfigError
-from lmcompress.methods.maskllm.masks import NOISES, Noise
+from lmcompress.methods.maskllm.masks import Noise
 from lmcompress.methods.pruning import PruningConfig
 
 Prior = Literal["sparsegpt", "wanda", "magnitude", "none"]
@@ -26,16 +26,27 @@ class MaskLLMConfig(PruningConfig):
 
     training: TrainingOptions = field(default_factory=TrainingOptions)
     tau: tuple[float, float] = field(
-        default=(4.0, 0.05), metadata={"help": "temperature START END"}
+        default=(4.0, 0.05),
+        metadata={
+            "help": "Gumbel-softmax temperature, linear from START to END",
+            "metavar": ("START", "END"),
+        },
     )
     kappa: tuple[float, float] = field(
-        default=(100.0, 500.0), metadata={"help": "logit scale START END"}
+        default=(100.0, 500.0),
+        metadata={
+            "help": "scale of the logits, linear from START to END",
+            "metavar": ("START", "END"),
+        },
     )
     prior: Prior = field(
-        default="sparsegpt", metadata={"help": "one-shot prior: " + "|".join(PRIORS)}
+        default="sparsegpt", metadata={"help": "one-shot prior of the mask logits"}
     )
     prior_strength: float = field(default=3.0, metadata={"help": "alpha of the prior"})
-    prior_from: str | None = field(default=None, metadata={"help": "output dir of a learned mask"})
+    prior_from: str | None = field(
+        default=None,
+        metadata={"help": "prior: the learned masks of this maskllm output dir (mask transfer)"},
+    )
     weight_reg: float = field(default=1e-5, metadata={"help": "lambda of the sparse-weight term"})
     weight_reg_norm: bool = field(
         default=False,
@@ -53,14 +64,11 @@ class MaskLLMConfig(PruningConfig):
     )
     refit: Refit = field(
         default="none",
-        metadata={"help": "re-fit the kept weights under the learned mask: " + "|".join(REFITS)},
+        metadata={"help": "re-fit the kept weights under the learned mask"},
     )
     noise: Noise = field(
         default="exact",
-        metadata={
-            "help": "Gumbel noise: " + "|".join(NOISES) + " (pool: windows of a pre-drawn pool, "
-            "cheaper)"
-        },
+        metadata={"help": "Gumbel noise: exact, or pool (windows of a pre-drawn pool, cheaper)"},
     )
     straight_through_from: float = field(
         default=1.0,
