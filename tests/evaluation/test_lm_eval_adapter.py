@@ -198,3 +198,69 @@ def test_clean_results_names():
         },
         "wikitext": {"word_perplexity": 30.5, "bits_per_byte": 1.0},
     }
+
+
+# --- check_tasks: the names alone, before any model or data ------------------------------------
+
+
+class _FakeIndex:
+    all_tasks = ["wikitext", "hellaswag", "lambada_openai"]
+
+
+@pytest.fixture
+def fake_index(monkeypatch):
+    """lm-eval's task index (~13 s to build) replaced by three names; counts the builds."""
+    builds = []
+    monkeypatch.setattr(
+        lm_eval_adapter, "_registry_task_manager", lambda: builds.append(1) or _FakeIndex
+    )
+    return builds
+
+
+def test_check_tasks_local_names_need_no_index_and_no_corpus(fake_index, documents):
+    lm_eval_adapter.check_tasks(["lmcompress_lee", "lmcompress_wiki_test"])
+    lm_eval_adapter.check_tasks("lmcompress_lee, lmcompress_wiki_test")
+    assert fake_index == [] and documents == {}  # no index, no corpus read
+
+
+def test_check_tasks_yaml_path_needs_no_index(fake_index, tmp_path):
+    (tmp_path / "mine.yaml").write_text("task: mine\n")
+    lm_eval_adapter.check_tasks([str(tmp_path / "mine.yaml"), "lmcompress_lee"])
+    assert fake_index == []
+
+
+@pytest.mark.parametrize(
+    ("names", "fragments"),
+    [
+        (["lmcompress_wiki_tset"], ["'lmcompress_wiki_tset' (did you mean lmcompress_wiki_test"]),
+        (["wikitxt", "lmcompress_lee"], ["'wikitxt' (did you mean wikitext?)"]),
+        (["hellaswag", "zzz_qqq"], ["unknown lm-eval task(s): 'zzz_qqq';", "local tasks:"]),
+    ],
+)
+def test_check_tasks_names_close_matches(fake_index, names, fragments):
+    with pytest.raises(ConfigError) as info:
+        lm_eval_adapter.check_tasks(names)
+    message = str(info.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message
+    assert "hellaswag" not in message.split(";")[0]  # known names are not reported
+    assert fake_index == [1]
+
+
+@pytest.mark.parametrize("names", [[], "", " , "])
+def test_check_tasks_needs_a_name(names):
+    with pytest.raises(ConfigError, match="no lm-eval tasks given"):
+        lm_eval_adapter.check_tasks(names)
+
+
+def test_check_tasks_against_lm_evals_own_index(monkeypatch):
+    import datasets
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a data set was loaded")
+
+    monkeypatch.setattr(datasets, "load_dataset", refuse)
+    lm_eval_adapter.check_tasks(["wikitext", "lmcompress_lee"])  # data on the hub: not fetched
+    with pytest.raises(ConfigError, match=r"'wikitxt' \(did you mean wikitext"):
+        lm_eval_adapter.check_tasks(["wikitxt"])
