@@ -114,8 +114,9 @@ def describe(cls: type) -> list[tuple[str, str, str]]:
     for option in option_fields(cls):
         default = option.default
         shown = "required" if default is dataclasses.MISSING else repr(recipe_value(default))
-        shown = option.field.metadata.get("default_text", shown)
         help_text = option.field.metadata.get("help", "")
+        if "default_text" in option.field.metadata:
+            help_text = f"{help_text} (default: {option.field.metadata['default_text']})"
         choices = literal_choices(option.hint)
         if choices is not None:
             help_text = f"{help_text} [{'|'.join(map(str, choices))}]".strip()

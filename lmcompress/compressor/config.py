@@ -2,8 +2,7 @@
 
 A method's config subclasses :class:`MethodConfig`; its fields become CLI flags (see
 ``lmcompress.cli.flags``) and :meth:`MethodConfig.to_dict` is the recipe that
-``compression.json`` records. Field metadata ``help`` is the flag's help text (and
-``default_text`` its default in words, where the value would mislead).
+``compression.json`` records. Field metadata: see ``lmcompress.cli.flags``.
 
 Three kinds of field annotation mean something beyond their type:
 

@@ -127,6 +127,8 @@ def test_describe_lists_group_options_with_defaults_and_choices():
     assert rows["--steps"] == ("7", "optimiser steps")
     assert rows["--noise"] == ("'exact'", "Gumbel noise [exact|pool]")
     assert "--training" not in rows
+    include = "glob(s) of module names to compress (default: decoder linears)"
+    assert rows["--include"] == ("[]", include)  # default_text: an empty default in words
 
 
 def test_help_shows_value_types_as_text_and_groups_by_default():
