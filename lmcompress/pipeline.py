@@ -15,19 +15,21 @@ import torch
 
 from lmcompress.api import run_method
 from lmcompress.compressor import distributed
-from lmcompress.compressor.config import MethodConfig, check_choices
-from lmcompress.compressor.export import check_output_dir, save_compressed
+from lmcompress.compressor.config import MethodConfig, check_choices, check_types
+from lmcompress.compressor.export import save_compressed
 from lmcompress.compressor.families import family_of
-from lmcompress.compressor.models import DEFAULT_CHECKPOINT, check_checkpoint, load_model
+from lmcompress.compressor.models import DEFAULT_CHECKPOINT, load_model
 from lmcompress.errors import ConfigError, LmcompressError
-from lmcompress.evaluation.corpora import calibration_windows, load_documents, tokenize
+from lmcompress.evaluation.corpora import calibration_windows, tokenize
 from lmcompress.evaluation.perplexity import perplexity
 from lmcompress.methods import get_method
+from lmcompress.preflight import preflight
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_EVAL_TOKENS = 32_768
 SaveDtype = Literal["auto", "float32", "float16", "bfloat16"]
+ComputeDtype = Literal["float32", "bfloat16", "float16"]
 
 
 @dataclass(frozen=True)
@@ -46,22 +48,30 @@ class RunOptions:
     eval_batch_size: int = field(default=4, metadata={"help": "windows per forward pass"})
     skip_dense: bool = field(default=False, metadata={"help": "do not score the dense model"})
     lm_eval_tasks: tuple[str, ...] = field(default=(), metadata={"help": "lm-eval tasks to run"})
-    output: str | None = field(default=None, metadata={"help": "output directory"})
+    output: str | None = field(
+        default=None, metadata={"help": "output directory", "default_text": "not saved"}
+    )
     overwrite: bool = field(default=False, metadata={"help": "replace a non-empty output dir"})
     save_dtype: SaveDtype = field(
         default="auto", metadata={"help": "dtype of the saved weights (auto: the model's)"}
     )
-    dtype: str = field(default="float32", metadata={"help": "compute dtype"})
+    dtype: ComputeDtype = field(default="float32", metadata={"help": "compute dtype"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda, cuda:1, ..."})
     trust_remote_code: bool = field(default=False, metadata={"help": "run a checkpoint's code"})
     dense_copy: bool = field(
         default=True,
-        metadata={"help": "also write dense weights that plain transformers loads"},
+        metadata={
+            "help": "also write dense weights that plain transformers loads (--no-dense-copy: "
+            "only the compressed form, about half the size for 2:4)"
+        },
+    )
+    force: bool = field(
+        default=False,
+        metadata={"help": "start even if the memory estimate exceeds the available memory"},
     )
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "eval", tuple(self.eval))
-        object.__setattr__(self, "lm_eval_tasks", tuple(self.lm_eval_tasks))
+        check_types(self)  # a recipe's values can be of any type: names the key if one is wrong
         for name in ("nsamples", "seq_len", "eval_batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -88,16 +98,12 @@ def evaluate(
 def run(options: RunOptions, config: MethodConfig) -> dict[str, Any]:
     """Run the job; returns the results that the CLI prints and ``compression.json`` records.
 
-    Cheap checks come first, so that a bad input fails in seconds: the output directory, the
-    checkpoint's path and kind (no weights read), the method's options, the corpora (cleaning
-    Wikipedia takes seconds), and only then the model."""
-    if options.output is not None:
-        check_output_dir(options.output, options.overwrite)
-    check_checkpoint(options.checkpoint)
+    Every check that needs no weights runs first (:func:`lmcompress.preflight.preflight`), so
+    that a bad input fails in about a second: device, checkpoint, output path, lm-eval tasks,
+    the method on a meta-device copy of the model, sequence length, memory, corpora."""
     method = get_method(config.method)(config)
+    preflight(options, method)
     needs_text = (*options.eval, *((options.calib,) if method.needs_calibration else ()))
-    for source in needs_text:  # a misspelt corpus fails before the model loads
-        load_documents(source)
     start = time.perf_counter()
     model, tokenizer = load_model(
         options.checkpoint,

@@ -77,14 +77,29 @@ def _compress(argv: Sequence[str]) -> int:
     method_class = get_method(method_name)
     config_class = method_class.config_class
 
-    parser = _Parser(prog=PROG, description="Compress a Hugging Face causal LM.")
+    from lmcompress.methods import METHODS
+
+    parser = _Parser(
+        prog=PROG,
+        description="Compress a Hugging Face causal LM, score it beside the dense one, and "
+        "write it as safetensors.",
+        epilog=f"The options above are {method_name}'s; each method has its own: "
+        f"`{PROG} --method NAME --help`, or `{PROG} methods` for all of them. Other commands: "
+        f"`{PROG} eval OUT` scores a written output. Exit codes: 0 done, 2 a bad input (one "
+        "line, nothing written), 130 interrupted, 143 terminated.",
+    )
     parser.add_argument(
         "checkpoint",
         nargs="?",
         default=argparse.SUPPRESS,
         help="local dir, .gguf file, hub id, or smollm2-135m (default)",
     )
-    parser.add_argument("--method", default=method_name, help="compression method")
+    parser.add_argument(
+        "--method",
+        default=method_name,
+        choices=list(METHODS),
+        help=f"compression method (default: magnitude; this help: {method_name})",
+    )
     parser.add_argument("--config", help="YAML/JSON recipe; flags override it")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings only")
     run_group = parser.add_argument_group("job")
@@ -116,22 +131,61 @@ def _compress(argv: Sequence[str]) -> int:
 def _print_summary(results: dict[str, Any]) -> None:
     report = results["report"]
     summary = report.summary()
-    print(f"\n{report.method} {report.config} on {results['checkpoint']}")
-    print(f"{'corpus':<14}{'dense ppl':>12}{'compressed ppl':>16}{'tokens':>9}")
+    print(f"\n{report.method} on {results['checkpoint']}: {_changed_options(report)}")
+    if results["compressed"]:
+        print(f"{'corpus':<14}{'dense ppl':>12}{'compressed ppl':>16}{'tokens':>9}")
+    else:
+        print("no corpus scored (--eval with none)")
     for corpus, res in results["compressed"].items():
         dense = results.get("dense", {}).get(corpus)
         dense_text = f"{dense['perplexity']:.3f}" if dense else "-"
         print(f"{corpus:<14}{dense_text:>12}{res['perplexity']:>16.3f}{res['tokens']:>9}")
     kept = summary["params_kept"] / max(summary["params_compressed_layers"], 1)
+    dtype = results["options"]["dtype"]
     print(
-        f"layers {summary['layers']}, weights kept {kept:.1%} of the compressed layers, "
-        f"compressed bytes {summary['bytes_compressed'] / max(summary['bytes_dense'], 1):.1%} "
-        f"of dense, {results['seconds']:.1f} s"
+        f"{summary['layers']} layers compressed in {results['seconds']:.1f} s: {kept:.1%} of "
+        f"their weights kept; their compressed form takes "
+        f"{summary['bytes_compressed'] / max(summary['bytes_dense'], 1):.1%} of their dense "
+        f"{dtype} bytes (values plus index metadata, which weighs more beside 16-bit values)"
     )
     for name, metrics in results.get("lm_eval", {}).items():
         print(f"lm-eval {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
     if results.get("output"):
-        print(f"saved to {results['output']} (per-layer detail in compression.json)")
+        print(f"saved to {results['output']}: {_output_sizes(Path(results['output']))}")
+
+
+def _changed_options(report: Any) -> str:
+    """The options that differ from the method's defaults, as ``--flag value`` text."""
+    from lmcompress.methods import get_method
+
+    defaults = get_method(report.method).config_class().to_dict()
+    changed = []
+    for key, value in report.config.items():
+        if key == "method" or defaults.get(key) == value:
+            continue
+        text = " ".join(map(str, value)) if isinstance(value, list) else str(value)
+        changed.append(f"{key}={text}")
+    return ", ".join(changed) or "default options"
+
+
+def _output_sizes(out: Path) -> str:
+    """``"730.1 MB in all: compressed form 190.2 MB, dense copy 540.0 MB ..."``."""
+    from lmcompress.compressor.export import COMPRESSED_TENSORS
+
+    def size(paths: list[Path]) -> float:
+        return sum(p.stat().st_size for p in paths if p.is_file()) / 1e6
+
+    total = size(list(out.rglob("*")))
+    compressed = size([out / COMPRESSED_TENSORS])
+    dense = size([p for p in out.glob("*.safetensors") if p.name != COMPRESSED_TENSORS])
+    text = f"{total:.1f} MB in all"
+    if compressed:
+        text += f"; compressed form {compressed:.1f} MB ({COMPRESSED_TENSORS})"
+    if dense and compressed:
+        text += (
+            f"; dense copy {dense:.1f} MB for plain transformers (--no-dense-copy leaves it out)"
+        )
+    return text + "; per-layer detail in compression.json"
 
 
 def _methods(argv: Sequence[str]) -> int:
@@ -177,6 +231,9 @@ def _eval(argv: Sequence[str]) -> int:
         eval_batch_size=args.eval_batch_size,
         device=args.device,
     )
+    from lmcompress.preflight import check_eval
+
+    check_eval(args.checkpoint, args.device, args.seq_len, args.lm_eval_tasks, options.eval)
     from lmcompress.compressor.export import (
         MANIFEST,
         load_compressed,

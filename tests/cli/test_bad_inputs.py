@@ -1,0 +1,346 @@
+"""Bad input to ``compress-model``: one line on stderr, exit 2, nothing written, and (except for
+what only the weights can reveal) no weight loaded: every check runs before any work.
+
+Each case is ``name -> (argv, part of the message)``; argv is completed with a tiny corpus,
+``--seq-len 32`` and ``-o OUT`` unless the case gives its own.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+import transformers
+from conftest import make_odd_llama
+
+import lmcompress.pipeline as pipeline
+from lmcompress.cli.main import main
+
+TEXT = "\n\n".join(f"Document {i}. The quick brown fox jumps over the lazy dog." for i in range(60))
+
+# Cases that only the weights can reveal: the model is loaded, then the error comes.
+NEEDS_WEIGHTS = {"corrupt safetensors"}
+
+
+def _recipe(tmp_path, name, text):
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def _cases(tmp_path, good, corpus):  # noqa: PLR0915 - one table
+    only_bin = tmp_path / "only-bin"
+    only_bin.mkdir()
+    (only_bin / "config.json").write_text((good / "config.json").read_text())
+    (only_bin / "pytorch_model.bin").write_bytes(b"pickle")
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    for f in good.iterdir():
+        (corrupt / f.name).write_bytes(f.read_bytes())
+    (corrupt / "model.safetensors").write_bytes(b"\x00" * 100)
+    bad_json = tmp_path / "bad-json"
+    bad_json.mkdir()
+    (bad_json / "config.json").write_text("{not json")
+    no_type = tmp_path / "no-type"
+    no_type.mkdir()
+    (no_type / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    fake_gguf = tmp_path / "model.gguf"
+    fake_gguf.write_text("not a gguf file")
+    bert = tmp_path / "bert"
+    transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64
+    ).save_pretrained(bert)
+    odd = tmp_path / "odd"
+    make_odd_llama().save_pretrained(odd)
+    for f in good.glob("*token*"):
+        (odd / f.name).write_bytes(f.read_bytes())
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "mine.txt").write_text("x")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    empty_ckpt_dir = tmp_path / "no-checkpoints"
+    empty_ckpt_dir.mkdir()
+    g, c = str(good), str(corpus)
+    r = _recipe
+    return {
+        # --- the checkpoint ---
+        "missing checkpoint": ([str(tmp_path / "nope")], "not found"),
+        "only pickled weights": ([str(only_bin)], "safetensors"),
+        "corrupt safetensors": ([str(corrupt)], "corrupt"),
+        "config not json": ([str(bad_json)], "not valid JSON"),
+        "config without model_type": ([str(no_type)], "no model_type"),
+        "foreign gguf": ([str(fake_gguf)], "gguf"),
+        "unsupported architecture": ([str(bert)], "unsupported architecture 'bert'"),
+        "indivisible layer": ([str(odd), "--sparsity", "4:8"], "not divisible by M=8"),
+        # --- the method and its options ---
+        "unknown method": ([g, "--method", "prune-it"], "unknown method 'prune-it'"),
+        "impossible N:M": ([g, "--sparsity", "5:4"], "impossible N:M"),
+        "zero N": ([g, "--sparsity", "0:4"], "impossible N:M"),
+        "N equals M": ([g, "--sparsity", "4:4"], "impossible N:M"),
+        "sparsity not a number": ([g, "--sparsity", "half"], "neither N:M"),
+        "ratio out of range": ([g, "--sparsity", "1.5"], "between 0 and 1"),
+        "ratio zero": ([g, "--sparsity", "0"], "between 0 and 1"),
+        "layer rule without =": ([g, "--layer-sparsity", "q_proj"], "is not GLOB=SPARSITY"),
+        "layer rule impossible": ([g, "--layer-sparsity", "*.q_proj=3:2"], "impossible N:M"),
+        "layer rule matching nothing": (
+            [g, "--layer-sparsity", "nomatch.*=0.3"],
+            "matches none of the",
+        ),
+        "include matching nothing": ([g, "--include", "nomatch.*"], "nomatch"),
+        "bad literal option": (
+            [g, "--method", "sparsegpt", "--hessian-dtype", "half"],
+            "argument --hessian-dtype: invalid choice: 'half' (choose from 'float32', 'float64')",
+        ),
+        "svd ratio above 1": ([g, "--method", "svd", "--ratio", "1.5"], "ratio"),
+        "maskllm zero steps": ([g, "--method", "maskllm", "--steps", "0"], "steps must be"),
+        "maskllm negative lr": ([g, "--method", "maskllm", "--lr", "-1"], "lr must be positive"),
+        "maskllm resume without dir": (
+            [g, "--method", "maskllm", "--resume"],
+            "--resume needs --checkpoint-dir",
+        ),
+        "maskllm resume from nothing": (
+            [g, "--method", "maskllm", "--resume", "--checkpoint-dir", str(empty_ckpt_dir)],
+            "no checkpoint in",
+        ),
+        "maskllm prior-from nothing": (
+            [g, "--method", "maskllm", "--prior-from", str(tmp_path / "none")],
+            "--prior-from",
+        ),
+        "maskllm blockwise fsdp": (
+            [g, "--method", "maskllm", "--blockwise", "--fsdp"],
+            "--fsdp",
+        ),
+        # --- job options ---
+        "unknown flag": ([g, "--sparsityy", "2:4"], "unrecognized arguments"),
+        "zero seq-len": ([g, "--seq-len", "0"], "seq_len must be at least 1"),
+        "seq-len beyond positions": ([g, "--seq-len", "129"], "maximum of 128 positions"),
+        "zero nsamples": ([g, "--nsamples", "0"], "nsamples must be at least 1"),
+        "nsamples beyond memory": ([g, "--method", "wanda", "--nsamples", str(10**9)], "available"),
+        "zero eval batch": ([g, "--eval-batch-size", "0"], "eval_batch_size must be"),
+        "negative eval tokens": ([g, "--eval-tokens", "-1"], "eval_tokens must be >= 0"),
+        "bad save dtype": ([g, "--save-dtype", "int3"], "invalid choice: 'int3'"),
+        "bad compute dtype": ([g, "--dtype", "int8"], "invalid choice: 'int8'"),
+        "cuda without cuda": ([g, "--device", "cuda"], "cuda"),
+        "unknown device": ([g, "--device", "tpu9"], "device"),
+        "unknown corpus": ([g, "--eval", "wikitext-999"], "wikitext-999"),
+        "missing calibration file": (
+            [g, "--method", "wanda", "--calib", str(tmp_path / "none.txt")],
+            "none.txt",
+        ),
+        "unknown lm-eval task": ([g, "--lm-eval-tasks", "nonexistent_task"], "nonexistent_task"),
+        # --- the output ---
+        "non-empty output": ([g, "--eval", c, "-o", str(full)], "not empty"),
+        "output is a file": ([g, "--eval", c, "-o", str(a_file)], "a-file"),
+        "output under a file": ([g, "--eval", c, "-o", str(a_file / "out")], "not a directory"),
+        "output under /proc": ([g, "--eval", c, "-o", "/proc/lmcompress-out"], "cannot write"),
+        "output is the input": (
+            [g, "--eval", c, "--overwrite", "-o", g],
+            "would destroy the input",
+        ),
+        "output inside the input": (
+            [g, "--eval", c, "-o", str(good / "pruned")],
+            "would destroy the input",
+        ),
+        "output contains the input": (
+            [g, "--eval", c, "--overwrite", "-o", str(tmp_path)],
+            "would destroy the input",
+        ),
+        # --- recipes ---
+        "bad recipe key": ([g, "--config", r(tmp_path, "key", "spars1ty: '2:4'\n")], "spars1ty"),
+        "missing recipe": ([g, "--config", str(tmp_path / "none.yaml")], "not found"),
+        "recipe not yaml": ([g, "--config", r(tmp_path, "yaml", "a: [\n")], "not valid YAML"),
+        "recipe not a mapping": ([g, "--config", r(tmp_path, "list", "- 1\n")], "mapping"),
+        "recipe unknown method": (
+            [g, "--config", r(tmp_path, "method", "method: nope\n")],
+            "unknown method 'nope'",
+        ),
+        "recipe int as text": (
+            [g, "--config", r(tmp_path, "ns", "nsamples: many\n")],
+            "nsamples",
+        ),
+        "recipe method int as text": (
+            [g, "--config", r(tmp_path, "bs", "method: sparsegpt\nblocksize: big\n")],
+            "blocksize",
+        ),
+        "recipe list as text": (
+            [g, "-o", str(tmp_path / "out"), "--config", r(tmp_path, "ev", "eval: wiki-test\n")],
+            "eval must be a list",
+        ),
+        "recipe bool as text": (
+            [g, "--config", r(tmp_path, "sd", "skip_dense: maybe\n")],
+            "skip_dense",
+        ),
+        "recipe float for int": ([g, "--config", r(tmp_path, "seed", "seed: 1.5\n")], "seed"),
+    }
+
+
+def _no_loading(*_args, **_kwargs):
+    raise AssertionError("the model was loaded before the error")
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT)
+    return path
+
+
+@pytest.fixture
+def cases(tmp_path, tiny_checkpoint, corpus):
+    return _cases(tmp_path, tiny_checkpoint, corpus)
+
+
+CASE_NAMES = [
+    "missing checkpoint",
+    "only pickled weights",
+    "corrupt safetensors",
+    "config not json",
+    "config without model_type",
+    "foreign gguf",
+    "unsupported architecture",
+    "indivisible layer",
+    "unknown method",
+    "impossible N:M",
+    "zero N",
+    "N equals M",
+    "sparsity not a number",
+    "ratio out of range",
+    "ratio zero",
+    "layer rule without =",
+    "layer rule impossible",
+    "layer rule matching nothing",
+    "include matching nothing",
+    "bad literal option",
+    "svd ratio above 1",
+    "maskllm zero steps",
+    "maskllm negative lr",
+    "maskllm resume without dir",
+    "maskllm resume from nothing",
+    "maskllm prior-from nothing",
+    "maskllm blockwise fsdp",
+    "unknown flag",
+    "zero seq-len",
+    "seq-len beyond positions",
+    "zero nsamples",
+    "nsamples beyond memory",
+    "zero eval batch",
+    "negative eval tokens",
+    "bad save dtype",
+    "bad compute dtype",
+    "cuda without cuda",
+    "unknown device",
+    "unknown corpus",
+    "missing calibration file",
+    "unknown lm-eval task",
+    "non-empty output",
+    "output is a file",
+    "output under a file",
+    "output under /proc",
+    "output is the input",
+    "output inside the input",
+    "output contains the input",
+    "bad recipe key",
+    "missing recipe",
+    "recipe not yaml",
+    "recipe not a mapping",
+    "recipe unknown method",
+    "recipe int as text",
+    "recipe method int as text",
+    "recipe list as text",
+    "recipe bool as text",
+    "recipe float for int",
+]
+
+
+def test_every_case_is_listed(cases):
+    assert sorted(cases) == sorted(CASE_NAMES)
+
+
+def test_at_least_forty_distinct_bad_inputs():
+    assert len(CASE_NAMES) >= 40
+
+
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_bad_input_is_one_line_exit_2_before_any_work(
+    case, cases, tmp_path, corpus, monkeypatch, capsys
+):
+    argv, message = cases[case]
+    out = tmp_path / "out"
+    if "-o" not in argv:  # defaults first, so that the case's own flags win
+        argv = [
+            argv[0],
+            "--eval",
+            str(corpus),
+            "--calib",
+            str(corpus),
+            "--seq-len",
+            "32",
+            "-o",
+            str(out),
+            *argv[1:],
+        ]
+    if case not in NEEDS_WEIGHTS:
+        monkeypatch.setattr(pipeline, "load_model", _no_loading)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    capsys.readouterr()
+    with torch.no_grad():
+        code = main(argv)
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert code == 2, err
+    assert "Traceback" not in err and captured.out == ""
+    errors = [line for line in err.splitlines() if "compress-model" in line]
+    assert len(errors) == 1 and err.endswith(errors[0]), err
+    assert errors[0].startswith("compress-model: error:") and message in errors[0], errors[0]
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no temp dirs either
+
+
+def test_read_only_mount_is_refused_before_loading(
+    tiny_checkpoint, corpus, tmp_path, monkeypatch, capsys
+):
+    target = tmp_path / "ro"
+    target.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-o", "bind,ro", str(target), str(target)], capture_output=True, check=False
+    )
+    if mounted.returncode != 0:
+        pytest.skip("cannot bind-mount read-only here (needs root)")
+    try:
+        monkeypatch.setattr(pipeline, "load_model", _no_loading)
+        code = main([str(tiny_checkpoint), "--eval", str(corpus), "-o", str(target / "out")])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and "cannot write" in err and "Read-only file system" in err, err
+    finally:
+        subprocess.run(["umount", str(target)], check=False)
+
+
+EVAL_CASES = {
+    "missing": (["{tmp}/nope"], "not found"),
+    "seq-len beyond positions": (["{ckpt}", "--seq-len", "129"], "maximum of 128 positions"),
+    "cuda without cuda": (["{ckpt}", "--device", "cuda"], "cuda"),
+    "unknown corpus": (["{ckpt}", "--seq-len", "32", "--data", "wikitext-999"], "wikitext-999"),
+    "unknown lm-eval task": (
+        ["{ckpt}", "--seq-len", "32", "--lm-eval-tasks", "nonexistent_task"],
+        "nonexistent",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(EVAL_CASES))
+def test_eval_bad_input_is_one_line_before_loading(
+    case, tiny_checkpoint, tmp_path, monkeypatch, capsys
+):
+    import lmcompress.compressor.models as models
+
+    argv, message = EVAL_CASES[case]
+    argv = [a.format(tmp=tmp_path, ckpt=tiny_checkpoint) for a in argv]
+    monkeypatch.setattr(models, "load_model", _no_loading)
+    capsys.readouterr()
+    code = main(["eval", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.startswith("compress-model: error:") and "\n" not in err and message in err, err
