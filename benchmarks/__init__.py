@@ -11,9 +11,11 @@ holds its job table and ``render(payload)``:
 - ``maskllm`` (with ``maskllm_results``, ``maskllm_plot``): learned 2:4 masks;
 - ``maskllm_fsdp``: MaskLLM memory per process, data parallel vs FSDP;
 - ``runtime``: compress, then reload in the packed and the dense runtime (bytes, RSS,
-  perplexity), and the README's main job from an empty cache.
+  perplexity), and the README's main job from an empty cache;
+- ``bad_inputs``: issue 10's bad and hostile inputs on the real model (exit code, time, message,
+  what is left behind; kills while saving; file modes and output sizes).
 
 ``rss_profile`` is a diagnostic, not a benchmark: it writes no results file.
 """
 
-BENCHMARKS = ("magnitude", "pruning", "maskllm", "maskllm_fsdp", "runtime")
+BENCHMARKS = ("magnitude", "pruning", "maskllm", "maskllm_fsdp", "runtime", "bad_inputs")

@@ -173,7 +173,9 @@ def run_modes(work: Path) -> dict[str, Any]:
     code, seconds, stderr = _run((*QUICK, "-o", "out", "-q"), work)
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in sorted((work / "out").iterdir())}
     row = _row(MODES, code, seconds, stderr, [])
-    row["umask"] = oct(os.umask(os.umask(0)))
+    umask = os.umask(0)
+    os.umask(umask)
+    row["umask"] = oct(umask)
     row["modes"] = modes
     # what the output weighs with and without the dense copy (fp32, the model's own dtype)
     _run((*QUICK, "--no-dense-copy", "-o", "lean", "-q"), work)

@@ -62,7 +62,8 @@ class RunOptions:
         default=True,
         metadata={
             "help": "also write dense weights that plain transformers loads (--no-dense-copy: "
-            "only the compressed form, about half the size for 2:4)"
+            "the compressed layers only in their compressed form; SmolLM2 2:4 at fp32: 343 MB "
+            "instead of 767 MB)"
         },
     )
     force: bool = field(

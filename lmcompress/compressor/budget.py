@@ -97,8 +97,9 @@ def check_fits(
     """Raise a one-line :class:`ConfigError` when ``estimate`` exceeds the available memory
     (unless ``force``: then warn and go on)."""
     available, source = available_bytes(device)
-    logger.info("memory estimate %s; available %s", estimate.describe(), source)
     if available is None or estimate.total <= available:
+        shown = "unknown" if available is None else _gib(available)
+        logger.info("memory: the job needs about %s; %s available", estimate.describe(), shown)
         return
     message = (
         f"the job needs about {estimate.describe()} but only {_gib(available)} is available "
