@@ -309,8 +309,6 @@ def _peak_rss_mib() -> float:
 
 
 def _setup_logging(quiet: bool) -> None:
-    if quiet:  # progress bars too (tqdm reads this when a bar is created)
-        os.environ["TQDM_DISABLE"] = "1"
     logging.basicConfig(
         level=logging.WARNING if quiet else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -323,6 +321,8 @@ COMMANDS = {"methods": _methods, "eval": _eval}
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-q" in argv or "--quiet" in argv:  # tqdm reads TQDM_DISABLE once, when it is imported
+        os.environ["TQDM_DISABLE"] = "1"
     command = COMMANDS.get(argv[0]) if argv else None
     previous = signal.getsignal(signal.SIGTERM)
     try:
