@@ -46,6 +46,7 @@ from transformers.pytorch_utils import Conv1D
 from lmcompress.compressor.families import decoder_blocks
 from lmcompress.compressor.surgery import forward_hooks, is_linear, weight_matrix
 from lmcompress.errors import ConfigError
+from lmcompress.progress import bar_disabled
 
 logger = logging.getLogger(__name__)
 
@@ -289,7 +290,9 @@ def gradient_statistics(
             stack.enter_context(torch.enable_grad())
             if checkpointing:
                 stack.enter_context(checkpointed_blocks(model))
-            bar = tqdm(total=n_windows, desc="gradients", unit="window", disable=not progress)
+            bar = tqdm(
+                total=n_windows, desc="gradients", unit="window", disable=bar_disabled(progress)
+            )
             stack.callback(bar.close)
             for first in range(0, n_windows, batch_size):
                 ids = data[first : first + batch_size].to(device)  # (B, T)

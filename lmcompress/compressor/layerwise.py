@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from lmcompress.compressor.families import family_of
 from lmcompress.compressor.report import LayerReport
+from lmcompress.progress import bar_disabled
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +165,9 @@ def compress_layerwise(
     batches = capture_block_inputs(model, data, batch_size, device)
     stats = LayerwiseStats(blocks=len(blocks))
     reports: list[LayerReport] = []
-    for index in tqdm(range(len(blocks)), desc="blocks", unit="block", disable=not progress):
+    for index in tqdm(
+        range(len(blocks)), desc="blocks", unit="block", disable=bar_disabled(progress)
+    ):
         block_start = time.perf_counter()
         block = blocks[index]
         home = next(block.parameters()).device

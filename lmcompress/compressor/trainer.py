@@ -45,6 +45,7 @@ from lmcompress.compressor.distributed import (
 from lmcompress.compressor.training import TrainingOptions, check_counts, trainable_only
 from lmcompress.errors import ConfigError, LmcompressError
 from lmcompress.fsutil import atomic_dir
+from lmcompress.progress import bar_disabled
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +252,7 @@ class Trainer:
             desc=self.desc,
             unit="step",
             leave=self.leave,
-            disable=not self._is_main(),
+            disable=bar_disabled(self._is_main()),
         )
         with trainable_only(self.model, self.params.values()):
             while self.state.step < config.steps and (stop_after is None or done_here < stop_after):

@@ -35,6 +35,7 @@ import torch
 import yaml
 
 from lmcompress.errors import ConfigError, DataError, LmcompressError
+from lmcompress.progress import bar_disabled
 
 logger = logging.getLogger(__name__)
 
@@ -273,7 +274,9 @@ def _hflm_class():
         _windows = None  # the progress bar while loglikelihood_rolling runs
 
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-            self._windows = tqdm(desc="lm-eval windows", unit="window", disable=disable_tqdm)
+            self._windows = tqdm(
+                desc="lm-eval windows", unit="window", disable=bar_disabled(not disable_tqdm)
+            )
             try:
                 return super().loglikelihood_rolling(requests, disable_tqdm=True)
             finally:

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from lmcompress.compressor.lm_loss import IGNORE_INDEX, chunked_nll
 from lmcompress.errors import ConfigError, DataError
+from lmcompress.progress import bar_disabled
 
 
 @dataclass
@@ -90,7 +91,7 @@ def perplexity(
     start_time = time.perf_counter()
     total_nll, total_tokens = 0.0, 0
     batches = range(0, len(spans), batch_size)
-    for i in tqdm(batches, desc="perplexity", unit="batch", disable=not progress):
+    for i in tqdm(batches, desc="perplexity", unit="batch", disable=bar_disabled(progress)):
         batch = spans[i : i + batch_size]
         inputs = torch.stack([ids[s:e] for s, e, _ in batch])  # (B, body)
         if bos_token_id is not None:
