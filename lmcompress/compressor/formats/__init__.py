@@ -1,7 +1,8 @@
 """The compressed formats lmcompress ships; importing this package registers them all in
 ``compressor.runtime.FORMATS``."""
 
+from lmcompress.compressor.formats.int8 import QuantLinear
 from lmcompress.compressor.formats.low_rank import LowRankLinear
 from lmcompress.compressor.formats.nm_packed import PackedNMLinear
 
-__all__ = ["LowRankLinear", "PackedNMLinear"]
+__all__ = ["LowRankLinear", "PackedNMLinear", "QuantLinear"]

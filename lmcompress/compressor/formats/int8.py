@@ -1,0 +1,216 @@
+"""``int8``: a W8A8 linear layer (int8 weights and activations, symmetric, zero-point 0).
+
+Weights are quantized once (:func:`~lmcompress.compressor.quant.int8_weight`), per output
+channel or per group of input channels. Activations are quantized in ``forward``: per token
+from each row's absmax (``dynamic``), or with one per-tensor scale from calibration
+(``static``). Two forward paths compute the same function:
+
+- ``path="int"``: ``torch.ops.lmcompress.int8_linear`` — int8 × int8 → int32 with
+  ``torch._int_mm`` (exact), then the float32 rescale. The fast path on CPUs with VNNI/AMX.
+- ``path="simulated"``: dequantize, matmul in float64, cast
+  (:func:`~lmcompress.compressor.quant.simulated_int8_linear`): the reference, runs anywhere
+  float64 does.
+
+With per-channel scales they agree to the rounding of the final float32 rescale (a few ulps).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+import lmcompress.kernels.int8_ops  # noqa: F401  (registers torch.ops.lmcompress.int8_linear)
+from lmcompress.compressor import quant
+from lmcompress.compressor.runtime import CompressedLinear, register_format
+from lmcompress.compressor.surgery import weight_matrix
+from lmcompress.errors import ConfigError, LmcompressError, ModelLoadError
+
+ACTIVATIONS = ("dynamic", "static")
+PATHS = ("int", "simulated")
+
+
+@register_format
+class QuantLinear(CompressedLinear):
+    """``y = Q(x) Q(W)ᵀ + b`` for an ``nn.Linear`` or GPT-2 ``Conv1D``.
+
+    Buffers: ``weight_q`` int8 (out, in); ``weight_scale`` fp32 (out, 1) or (out, groups);
+    ``input_scale`` fp32 (1,) for static activations, ``None`` for dynamic per-token ones;
+    ``bias`` (out,) in the original dtype, or ``None``. ``dtype`` is the original weight's
+    dtype (that of :meth:`dense_weight`); ``path`` chooses the forward (``int`` or
+    ``simulated``) and may be changed at any time.
+    """
+
+    format = "int8"
+
+    def __init__(
+        self,
+        weight_q: torch.Tensor,
+        weight_scale: torch.Tensor,
+        input_scale: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        conv1d: bool = False,
+        path: str = "int",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        out_features, in_features = weight_q.shape
+        super().__init__(in_features, out_features, conv1d=conv1d)
+        if path not in PATHS:
+            raise ConfigError(f"unknown int8 path {path!r}; choose from {', '.join(PATHS)}")
+        groups = weight_scale.shape[-1]
+        self.group_size = None if groups == 1 else in_features // groups
+        self.path, self.dtype = path, dtype
+        self.register_buffer("weight_q", weight_q)
+        self.register_buffer("weight_scale", weight_scale.float())
+        self.register_buffer(
+            "input_scale", None if input_scale is None else input_scale.float().reshape(1)
+        )
+        self.register_buffer("bias", bias)
+
+    @property
+    def activations(self) -> str:
+        return "dynamic" if self.input_scale is None else "static"
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(
+        cls,
+        linear: nn.Module,
+        activations: str = "dynamic",
+        input_scale: torch.Tensor | float | None = None,
+        group_size: int | None = None,
+        path: str = "int",
+        bits: int = 8,
+    ) -> QuantLinear:
+        """Quantize ``linear``'s weight; ``input_scale`` is the static activation *scale*
+        (``quant.absmax_scale(observed_absmax)``), required for ``activations="static"`` and
+        refused for ``"dynamic"``. Bad options are one-line :class:`ConfigError` s."""
+        if bits != 8:
+            raise ConfigError(f"int8 format: bits must be 8, got {bits}")
+        if activations not in ACTIVATIONS:
+            raise ConfigError(
+                f"unknown activation quantization {activations!r}; choose from "
+                f"{', '.join(ACTIVATIONS)}"
+            )
+        if activations == "static" and input_scale is None:
+            raise ConfigError("static activations need an input_scale from calibration")
+        if activations == "dynamic" and input_scale is not None:
+            raise ConfigError("input_scale is for static activations; dynamic ones have none")
+        W = weight_matrix(linear).detach()  # (out, in)
+        if input_scale is not None:
+            input_scale = torch.as_tensor(input_scale, dtype=torch.float32, device=W.device)
+            if input_scale.numel() != 1:
+                raise ConfigError(
+                    f"static input_scale is per tensor (one value), got shape "
+                    f"{list(input_scale.shape)}"
+                )
+            quant.check_scale(input_scale, "input_scale")
+        weight_q, weight_scale = quant.int8_weight(W, group_size)
+        bias = linear.bias.detach().clone() if linear.bias is not None else None
+        return cls(
+            weight_q,
+            weight_scale,
+            input_scale,
+            bias,
+            conv1d=isinstance(linear, Conv1D),
+            path=path,
+            dtype=W.dtype,
+        )
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        tensors = {"weight_q": self.weight_q, "weight_scale": self.weight_scale}
+        if self.input_scale is not None:
+            tensors["input_scale"] = self.input_scale
+        if self.bias is not None:
+            tensors["bias"] = self.bias
+        return tensors
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            **super().meta(),
+            "bits": 8,
+            "group_size": self.group_size,
+            "activations": self.activations,
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+    @classmethod
+    def from_state(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> QuantLinear:
+        """Rebuild from :meth:`state_tensors` and :meth:`meta`, checking dtypes, shapes and
+        scales against the metadata (a mismatched file is a :class:`ModelLoadError`)."""
+        try:
+            in_features, out_features = int(meta["in_features"]), int(meta["out_features"])
+            bits, activations = int(meta.get("bits", 8)), meta.get("activations", "dynamic")
+            group_size = meta.get("group_size")
+            weight_q, weight_scale = tensors["weight_q"], tensors["weight_scale"]
+            input_scale = tensors.get("input_scale") if activations == "static" else None
+            if activations == "static" and input_scale is None:
+                raise KeyError("input_scale")
+            dtype = getattr(torch, str(meta.get("dtype", "float32")))
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ModelLoadError(f"int8 layer is missing or has a bad {err}") from None
+        if bits != 8 or activations not in ACTIVATIONS or not isinstance(dtype, torch.dtype):
+            raise ModelLoadError(
+                f"int8 layer: unsupported bits={bits}, activations={activations!r}, "
+                f"dtype={meta.get('dtype')!r}"
+            )
+        groups = 1
+        if group_size is not None:
+            if not isinstance(group_size, int) or group_size <= 0 or in_features % group_size:
+                raise ModelLoadError(
+                    f"int8 layer: group_size {group_size!r} for in_features={in_features}"
+                )
+            groups = in_features // group_size
+        bias = tensors.get("bias")
+        expected = {
+            "weight_q": ((out_features, in_features), weight_q.shape),
+            "weight_scale": ((out_features, groups), weight_scale.shape),
+            "input_scale": ((1,), (1,) if input_scale is None else input_scale.shape),
+            "bias": ((out_features,), (out_features,) if bias is None else bias.shape),
+        }
+        for key, (want, got) in expected.items():
+            if tuple(got) != want:
+                raise ModelLoadError(f"int8 {key} has shape {list(got)}, expected {list(want)}")
+        if weight_q.dtype != torch.int8:
+            raise ModelLoadError(f"int8 weight_q is {weight_q.dtype}, expected int8")
+        try:
+            for name, scale in (("weight_scale", weight_scale), ("input_scale", input_scale)):
+                if scale is not None:
+                    quant.check_scale(scale, f"int8 {name}")
+        except LmcompressError as err:
+            raise ModelLoadError(str(err)) from None
+        return cls(
+            weight_q,
+            weight_scale,
+            input_scale,
+            bias,
+            conv1d=bool(meta.get("conv1d", False)),
+            dtype=dtype,
+        )
+
+    def dense_weight(self) -> torch.Tensor:
+        """The dequantized weight ``weight_q · weight_scale`` (out, in), in :attr:`dtype`."""
+        return quant.dequantize(self.weight_q, self.weight_scale).to(self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_2d = x.reshape(-1, self.in_features)  # (tokens, in)
+        if self.input_scale is None:
+            x_scale = quant.per_token_scale(x_2d)  # (tokens, 1)
+        else:
+            x_scale = self.input_scale  # (1,)
+        x_q = quant.quantize(x_2d, x_scale)
+        args = (x_q, x_scale, self.weight_q, self.weight_scale, self.bias, x.dtype)
+        if self.path == "int":
+            y = torch.ops.lmcompress.int8_linear(*args)
+        else:
+            y = quant.simulated_int8_linear(*args)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        groups = "channel" if self.group_size is None else f"group of {self.group_size}"
+        return (
+            f"{super().extra_repr()}, weights per {groups}, activations={self.activations}, "
+            f"path={self.path}"
+        )

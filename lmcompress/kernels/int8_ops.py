@@ -1,0 +1,105 @@
+"""``torch.ops.lmcompress.int8_linear``: the W8A8 linear on integer hardware paths.
+
+``y = (x_q @ w_qᵀ) · x_scale · w_scaleᵀ + bias``, with the product of the int8 codes taken by
+:func:`torch._int_mm` (int8 × int8 → int32, exact: |acc| ≤ 128² · in < 2³¹ for in < 131072),
+then one float32 rescale. Registered with ``torch.library.custom_op`` and a fake
+implementation, so ``torch.compile(fullgraph=True)`` traces it; the same op name can take a
+device kernel later (``register_kernel("cuda")``).
+
+``torch._int_mm`` is 2-D only (callers flatten the token dimensions). On CPU (torch 2.13) it
+takes any shape, measured from 1×5×3 up; on CUDA it needs more than 16 rows and inner and
+outer sizes that are multiples of 8, so :func:`int8_matmul` pads with zero codes there (zeros
+add nothing to an integer sum: the result is unchanged).
+
+Group-wise weight scales (``w_scale`` (out, groups)) cannot be applied after one ``_int_mm``:
+each group's partial sum needs its own scale. They run as one ``_int_mm`` per group of input
+channels, each rescaled by its group's scale and summed in float32 — exact per group, but the
+float32 sum over groups rounds, so grouped results agree with the simulated path only to float32
+rounding (per-channel results agree to the rounding of the final rescale).
+
+No ``from __future__ import annotations`` here: ``custom_op`` reads the schema from the
+annotations.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.library.custom_op("lmcompress::int8_linear", mutates_args=())
+def int8_linear(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``x_q`` int8 (tokens, in), ``x_scale`` fp32 (tokens, 1) or (1,), ``w_q`` int8 (out, in),
+    ``w_scale`` fp32 (out, 1) or (out, groups), ``bias`` (out,) or ``None``; returns
+    (tokens, out) in ``out_dtype`` (the rescale and the bias are computed in float32)."""
+    _check(x_q, x_scale, w_q, w_scale)
+    x_scale = x_scale.float()
+    groups = w_scale.shape[1]
+    if groups == 1:
+        acc = int8_matmul(x_q, w_q)  # (tokens, out) int32, exact
+        y = torch.mul(acc, x_scale)  # int32 · fp32 -> fp32
+        y.mul_(w_scale.float().t())  # (1, out)
+    else:
+        group_size = w_q.shape[1] // groups
+        y = x_q.new_zeros((x_q.shape[0], w_q.shape[0]), dtype=torch.float32)
+        for g in range(groups):
+            cols = slice(g * group_size, (g + 1) * group_size)
+            acc = int8_matmul(x_q[:, cols], w_q[:, cols])  # (tokens, out) int32
+            y.add_(acc * w_scale[:, g].float())  # (tokens, out) * (out,)
+        y.mul_(x_scale)
+    if bias is not None:
+        y.add_(bias.float())
+    return y.to(out_dtype)
+
+
+@int8_linear.register_fake
+def _int8_linear_fake(x_q, x_scale, w_q, w_scale, bias, out_dtype):  # noqa: ARG001
+    _check(x_q, x_scale, w_q, w_scale)
+    return x_q.new_empty((x_q.shape[0], w_q.shape[0]), dtype=out_dtype)
+
+
+def int8_matmul(x_q: torch.Tensor, w_q: torch.Tensor, pad: bool | None = None) -> torch.Tensor:
+    """``x_q @ w_qᵀ`` for int8 ``x_q`` (tokens, in) and ``w_q`` (out, in), as exact int32.
+
+    ``pad`` (default: on CUDA only) zero-pads to ``_int_mm``'s CUDA constraints (rows > 16,
+    inner and outer sizes multiples of 8) and crops the result.
+    """
+    if pad is None:
+        pad = x_q.device.type == "cuda"
+    if not pad:
+        return torch._int_mm(x_q, w_q.t())
+    tokens, in_features = x_q.shape
+    out_features = w_q.shape[0]
+    rows = max(17, tokens)
+    rows, inner, cols = (-(-n // 8) * 8 for n in (rows, in_features, out_features))
+    x_p = F.pad(x_q, (0, inner - in_features, 0, rows - tokens))
+    w_p = F.pad(w_q, (0, inner - in_features, 0, cols - out_features))
+    return torch._int_mm(x_p, w_p.t())[:tokens, :out_features]
+
+
+def _check(
+    x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor
+) -> None:
+    torch._check(
+        x_q.dtype == torch.int8 and w_q.dtype == torch.int8,
+        lambda: f"int8_linear: codes must be int8, got {x_q.dtype} and {w_q.dtype}",
+    )
+    torch._check(
+        x_q.dim() == 2 and w_q.dim() == 2 and x_q.shape[1] == w_q.shape[1],
+        lambda: f"int8_linear: x {tuple(x_q.shape)} and weight {tuple(w_q.shape)} do not match",
+    )
+    torch._check(
+        w_scale.dim() == 2
+        and w_scale.shape[0] == w_q.shape[0]
+        and w_q.shape[1] % w_scale.shape[1] == 0,
+        lambda: f"int8_linear: weight scale {tuple(w_scale.shape)} for weight {tuple(w_q.shape)}",
+    )
+    torch._check(
+        x_scale.numel() == 1 or tuple(x_scale.shape) == (x_q.shape[0], 1),
+        lambda: f"int8_linear: activation scale {tuple(x_scale.shape)} for x {tuple(x_q.shape)}",
+    )
