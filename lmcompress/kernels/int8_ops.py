@@ -38,23 +38,29 @@ def int8_linear(
     ``w_scale`` fp32 (out, 1) or (out, groups), ``bias`` (out,) or ``None``; returns
     (tokens, out) in ``out_dtype`` (the rescale and the bias are computed in float32)."""
     _check(x_q, x_scale, w_q, w_scale)
-    x_scale = x_scale.float()
-    groups = w_scale.shape[1]
-    if groups == 1:
-        acc = int8_matmul(x_q, w_q)  # (tokens, out) int32, exact
-        y = torch.mul(acc, x_scale)  # int32 · fp32 -> fp32
-        y.mul_(w_scale.float().t())  # (1, out)
+    x_scale, w_scale = x_scale.float(), w_scale.float()
+    if w_scale.shape[1] == 1:
+        y = torch.mul(int8_matmul(x_q, w_q), x_scale)  # int32 · fp32 -> fp32 (tokens, out)
+        if bias is None:
+            y.mul_(w_scale.t())  # (1, out)
+        else:  # bias + y · w_scale in one pass over the output (memory-bound on CPU)
+            torch.addcmul(bias.float(), y, w_scale.t(), out=y)
     else:
-        group_size = w_q.shape[1] // groups
-        y = x_q.new_zeros((x_q.shape[0], w_q.shape[0]), dtype=torch.float32)
-        for g in range(groups):
-            cols = slice(g * group_size, (g + 1) * group_size)
-            acc = int8_matmul(x_q[:, cols], w_q[:, cols])  # (tokens, out) int32
-            y.add_(acc * w_scale[:, g].float())  # (tokens, out) * (out,)
-        y.mul_(x_scale)
-    if bias is not None:
-        y.add_(bias.float())
+        y = _per_group(x_q, w_q, w_scale).mul_(x_scale)
+        if bias is not None:
+            y.add_(bias.float())
     return y.to(out_dtype)
+
+
+def _per_group(x_q: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """``Σ_g (x_q[:, g] @ w_q[:, g]ᵀ) · w_scale[:, g]`` over groups of input channels, fp32."""
+    groups = w_scale.shape[1]
+    group_size = w_q.shape[1] // groups
+    y = x_q.new_zeros((x_q.shape[0], w_q.shape[0]), dtype=torch.float32)  # (tokens, out)
+    for g in range(groups):
+        cols = slice(g * group_size, (g + 1) * group_size)
+        y.add_(int8_matmul(x_q[:, cols], w_q[:, cols]) * w_scale[:, g])  # (tokens, out)
+    return y
 
 
 @int8_linear.register_fake
