@@ -26,23 +26,23 @@ bit for bit rather than up to a rounding of ``p / scale`` that lands on the othe
 - the max and the sum are online (Milakov & Gimelshein, arXiv 1805.02867) over blocks of
   ``BLOCK = 64`` columns: ``m_j = max(m_{j-1}, max block_j)``,
   ``s_j = s_{j-1} exp(m_{j-1} - m_j) + pairwise_sum(exp(block_j - m_j))``, where the in-block
-  sum adds neighbours (0,1), (2,3), ... and halves again, a fixed order;
-- ``v = exp(x - m) / (s * scale)`` with one correctly rounded division, then ``q`` from ``v``.
+  sum adds the block's second half to its first, elementwise, and halves again (a fixed order);
+- ``v = exp(x - m) / (s * scale)`` with one correctly rounded division (``div_rn`` in Triton,
+  whose plain ``/`` is approximate on CUDA), then ``q`` from ``v``: ``torch.round`` here, an
+  exact floor-based half-to-even in the kernel (``floor(v + 0.5)`` would round ties up, and
+  0.49999997 + 0.5 rounds to 1 in float32).
 
-Every step is a single IEEE float32 operation, so the kernel (launched without FMA contraction)
-reproduces it exactly; on CPU, where this reference runs, ``p`` is within ~1e-6 (relative) of
+Every step is a single IEEE float32 operation, so the kernel, launched without FMA contraction,
+reproduces it: bit for bit in Triton's interpreter (tests/kernels/test_int8_softmax.py); on CUDA
+by the same argument, not yet run on a GPU. ``p`` is within ~1e-6 (relative) of
 ``torch.softmax``. The op has no autograd formula (rounding has no useful gradient).
 
 This file has no ``from __future__ import annotations``: ``custom_op`` reads the real annotations.
 """
 
-import logging
-
 import torch
 
 from lmcompress.errors import ConfigError
-
-logger = logging.getLogger(__name__)
 
 BLOCK = 64  # columns per step of the online max/sum (part of the definition, see above)
 LOG2E = 1.4426950216293335  # log2(e) rounded to float32
@@ -64,20 +64,31 @@ DEFAULT_SCALE = 1.0 / 255.0
 
 def exp_reference(x: torch.Tensor) -> torch.Tensor:
     """``exp(x)`` of float32 ``x <= 0`` as the kernel computes it (see the module doc)."""
-    t = x.clamp(min=MIN_EXP_ARG) * LOG2E
-    n = torch.floor(t)
-    f = t - n  # exact, in [0, 1)
-    p = EXP2_COEFFS[6] * f + EXP2_COEFFS[5]
+    return _exp_(x.clone(), torch.empty_like(x), torch.empty_like(x))
+
+
+def _exp_(t: torch.Tensor, work: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """:func:`exp_reference` of ``t`` into ``result``, clobbering ``t`` and ``work`` (float32,
+    same shape). In-place steps round exactly as out-of-place ones: fresh tensors of attention
+    size cost more than the arithmetic on this CPU."""
+    t.clamp_(min=MIN_EXP_ARG).mul_(LOG2E)
+    n = torch.floor(t, out=work)
+    f = t.sub_(n)  # exact, in [0, 1)
+    pow2 = n.add_(127.0).view(torch.int32)
+    pow2.copy_(n)  # same bits read as int32 after the float -> int conversion (exact: integers)
+    pow2.bitwise_left_shift_(23)  # n = -127 gives +0.0
+    p = torch.mul(f, EXP2_COEFFS[6], out=result).add_(EXP2_COEFFS[5])
     for c in EXP2_COEFFS[4::-1]:
-        p = p * f + c
-    pow2 = ((n.to(torch.int32) + 127) << 23).view(torch.float32)  # n = -127 gives +0.0
-    return p * pow2
+        p.mul_(f).add_(c)
+    return p.mul_(pow2.view(torch.float32))
 
 
 def pairwise_sum(e: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dimension (a power of two) by adding neighbours, then halving."""
+    """Sum over the last dimension (a power of two) in a fixed order: the first half plus the
+    second half, elementwise, repeated until one element is left."""
     while e.shape[-1] > 1:
-        e = e[..., 0::2] + e[..., 1::2]
+        half = e.shape[-1] // 2
+        e = e[..., :half] + e[..., half:]
     return e[..., 0]
 
 
@@ -88,39 +99,55 @@ def int8_softmax_reference(
     scale: float = DEFAULT_SCALE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The specification (module doc): ``(q uint8, out float32)``, both shaped like ``scores``."""
+    q, out, _ = _reference(scores, mask, offset, scale)
+    return q, out
+
+
+def _reference(scores, mask, offset, scale, keep_values=False):
+    """:func:`int8_softmax_reference`, plus ``v = p / scale`` before rounding if asked (tests)."""
     _check(scores, mask, offset, scale)
-    x = _as_4d(scores).float()  # (B, H, Tq, Tk)
-    mk = None if mask is None else _as_4d(_as_additive(mask).expand(scores.shape)).float()
-    if mk is not None:
-        x = x + mk
-    shape = x.shape
-    rows = x.reshape(-1, shape[-1])  # (R, Tk)
-    n_blocks = -(-shape[-1] // BLOCK)
-    padded = rows.new_full((rows.shape[0], n_blocks * BLOCK), float("-inf"))
-    padded[:, : shape[-1]] = rows
-    blocks = padded.view(-1, n_blocks, BLOCK)  # (R, nb, BLOCK)
+    s4 = _as_4d(scores)
+    shape = s4.shape  # (B, H, Tq, Tk)
+    keys = shape[-1]
+    n_rows, n_blocks = shape[:-1].numel(), -(-keys // BLOCK)
+    # x = scores + mask in float32, padded with -inf (exp gives 0) to whole blocks of columns.
+    padded = scores.new_full((*shape[:-1], n_blocks * BLOCK), float("-inf"), dtype=torch.float32)
+    x = padded[..., :keys]  # (B, H, Tq, Tk), a view
+    x.copy_(s4)
+    allowed = None
+    if mask is not None:
+        mk = _as_4d(_as_additive(mask))
+        x.add_(mk)
+        allowed = mk > MASKED_AT  # broadcast shape: small
+    allowed = x > float("-inf") if allowed is None else allowed & (x > float("-inf"))
+    blocks = padded.view(n_rows, n_blocks, BLOCK)
+    work = (torch.empty_like(blocks), torch.empty_like(blocks), torch.empty_like(blocks))
 
     # Pass 1, online: the running max after each block, and the sum rescaled block by block.
     running = blocks.amax(-1).cummax(-1).values  # (R, nb)
     running_safe = running.masked_fill(running == float("-inf"), 0.0)
-    block_sums = pairwise_sum(exp_reference(blocks - running_safe[..., None]))  # (R, nb)
-    s = rows.new_zeros(rows.shape[0])
-    previous = rows.new_full((rows.shape[0],), float("-inf"))
+    e = _exp_(torch.sub(blocks, running_safe[..., None], out=work[0]), work[1], work[2])
+    block_sums = pairwise_sum(e)  # (R, nb)
+    s = blocks.new_zeros(n_rows)
+    previous = blocks.new_full((n_rows,), float("-inf"))
     for j in range(n_blocks):
         s = s * exp_reference(previous - running_safe[:, j]) + block_sums[:, j]
         previous = running[:, j]
 
-    # Pass 2: quantize with the final max and sum.
+    # Pass 2: v = exp(x - m) / (s scale), rounded half to even, with the final max and sum.
     denom = s * torch.tensor(scale, dtype=torch.float32)
     denom = torch.where(denom > 0, denom, 1.0)  # empty rows: every e is 0, so v = 0
-    v = exp_reference(rows - running_safe[:, -1:]) / denom[:, None]  # (R, Tk)
-    q = torch.round(v).clamp_(max=255.0).view(shape)  # (B, H, Tq, Tk)
-    allowed = x > float("-inf")
-    if mk is not None:
-        allowed &= mk > MASKED_AT
+    e = _exp_(torch.sub(blocks, running_safe[:, -1:, None], out=work[0]), work[1], work[2])
+    v = e.div_(denom[:, None, None])  # (R, nb, BLOCK)
+    values = v.view(padded.shape)[..., :keys].clone() if keep_values else None
+    q = v.round_().clamp_(max=255.0)
+    out = torch.mul(q, torch.tensor(scale, dtype=torch.float32), out=work[0])
+    q, out = q.view(padded.shape)[..., :keys], out.view(padded.shape)[..., :keys]  # (B, H, Tq, Tk)
     off = _offset_2d(offset, scores, shape)[..., None, None]  # (B, H, 1, 1)
-    out = q * torch.tensor(scale, dtype=torch.float32) + torch.where(allowed, off, 0.0)
-    return q.to(torch.uint8).view(scores.shape), out.view(scores.shape)
+    out.add_(torch.where(allowed, off, 0.0))
+    if values is not None:
+        values = values.view(scores.shape)
+    return q.to(torch.uint8).view(scores.shape), out.contiguous().view(scores.shape), values
 
 
 @torch.library.custom_op("lmcompress::int8_softmax", mutates_args=())
@@ -157,10 +184,12 @@ def int8_softmax_triton(
     offset: torch.Tensor | None = None,
     scale: float = DEFAULT_SCALE,
     rows_per_program: int = 16,
+    values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the Triton kernel (CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1`` was set
     before :mod:`lmcompress.kernels.triton_softmax` was first imported). Same contract as
-    :func:`int8_softmax_reference`."""
+    :func:`int8_softmax_reference`; ``values``, a contiguous float32 tensor shaped like
+    ``scores``, receives ``v = p / scale`` before rounding (for tests)."""
     from lmcompress.kernels.triton_softmax import int8_softmax_kernel  # imports triton
 
     _check(scores, mask, offset, scale)
@@ -190,10 +219,12 @@ def int8_softmax_triton(
         *(m4.stride() if m4 is not None else (0, 0, 0, 0)),
         *(off.stride() if off is not None else (0, 0)),
         float(scale),
+        q if values is None else values,  # placeholder pointer when not stored
         HAS_MASK=m4 is not None,
         HAS_OFFSET=off is not None,
         ROWS=rows_per_program,
         BLOCK_COLS=BLOCK,
+        STORE_V=values is not None,
         enable_fp_fusion=False,  # no FMA contraction: each op rounds as in the reference
     )
     return q.view(scores.shape), out.view(scores.shape)

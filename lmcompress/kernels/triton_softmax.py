@@ -56,11 +56,11 @@ def round_half_even(v):
 
 @triton.jit
 def _pairwise_sum(e, ROWS: tl.constexpr):
-    """Row sums of ``e (ROWS, BLOCK)`` by halving: neighbours (0,1), (2,3), ... added, repeated,
-    so that the order of the additions is fixed (``tl.sum``'s is not)."""
+    """Row sums of ``e (ROWS, BLOCK)`` by halving: second half added to the first, repeated, so
+    that the order of the additions is fixed (``tl.sum``'s over many elements is not; over an
+    axis of two it is the one addition)."""
     for _ in tl.static_range(_LEVELS):
-        a, b = tl.split(tl.reshape(e, (ROWS, e.shape[1] // 2, 2)))
-        e = a + b
+        e = tl.sum(tl.reshape(e, (ROWS, 2, e.shape[1] // 2)), axis=1)
     return tl.reshape(e, (ROWS,))
 
 
@@ -101,10 +101,12 @@ def int8_softmax_kernel(
     o_sb,
     o_sh,
     scale,
+    v_ptr,
     HAS_MASK: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    STORE_V: tl.constexpr,
 ):
     """One program per ``ROWS`` rows of ``scores (B, H, Tq, Tk)``; row ``r`` is ``(b, h, i)``.
 
@@ -152,3 +154,5 @@ def int8_softmax_kernel(
         where = out_row[:, None] + cols[None, :]
         tl.store(q_ptr + where, q.to(tl.uint8), mask=ok)
         tl.store(out_ptr + where, out, mask=ok)
+        if STORE_V:  # v = p / scale before rounding: what the tests compare bit for bit
+            tl.store(v_ptr + where, v, mask=ok)
