@@ -142,10 +142,17 @@ def test_grouped_integer_path_equals_simulated_to_float32_rounding():
     torch.testing.assert_close(y_int, y_sim, rtol=1e-5, atol=1e-5 * y_sim.abs().max().item())
 
 
-def test_output_dtype_follows_the_input():
+def test_output_dtype_follows_the_input_and_scales_stay_float32():
     module = QuantLinear.from_linear(_layer().to(torch.bfloat16))
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     assert module(x).dtype == torch.bfloat16 and module.dense_weight().dtype == torch.bfloat16
+    static = QuantLinear.from_linear(_layer(), "static", 0.0123)
+    scales = static.weight_scale.clone()
+    static.to(torch.bfloat16)
+    assert static.weight_scale.dtype == static.input_scale.dtype == torch.float32
+    assert torch.equal(static.weight_scale, scales)
+    assert torch.equal(static.input_scale, torch.tensor([0.0123]))
+    assert static.weight_q.dtype == torch.int8 and static.bias.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("kind", ["linear", "conv1d"])

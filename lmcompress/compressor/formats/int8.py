@@ -190,6 +190,16 @@ class QuantLinear(CompressedLinear):
             dtype=dtype,
         )
 
+    def _apply(self, fn, recurse=True):
+        """Scales stay float32 whatever the model is cast to (``model.to(torch.bfloat16)`` would
+        otherwise round them to 8 bits of mantissa); they follow device moves."""
+        scales = {"weight_scale": self.weight_scale, "input_scale": self.input_scale}
+        super()._apply(fn, recurse)
+        for name, scale in scales.items():
+            if scale is not None:
+                setattr(self, name, scale.to(fn(scale).device))
+        return self
+
     def dense_weight(self) -> torch.Tensor:
         """The dequantized weight ``weight_q · weight_scale`` (out, in), in :attr:`dtype`."""
         return quant.dequantize(self.weight_q, self.weight_scale).to(self.dtype)
