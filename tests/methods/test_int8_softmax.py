@@ -1,0 +1,235 @@
+"""8-bit softmax and its offline bias correction (lmcompress.methods.int8.softmax)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import VOCAB, make_tiny_model
+
+from lmcompress.compressor.attention import attention_hook
+from lmcompress.errors import ConfigError
+from lmcompress.methods.int8.bias_plot import bias_magnitudes, plot_bias_heatmap
+from lmcompress.methods.int8.softmax import (
+    SoftmaxBiasAccumulator,
+    SoftmaxQuantizer,
+    calibrate_softmax,
+    dequantize_probs,
+    estimate_bias,
+    fold_bias,
+    quantize_probs,
+    quantize_probs_int,
+)
+
+
+def _reference_q(p: torch.Tensor, scale: float) -> list[int]:
+    """Integer reference: the float32 quotient p / s (the spec), rounded half to even and
+    clamped by Python integer arithmetic."""
+    out = []
+    for v in (p.float().numpy() / np.float32(scale)).astype(np.float32).tolist():
+        r = math.floor(v)
+        frac = v - r
+        if frac > 0.5 or (frac == 0.5 and r % 2):
+            r += 1
+        out.append(min(max(r, 0), 255))
+    return out
+
+
+@pytest.mark.parametrize("scale", [1 / 255, 1 / 256])
+def test_quantize_probs_matches_integer_reference(scale):
+    torch.manual_seed(0)
+    p = torch.softmax(torch.randn(3, 5, 17) * 3, dim=-1)
+    edges = torch.tensor([0.0, 1.0, 0.5 * scale, 1.5 * scale, 254.5 * scale, 255.5 * scale])
+    p = torch.cat([p.flatten(), edges.float()])
+    q = quantize_probs_int(p, scale)
+    assert q.dtype == torch.uint8
+    assert q.tolist() == _reference_q(p, scale)
+    assert torch.equal(quantize_probs(p, scale), q.float() * scale)
+    # 1 is the top code at 1/255 and clamps to it at 1/256 (as does 255.5 steps).
+    assert q[-5].item() == 255 and q[-1].item() == 255
+    if scale == 1 / 256:  # exact ties in float32: half to even
+        assert q[-4:-1].tolist() == [0, 2, 254]
+
+
+def test_offset_only_on_positive_entries():
+    p = torch.tensor([[0.0, 1e-4, 0.3, 0.6999]])
+    out = quantize_probs(p, 1 / 255, offset=0.001)
+    assert out[0, 0].item() == 0.0  # a masked key keeps 0
+    assert out[0, 1].item() == pytest.approx(0.001)  # rounded to 0, corrected
+    assert out[0, 2].item() == pytest.approx(round(0.3 * 255) / 255 + 0.001)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1 / 255, float("nan"), 2.0])
+def test_bad_scale_is_a_config_error(bad):
+    with pytest.raises(ConfigError, match="scale"):
+        quantize_probs(torch.rand(4), bad)
+    with pytest.raises(ConfigError, match="scale"):
+        SoftmaxQuantizer(bad)
+
+
+def test_unknown_granularity_is_a_config_error():
+    acc = SoftmaxBiasAccumulator()
+    acc.add_batch("a", torch.softmax(torch.randn(1, 2, 3, 3), -1))
+    with pytest.raises(ConfigError, match="granularity"):
+        acc.bias("channel")
+
+
+def _synthetic_probs(a: torch.Tensor, k: int, rows: int, scale: float, seed: int) -> torch.Tensor:
+    """(1, H, rows, 2k + 1 + 3) softmax outputs of logits log(p), with a known bias.
+
+    Per head h: 2k small entries in antithetic pairs (x, a_h·s − x), x ~ U(0, a_h·s) with
+    a_h ≤ 1/2, so every one rounds to 0 (its error is itself, mean a_h·s/2) and a row's small
+    mass is exactly k·a_h·s; one large entry holds the rest, 1 − k·a_h·s, a whole number of steps
+    when k·a_h is an integer (error 0); three masked keys (logit −inf, p = 0) must not count.
+    So β_h = 2k · (a_h·s/2) / (2k + 1) = k·a_h·s / (2k + 1).
+    """
+    g = torch.Generator().manual_seed(seed)
+    h = a.numel()
+    x = torch.rand(h, rows, k, generator=g, dtype=torch.float64) * (a * scale)[:, None, None]
+    small = torch.cat([x, (a * scale)[:, None, None] - x], dim=-1)  # (H, rows, 2k)
+    big = 1 - small.sum(-1, keepdim=True)
+    masked = torch.zeros(h, rows, 3, dtype=torch.float64)
+    p = torch.cat([big, small, masked], dim=-1)
+    return torch.softmax(p.log().float(), dim=-1)[None]
+
+
+def test_estimator_unbiased_on_synthetic_logits():
+    scale, k = 1 / 255, 7
+    a = torch.tensor([1, 2, 3], dtype=torch.float64) / k  # k·a whole steps, a ≤ 1/2
+    acc = SoftmaxBiasAccumulator(scale)
+    for seed in range(3):  # several batches: the sums must add up
+        acc.add_batch("attn", _synthetic_probs(a, k, 500, scale, seed))
+    expected = k * a * scale / (2 * k + 1)
+    head = acc.bias("head")["attn"].double()
+    assert head.shape == (3,)
+    assert acc.counts["attn"].tolist() == [3 * 500 * (2 * k + 1)] * 3
+    assert torch.allclose(head, expected, rtol=1e-4, atol=0)
+    layer = acc.bias("layer")["attn"]
+    assert layer.shape == ()
+    assert layer.item() == pytest.approx(expected.mean().item(), rel=1e-4)
+
+
+def test_estimator_exact_on_constructed_rows():
+    """Rows of 11 entries: 10 at 0.2 steps (error 0.2 s each) and one at 253 steps (error 0):
+    β = 2 s / 11 exactly; every entry is valid; masked (0) entries are not counted."""
+    scale = 1 / 255
+    p = torch.full((1, 1, 2, 12), 0.2 * scale, dtype=torch.float64)
+    p[..., 0] = 253 * scale
+    p[..., -1] = 0.0  # a masked key
+    acc = SoftmaxBiasAccumulator(scale)
+    acc.add_batch("attn", p.float())
+    assert acc.counts["attn"].item() == 22
+    assert acc.bias("layer")["attn"].item() == pytest.approx(2 * scale / 11, rel=1e-5)
+    lengths = acc.length_bias()["attn"]
+    assert lengths.shape == (1, 13)
+    assert lengths[0, 11].item() == pytest.approx(2 * scale / 11, rel=1e-5)
+
+
+@pytest.mark.parametrize("granularity", ["layer", "head"])
+def test_folded_equals_explicit(granularity):
+    torch.manual_seed(0)
+    scale = 1 / 256
+    probs = torch.softmax(torch.randn(2, 4, 9, 9) * 4, dim=-1)
+    probs = probs.masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1), 0.0)
+    beta = torch.tensor(0.0007) if granularity == "layer" else torch.tensor([1e-4, 0, 2e-3, 5e-4])
+    quantizer = SoftmaxQuantizer.from_bias({"attn": beta}, scale)
+    assert torch.allclose(quantizer.zero_point["attn"], -beta / scale)
+    folded = quantizer.quantize("attn", probs)
+    offset = beta if beta.dim() == 0 else beta.reshape(-1, 1, 1)
+    explicit = quantize_probs(probs, scale, offset)
+    assert torch.allclose(folded, explicit, rtol=0, atol=1e-7)
+    assert not torch.allclose(folded, quantize_probs(probs, scale), rtol=0, atol=1e-5)
+    # The folded form from its integer codes alone, as a deployed kernel would apply it.
+    q = quantize_probs_int(probs, scale)
+    z = fold_bias(beta, scale)
+    z = z if z.dim() == 0 else z.reshape(-1, 1, 1)
+    assert torch.equal(dequantize_probs(q, scale, z, probs > 0), folded)
+
+
+def _tokens(seed: int, n: int = 2, t: int = 24) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _big_offsets(model, value: float) -> dict[str, torch.Tensor]:
+    with attention_hook(model) as hook:
+        names = [hook.name(m) for m in model.modules() if hook.name(m) is not None]
+    return {name: torch.tensor(value) for name in names if name.endswith(("attn", "attention"))}
+
+
+def test_correction_keeps_the_model_causal():
+    model = make_tiny_model("llama")
+    a = _tokens(0, n=1)
+    b = a.clone()
+    b[:, 12:] = _tokens(1, n=1)[:, 12:]  # same prefix, different future
+    acc = calibrate_softmax(model, _tokens(2), progress=False)
+    bias = {k: v + 0.01 for k, v in acc.bias("head").items()}  # large: a leak would show
+    quantizer = SoftmaxQuantizer.from_bias(bias)
+    with torch.no_grad(), quantizer.applied(model):
+        out_a, out_b = model(a).logits, model(b).logits
+    assert torch.allclose(out_a[:, :12], out_b[:, :12], rtol=0, atol=1e-6)
+    assert not torch.allclose(out_a[:, 12:], out_b[:, 12:])
+
+    # The negative control: the same offset added to every key attends to the future.
+    def everywhere(_module, probs):
+        return quantize_probs(probs, 1 / 255) + 0.01
+
+    with torch.no_grad(), attention_hook(model, transform=everywhere):
+        leak_a, leak_b = model(a).logits, model(b).logits
+    assert not torch.allclose(leak_a[:, :12], leak_b[:, :12], rtol=0, atol=1e-4)
+
+
+def test_every_family_through_the_hook(family_model):
+    family, model = family_model
+    data = _tokens(3)
+    acc = calibrate_softmax(model, data, progress=False)
+    head = acc.bias("head")
+    layer = acc.bias("layer")
+    assert len(head) == 2, f"{family}: one entry per decoder layer"
+    for name, beta in head.items():
+        assert beta.shape == (4,)
+        # Tiny random models attend nearly uniformly: β is small and of either sign.
+        assert torch.isfinite(beta).all() and beta.abs().sum() > 0, f"{family} {name}"
+        assert layer[name].item() == pytest.approx(beta.mean().item(), rel=1e-4)
+    assert estimate_bias(model, data, "layer", progress=False).keys() == layer.keys()
+    with torch.no_grad():
+        with attention_hook(model):
+            float_logits = model(data).logits
+        with SoftmaxQuantizer().applied(model):
+            plain = model(data).logits
+        with SoftmaxQuantizer.from_bias(head).applied(model):
+            corrected = model(data).logits
+    assert not torch.equal(plain, float_logits)
+    assert not torch.equal(corrected, plain)
+    assert (corrected - float_logits).abs().max() < 1.0
+
+
+def test_zero_bias_is_plain_8bit():
+    model = make_tiny_model("qwen2")
+    data = _tokens(4)
+    zero = {name: torch.zeros(()) for name in estimate_bias(model, data, progress=False)}
+    with torch.no_grad():
+        with SoftmaxQuantizer().applied(model):
+            plain = model(data).logits
+        with SoftmaxQuantizer.from_bias(zero).applied(model):
+            folded = model(data).logits
+    assert torch.equal(plain, folded)
+
+
+def test_bias_report_and_heatmap(tmp_path):
+    model = make_tiny_model("gpt2")
+    bias = estimate_bias(model, _tokens(5), "head", progress=False)
+    report = bias_magnitudes(bias, scale=1 / 255)
+    text = json.dumps(report)
+    assert json.loads(text) == report
+    assert len(report["layers"]) == 2
+    first = report["layers"][0]
+    name = next(iter(bias))
+    assert first["name"] == name
+    assert first["per_head"] == pytest.approx(bias[name].tolist())
+    assert first["mean"] == pytest.approx(bias[name].mean().item())
+    assert first["per_head_steps"] == pytest.approx((bias[name] * 255).tolist(), rel=1e-5)
+    png = plot_bias_heatmap(bias, tmp_path / "bias.png", scale=1 / 255)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
