@@ -12,7 +12,10 @@ from conftest import make_tiny_model
 from safetensors import safe_open
 from torch import nn
 
-from lmcompress.compressor.formats.compressed_tensors import write_compressed_tensors
+from lmcompress.compressor.formats.compressed_tensors import (
+    simulated_linear,
+    write_compressed_tensors,
+)
 from lmcompress.compressor.formats.int8 import QuantLinear
 from lmcompress.compressor.runtime import CompressedLinear
 from lmcompress.compressor.surgery import replace_modules
@@ -24,11 +27,10 @@ STATIC_SCALE = 0.05
 
 
 class _CtW8A8(CompressedLinear):
-    """W8A8 simulated exactly as compressed-tensors 0.20.1 runs an ``int-quantized`` layer
-    (see the module doc of ``formats/compressed_tensors.py``), all in float32: weights
-    ``q · scale``; activations per token of a 3-D input (per tensor of a 2-D one: OPT's MLP)
-    with ``scale = absmax / 127.5``, or the static per-tensor ``input_scale``; then
-    ``round(clamp(x / scale, -128, 127)) · scale``."""
+    """A QuantLinear's buffers computed by ``simulated_linear``: W8A8 as compressed-tensors
+    0.20.1 runs an ``int-quantized`` layer, in float32 (weights ``q · scale``; activations per
+    token of a 3-D input, per tensor of a 2-D one (OPT's MLP), ``scale = absmax / 127.5``, or
+    the static ``input_scale``; ``round(clamp(x / scale, -128, 127)) · scale``)."""
 
     def __init__(self, linear: nn.Linear, static: bool, group_size: int | None) -> None:
         W = linear.weight.detach()  # (out, in)
@@ -42,21 +44,8 @@ class _CtW8A8(CompressedLinear):
         for name in ("weight_q", "weight_scale", "input_scale", "bias"):
             self.register_buffer(name, getattr(q, name))
 
-    def dense_weight(self) -> torch.Tensor:
-        groups = self.weight_scale.shape[-1]
-        codes = self.weight_q.float().unflatten(-1, (groups, -1))  # (out, groups, group_size)
-        return (codes * self.weight_scale.unsqueeze(-1)).flatten(-2)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.input_scale is not None:
-            scale = self.input_scale
-        elif x.dim() > 2:
-            absmax = torch.maximum(x.amax(-1, keepdim=True).clamp(min=0), -x.amin(-1, keepdim=True))
-            scale = absmax / 127.5
-        else:
-            scale = x.abs().amax() / 127.5
-        x = torch.round(torch.clamp(x / scale, -128, 127)) * scale
-        return nn.functional.linear(x, self.dense_weight(), self.bias)
+        return simulated_linear(self, x)
 
 
 def _decoder_linears(model: nn.Module, only: str = ".layers.") -> list[str]:
