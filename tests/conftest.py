@@ -10,6 +10,10 @@ import os
 # Nothing in the tests may reach a model hub; huggingface_hub reads these at import time.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Triton kernels run on CPU tensors in Triton's interpreter, chosen when ``@triton.jit`` runs:
+# set before any test imports a kernel module (a GPU run passes TRITON_INTERPRET=0). Here, not
+# in tests/kernels/conftest.py: two conftest modules would both be importable as ``conftest``.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
