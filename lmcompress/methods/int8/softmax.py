@@ -187,22 +187,24 @@ class SoftmaxBiasAccumulator:
         self.length_counts: dict[str, torch.Tensor] = {}
 
     def add_batch(self, name: str, probs: torch.Tensor) -> None:
-        """Accumulate (B, H, Tq, Tk) probabilities of module ``name``."""
-        valid = probs > 0
-        q = quantize_probs_int(probs, self.scale)
-        err = (probs.double() - q.double() * self.scale).masked_fill_(~valid, 0.0)
+        """Accumulate (B, H, Tq, Tk) probabilities of module ``name``.
+
+        The error of an entry is below s/2, so a row's sum of errors is exact enough in float32
+        (≤ Tk terms); rows are then summed in float64. Masked entries have p = q = 0: they add
+        no error, and the valid count comes from ``p > 0``.
+        """
+        p = probs.float()
+        err = torch.round(p / self.scale).clamp_(0, QMAX).mul_(self.scale).neg_().add_(p)
         h = probs.shape[1]
-        sums = err.sum(dim=(0, 2, 3))  # (H,)
-        counts = valid.sum(dim=(0, 2, 3)).double()  # (H,)
-        row_len = valid.sum(-1).transpose(0, 1).reshape(h, -1)  # (H, B·Tq)
-        row_err = err.sum(-1).transpose(0, 1).reshape(h, -1)  # (H, B·Tq)
+        row_err = err.sum(-1).transpose(0, 1).reshape(h, -1).double()  # (H, B·Tq)
+        row_len = (p > 0).sum(-1).transpose(0, 1).reshape(h, -1)  # (H, B·Tq)
         width = max(probs.shape[-1] + 1, self.length_sums.get(name, torch.empty(0, 0)).shape[1])
         len_sums = torch.zeros(h, width, dtype=torch.float64, device=probs.device)
         len_counts = torch.zeros_like(len_sums)
         len_sums.scatter_add_(1, row_len, row_err)
         len_counts.scatter_add_(1, row_len, row_len.double())
-        self._add(self.sums, name, sums)
-        self._add(self.counts, name, counts)
+        self._add(self.sums, name, row_err.sum(-1))
+        self._add(self.counts, name, row_len.sum(-1).double())
         self._add(self.length_sums, name, len_sums)
         self._add(self.length_counts, name, len_counts)
 
