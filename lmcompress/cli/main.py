@@ -146,7 +146,7 @@ def _print_summary(results: dict[str, Any]) -> None:
         f"{summary['layers']} layers compressed in {results['seconds']:.1f} s: {kept:.1%} of "
         f"their weights kept; their compressed form takes "
         f"{summary['bytes_compressed'] / max(summary['bytes_dense'], 1):.1%} of their dense "
-        f"{dtype} bytes (values plus index metadata, which weighs more beside 16-bit values)"
+        f"{dtype} bytes (values plus their metadata: N:M positions or scales)"
     )
     for name, metrics in results.get("lm_eval", {}).items():
         print(f"lm-eval {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
@@ -181,7 +181,12 @@ def _output_sizes(out: Path) -> str:
     text = f"{total:.1f} MB in all"
     if compressed:
         text += f"; compressed form {compressed:.1f} MB ({COMPRESSED_TENSORS})"
-    if dense and compressed:
+    interop = (json.loads((out / "compression.json").read_text()).get("interop") or {}).get(
+        "layout"
+    )
+    if dense and compressed and interop:
+        text += f"; model.safetensors {dense:.1f} MB in the {interop} layout"
+    elif dense and compressed:
         text += (
             f"; dense copy {dense:.1f} MB for plain transformers (--no-dense-copy leaves it out)"
         )

@@ -52,6 +52,7 @@ class AttentionHook:
     observe: ProbsObserver | None = None
     transform: ProbsTransform | None = None
     names: dict[int, str] = field(default_factory=dict)  # id(module) -> qualified name
+    previous: str | None = None  # the model's attention implementation before the hook
 
     def name(self, module: nn.Module) -> str | None:
         return self.names.get(id(module))
@@ -222,19 +223,39 @@ def attention_hook(
     (layer-wise calibration) go through the hook too. The previous attention implementation is
     restored on exit, also when the block raises.
     """
-    if not hasattr(model, "set_attn_implementation"):
-        raise ConfigError(f"{type(model).__name__} has no set_attn_implementation: not a HF model")
-    previous = model.config._attn_implementation
-    hook = AttentionHook(observe, transform, {id(m): n for n, m in model.named_modules()})
-    model.set_attn_implementation(register())
-    for module_id in hook.names:
-        _ACTIVE.setdefault(module_id, []).append(hook)
+    hook = open_hook(model, observe, transform)
     try:
         yield hook
     finally:
-        for module_id in hook.names:
-            active = _ACTIVE[module_id]
+        close_hook(model, hook)
+
+
+def open_hook(
+    model: nn.Module,
+    observe: ProbsObserver | None = None,
+    transform: ProbsTransform | None = None,
+) -> AttentionHook:
+    """:func:`attention_hook` without the ``with`` block: the hook stays until
+    :func:`close_hook` (a transform that is part of the compressed model, such as an 8-bit
+    softmax, lives as long as the model)."""
+    if not hasattr(model, "set_attn_implementation"):
+        raise ConfigError(f"{type(model).__name__} has no set_attn_implementation: not a HF model")
+    hook = AttentionHook(observe, transform, {id(m): n for n, m in model.named_modules()})
+    hook.previous = model.config._attn_implementation
+    model.set_attn_implementation(register())
+    for module_id in hook.names:
+        _ACTIVE.setdefault(module_id, []).append(hook)
+    return hook
+
+
+def close_hook(model: nn.Module, hook: AttentionHook) -> None:
+    """Remove ``hook``; the model's previous attention implementation comes back once no hook
+    of it is left."""
+    for module_id in hook.names:
+        active = _ACTIVE.get(module_id, [])
+        if hook in active:
             active.remove(hook)
-            if not active:
-                del _ACTIVE[module_id]
-        model.set_attn_implementation(previous)
+        if not active:
+            _ACTIVE.pop(module_id, None)
+    if not any(id(m) in _ACTIVE for m in model.modules()):
+        model.set_attn_implementation(hook.previous)

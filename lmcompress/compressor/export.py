@@ -42,7 +42,7 @@ from lmcompress.compressor.load import (  # noqa: F401  (the on-disk layout; re-
     runtime_bytes,
 )
 from lmcompress.compressor.report import CompressionReport
-from lmcompress.compressor.runtime import CompressedLinear, format_class
+from lmcompress.compressor.runtime import CompressedLinear, format_class, installed
 from lmcompress.compressor.surgery import replace_modules
 from lmcompress.errors import LmcompressError
 from lmcompress.fsutil import atomic_dir
@@ -102,20 +102,42 @@ def save_compressed(
     check_output_dir(out_dir, overwrite)
     dtype = dtype or next(model.parameters()).dtype
     compressed = compressed_modules(model, report)
+    interop = {module.interop for module in compressed.values()}
+    interop = interop.pop() if len(interop) == 1 and dense_copy else None
     with atomic_dir(out_dir) as tmp:
-        _write_weights(model, tmp, compressed, dtype, dense_copy)
+        if interop == "compressed-tensors":  # the dense copy in the layout other tools read
+            from lmcompress.compressor.formats.compressed_tensors import write_compressed_tensors
+
+            interop_config = write_compressed_tensors(model, tmp, compressed, dtype=dtype)
+        else:
+            interop, interop_config = None, None
+            _write_weights(model, tmp, compressed, dtype, dense_copy)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         tensors: dict[str, torch.Tensor] = {}
         layouts: dict[str, dict[str, Any]] = {}
         for name, module in compressed.items():
-            layer_tensors = {key: _cast(t, dtype) for key, t in module.state_tensors().items()}
+            layer_tensors = {
+                key: t.detach().cpu().contiguous()
+                if key in module.exact_tensors
+                else _cast(t, dtype)
+                for key, t in module.state_tensors().items()
+            }
             tensors.update({f"{name}.{key}": value for key, value in layer_tensors.items()})
             layouts[name] = {
                 "format": module.format,
                 "meta": module.meta(),
                 "tensors": sorted(layer_tensors),
             }
+        transforms = []
+        for index, transform in enumerate(installed(model)):
+            stored = {
+                k: t.detach().cpu().contiguous() for k, t in transform.state_tensors().items()
+            }
+            tensors.update({f"transforms.{index}.{key}": t for key, t in stored.items()})
+            transforms.append(
+                {"kind": transform.kind, "meta": transform.meta(), "tensors": sorted(stored)}
+            )
         if tensors:
             save_file(
                 tensors,
@@ -128,8 +150,12 @@ def save_compressed(
             "config": report.config,
             "dtype": str(dtype).removeprefix("torch."),
             "dense_copy": dense_copy,
+            "interop": {"layout": interop, "quantization_config": interop_config}
+            if interop
+            else None,
             "versions": _versions(),
             "compressed_layers": layouts,
+            "transforms": transforms,
             "results": extra or {},
             "report": report.to_dict(),
         }

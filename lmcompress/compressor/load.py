@@ -26,7 +26,7 @@ from transformers.pytorch_utils import Conv1D
 
 from lmcompress.compressor.models import _check_local_dir, _load_tokenizer, resolve_dtype
 from lmcompress.compressor.report import CompressionReport
-from lmcompress.compressor.runtime import CompressedLinear, format_class
+from lmcompress.compressor.runtime import CompressedLinear, format_class, transform_class
 from lmcompress.compressor.surgery import in_out_features, is_linear, replace_modules
 from lmcompress.errors import ConfigError, ModelLoadError
 
@@ -106,6 +106,17 @@ def load_compressed(
     model = build_model(out_dir, manifest, device)
     if runtime == "dense":
         replace_modules(model, manifest["compressed_layers"], lambda _, module: module.to_dense())
+    for index, entry in enumerate(manifest.get("transforms", [])):  # e.g. an 8-bit softmax
+        with _open(out_dir / COMPRESSED_TENSORS, device) as packed:
+            try:
+                tensors = {
+                    k: packed.get_tensor(f"transforms.{index}.{k}") for k in entry["tensors"]
+                }
+            except SafetensorError as err:
+                raise ModelLoadError(
+                    f"{out_dir}: transform {entry['kind']} is incomplete: {err}"
+                ) from None
+        transform_class(entry["kind"]).from_state(tensors, entry["meta"]).install(model)
     tokenizer = _load_tokenizer(str(out_dir), False, {"trust_remote_code": False})
     return model, tokenizer, CompressionReport.from_dict(manifest["report"])
 
@@ -123,6 +134,10 @@ def build_model(
         config = transformers.AutoConfig.from_pretrained(out_dir)
     except (OSError, ValueError, KeyError) as err:
         raise ModelLoadError(f"{out_dir}: unreadable config: {_first_line(err)}") from None
+    # A dense copy in another tool's quantized layout (compressed-tensors) says so in its
+    # config; the skeleton is built plain and the compressed layers are replayed from our file.
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config
     dtype = resolve_dtype(manifest["dtype"])
     import accelerate
 

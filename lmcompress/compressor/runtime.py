@@ -13,6 +13,12 @@ stood, and follows one small protocol:
 
 :data:`FORMATS` maps ``format`` to the class; export and load look formats up there and
 nowhere else. A format registers itself with :func:`register_format` where it is defined.
+
+Some compression is not a layer: an 8-bit softmax changes every attention module. A
+:class:`ModelTransform` is such a change, installed on a model (``install``) and stored and
+replayed like a format (``kind``, ``state_tensors``, ``meta``, ``from_state``); :data:`TRANSFORMS`
+holds the kinds. Export records the transforms installed on a model (:func:`installed`), and
+reloading installs them again.
 """
 
 from __future__ import annotations
@@ -61,6 +67,12 @@ class CompressedLinear(nn.Module):
     """
 
     format: ClassVar[str] = ""
+    # Tensors stored in their own dtype whatever the save dtype (quantization scales: a bf16
+    # scale would change every dequantized value).
+    exact_tensors: ClassVar[frozenset[str]] = frozenset()
+    # The other tools' layout the dense copy is written in when every compressed layer of a
+    # model names the same one (``"compressed-tensors"`` for int8); None: plain dense weights.
+    interop: ClassVar[str | None] = None
 
     def __init__(self, in_features: int, out_features: int, conv1d: bool = False) -> None:
         super().__init__()
@@ -119,3 +131,72 @@ class CompressedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+# --- model-level transforms -----------------------------------------------------------------
+
+TRANSFORMS: dict[str, type[ModelTransform]] = {}
+_INSTALLED = "_lmcompress_transforms"  # attribute of a model: its installed transforms
+
+
+def register_transform(cls: type[ModelTransform]) -> type[ModelTransform]:
+    """Class decorator: make ``cls`` loadable under ``cls.kind``."""
+    if not cls.kind:
+        raise TypeError(f"{cls.__name__} has no kind")
+    TRANSFORMS[cls.kind] = cls
+    return cls
+
+
+def transform_class(kind: str) -> type[ModelTransform]:
+    """The transform class stored under ``kind``; a one-line error for an unknown one. Kinds
+    register where they are defined (a method's package), which a stored kind names."""
+    import lmcompress.methods  # noqa: F401  (every method's transforms register on import)
+
+    if kind not in TRANSFORMS:
+        raise ModelLoadError(
+            f"unknown model transform {kind!r}; known: {', '.join(sorted(TRANSFORMS)) or 'none'}"
+        )
+    return TRANSFORMS[kind]
+
+
+class ModelTransform:
+    """A change to a whole model that is not a replaced layer (see the module doc).
+
+    Subclasses set ``kind`` and implement :meth:`state_tensors`, :meth:`meta`,
+    :meth:`from_state`, :meth:`_install` and :meth:`_remove`; :meth:`install` records the
+    transform on the model so that export finds it."""
+
+    kind: ClassVar[str] = ""
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def meta(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def from_state(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> ModelTransform:
+        raise NotImplementedError
+
+    def install(self, model: nn.Module) -> ModelTransform:
+        """Apply to ``model`` until :meth:`remove`; returns ``self``."""
+        self._install(model)
+        installed(model).append(self)
+        return self
+
+    def remove(self, model: nn.Module) -> None:
+        self._remove(model)
+        installed(model).remove(self)
+
+    def _install(self, model: nn.Module) -> None:
+        raise NotImplementedError
+
+    def _remove(self, model: nn.Module) -> None:
+        raise NotImplementedError
+
+
+def installed(model: nn.Module) -> list[ModelTransform]:
+    """The transforms installed on ``model``, in order (a live list)."""
+    if _INSTALLED not in model.__dict__:
+        model.__dict__[_INSTALLED] = []
+    return model.__dict__[_INSTALLED]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from lmcompress.compressor.method import Method
 from lmcompress.errors import ConfigError
+from lmcompress.methods.int8 import Int8
 from lmcompress.methods.magnitude import Magnitude
 from lmcompress.methods.maskllm import MaskLLM
 from lmcompress.methods.sparsegpt import SparseGPT
@@ -19,6 +20,7 @@ METHODS: dict[str, type[Method]] = {
     "sparsegpt": SparseGPT,
     "maskllm": MaskLLM,
     "svd": SVD,
+    "int8": Int8,
 }
 
 

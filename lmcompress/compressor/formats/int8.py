@@ -44,6 +44,8 @@ class QuantLinear(CompressedLinear):
     """
 
     format = "int8"
+    exact_tensors = frozenset({"weight_scale", "input_scale"})  # float32 at any save dtype
+    interop = "compressed-tensors"  # the dense copy: int-quantized, as llm-compressor writes
 
     def __init__(
         self,
