@@ -104,6 +104,12 @@ def save_compressed(
     compressed = compressed_modules(model, report)
     interop = {module.interop for module in compressed.values()}
     interop = interop.pop() if len(interop) == 1 and dense_copy else None
+    if interop == "compressed-tensors" and any(m.conv1d for m in compressed.values()):
+        logger.warning(
+            "GPT-2's Conv1D layers have no compressed-tensors form: the dense copy holds "
+            "the dequantized weights instead"
+        )
+        interop = None
     with atomic_dir(out_dir) as tmp:
         if interop == "compressed-tensors":  # the dense copy in the layout other tools read
             from lmcompress.compressor.formats.compressed_tensors import write_compressed_tensors

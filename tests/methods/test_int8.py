@@ -1,0 +1,146 @@
+"""The int8 method end to end on tiny models: W8A8 linears, the 8-bit softmax installed as a
+model transform, export (compressed-tensors dense copy + our manifest) and reload by replay."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_tiny_model
+
+from lmcompress.api import compress
+from lmcompress.cli.main import main
+from lmcompress.compressor.attention import IMPLEMENTATION
+from lmcompress.compressor.export import MANIFEST, load_compressed, save_compressed
+from lmcompress.compressor.formats.int8 import QuantLinear
+from lmcompress.compressor.runtime import installed
+from lmcompress.errors import ConfigError
+from lmcompress.methods.int8 import Int8Config
+from lmcompress.methods.int8.transform import Int8Softmax
+
+TEXT = "\n\n".join(f"Document {i}. The quick brown fox jumps over the lazy dog." for i in range(60))
+
+
+def _data(n=4, t=32, seed=0):
+    return torch.randint(0, 256, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"bits": 4}, "bits must be 8"),
+        ({"softmax_bits": 4}, "softmax_bits must be 8"),
+        ({"bias_correction": "head"}, "--softmax-bits 8"),
+        ({"bias_correction": "row"}, "bias_correction must be one of"),
+        ({"activations": "per-channel"}, "activations must be one of"),
+        ({"group_size": -1}, "group_size must be >= 0"),
+    ],
+)
+def test_bad_options_are_one_line_errors(options, message):
+    with pytest.raises(ConfigError, match=message):
+        Int8Config(**options)
+
+
+def test_group_size_must_divide_every_layer():
+    model = make_tiny_model("llama")
+    with pytest.raises(ConfigError, match="does not divide"):
+        compress(model, Int8Config(group_size=7))
+
+
+@torch.no_grad()
+def test_dynamic_w8a8_replaces_linears_and_stays_close():
+    model = make_tiny_model("llama")
+    ids = _data()
+    ref = model(ids).logits
+    report = compress(model, Int8Config())
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(quantized) == len(report.layers) > 0
+    out = model(ids).logits
+    assert (out - ref).abs().max() / ref.abs().max() < 0.05
+    assert not installed(model)  # no softmax transform unless asked
+
+
+@torch.no_grad()
+def test_softmax_transform_is_installed_and_removable():
+    model = make_tiny_model("llama")
+    ids = _data()
+    float_logits = model(ids).logits
+    compress(model, Int8Config(softmax_bits=8), data=ids)
+    (transform,) = installed(model)
+    assert isinstance(transform, Int8Softmax)
+    assert model.config._attn_implementation == IMPLEMENTATION
+    with_softmax = model(ids).logits
+    transform.remove(model)
+    assert model.config._attn_implementation != IMPLEMENTATION and not installed(model)
+    without = model(ids).logits
+    assert not torch.equal(with_softmax, without)  # the 8-bit softmax changes the outputs
+    assert (without - float_logits).abs().max() < (with_softmax - float_logits).abs().max() * 10
+
+
+@pytest.mark.parametrize("granularity", ["layer", "head"])
+@torch.no_grad()
+def test_bias_correction_is_estimated_per_attention_module(granularity):
+    model = make_tiny_model("llama")
+    report, stats = compress(
+        model,
+        Int8Config(softmax_bits=8, bias_correction=granularity, activations="static"),
+        data=_data(8),
+        return_stats=True,
+    )
+    bias = {k: v for k, v in stats.tensors.items() if k.startswith("softmax_bias.")}
+    heads = model.config.num_attention_heads
+    assert len(bias) == model.config.num_hidden_layers
+    for beta in bias.values():
+        assert beta.shape == (() if granularity == "layer" else (heads,))
+        assert (beta > 0).all()  # rounding most tiny probabilities to 0 loses mass
+    assert report.extra["softmax"]["bias"]["granularity"] == granularity
+    assert all(m.input_scale is not None for m in model.modules() if isinstance(m, QuantLinear))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
+@torch.no_grad()
+def test_save_and_replay_reproduce_the_full_scheme(family, tmp_path):
+    model = make_tiny_model(family)
+    ids = _data()
+    config = Int8Config(softmax_bits=8, bias_correction="head", activations="static")
+    report = compress(model, config, data=_data(8, seed=1))
+    expected = model(ids).logits
+    save_compressed(model, tmp_path / "out", report)
+    manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
+    assert manifest["transforms"][0]["kind"] == "int8_softmax"
+    loaded, _, _ = load_compressed(tmp_path / "out", runtime="packed")
+    assert any(isinstance(m, QuantLinear) for m in loaded.modules())
+    assert len(installed(loaded)) == 1
+    torch.testing.assert_close(loaded(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_scales_stay_float32_in_a_bf16_save(tmp_path):
+    from safetensors import safe_open
+
+    model = make_tiny_model("llama")
+    report = compress(model, Int8Config(activations="static"), data=_data(8))
+    save_compressed(model, tmp_path / "out", report, dtype=torch.bfloat16)
+    with safe_open(str(tmp_path / "out" / "compressed.safetensors"), framework="pt") as f:
+        dtypes = {key.rsplit(".", 1)[-1]: f.get_tensor(key).dtype for key in f.keys()}
+    assert dtypes["weight_scale"] == dtypes["input_scale"] == torch.float32
+    assert dtypes["weight_q"] == torch.int8
+
+
+def test_cli_end_to_end_and_eval(tiny_checkpoint, tmp_path, capsys):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(TEXT)
+    out = tmp_path / "out"
+    common = ["--seq-len", "32", "--eval-tokens", "0", "-q"]
+    argv = [str(tiny_checkpoint), "--method", "int8", "--softmax-bits", "8"]
+    argv += ["--bias-correction", "head", "--calib", str(corpus), "--nsamples", "4"]
+    argv += ["--eval", str(corpus), "-o", str(out), *common]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "int8 on" in printed and "compressed-tensors layout" in printed
+    pruned = json.loads((out / MANIFEST).read_text())["results"]["compressed"][str(corpus)]
+    assert main(["eval", str(out), "--data", str(corpus), "--json", *common]) == 0
+    scored = json.loads(capsys.readouterr().out)["perplexity"][str(corpus)]["perplexity"]
+    assert scored == pytest.approx(pruned["perplexity"], rel=1e-5)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "int-quantized"
