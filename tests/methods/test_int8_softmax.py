@@ -233,3 +233,19 @@ def test_bias_report_and_heatmap(tmp_path):
     assert first["per_head_steps"] == pytest.approx((bias[name] * 255).tolist(), rel=1e-5)
     png = plot_bias_heatmap(bias, tmp_path / "bias.png", scale=1 / 255)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_quantizer_state_round_trip(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    bias = {"model.layers.0.self_attn": torch.tensor([1e-4, 2e-4]), "b": torch.tensor(3e-4)}
+    quantizer = SoftmaxQuantizer.from_bias(bias, 1 / 256)
+    save_file(quantizer.state_tensors(), tmp_path / "softmax.safetensors")
+    json.dump(quantizer.meta(), (tmp_path / "meta.json").open("w"))
+    loaded = SoftmaxQuantizer.from_state(
+        load_file(tmp_path / "softmax.safetensors"), json.load((tmp_path / "meta.json").open())
+    )
+    assert loaded.scale == quantizer.scale
+    assert loaded.zero_point.keys() == quantizer.zero_point.keys()
+    for name, z in quantizer.zero_point.items():
+        assert torch.equal(loaded.zero_point[name], z)

@@ -168,8 +168,18 @@ class SoftmaxQuantizer:
                 self.names = None
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """``{module name: z'}`` for safetensors (the scale goes into the manifest's meta)."""
+        """``{module name: z'}`` for safetensors; the scale goes in the manifest (``meta``)."""
         return {name: z.contiguous() for name, z in self.zero_point.items()}
+
+    def meta(self) -> dict[str, float]:
+        return {"scale": self.scale}
+
+    @classmethod
+    def from_state(
+        cls, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, float]
+    ) -> SoftmaxQuantizer:
+        """The inverse of :meth:`state_tensors` and :meth:`meta`."""
+        return cls(float(meta["scale"]), dict(tensors))
 
 
 class SoftmaxBiasAccumulator:
