@@ -25,7 +25,12 @@ def test_committed_markdown_is_rendered_from_its_json(name):
 def test_render_only_rewrites_the_md_and_png_and_nothing_else(tmp_path, name):
     module = importlib.import_module(f"benchmarks.{name}")
     shutil.copytree(RESULTS_DIR, tmp_path, dirs_exist_ok=True)
-    drawn = [f"{module.NAME}.md"] + ([f"{module.NAME}_curves.png"] if name == "maskllm" else [])
+    pngs = (
+        [p.name for p in RESULTS_DIR.glob(f"{module.NAME}_*.png")]
+        if getattr(module, "plot", None)
+        else []
+    )
+    drawn = [f"{module.NAME}.md", *pngs]
     for file in drawn:
         (tmp_path / file).unlink()
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
