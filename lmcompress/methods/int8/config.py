@@ -27,7 +27,7 @@ class Int8Config(MethodConfig):
     )
     group_size: int = field(
         default=0,
-        metadata={"help": "input channels per weight scale", "default_text": "0: per channel"},
+        metadata={"help": "input channels per weight scale", "default_text": "0, per output channel"},
     )
     softmax_bits: int = field(
         default=0,
