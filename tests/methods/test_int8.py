@@ -144,3 +144,51 @@ def test_cli_end_to_end_and_eval(tiny_checkpoint, tmp_path, capsys):
     assert scored == pytest.approx(pruned["perplexity"], rel=1e-5)
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["format"] == "int-quantized"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@torch.no_grad()
+def test_smoothing_keeps_the_float_model_and_flattens_its_inputs(family):
+    from lmcompress.compressor.observers import AbsMaxObserver, observe
+    from lmcompress.methods.int8.smooth import smooth_, smoothing_groups
+
+    model = make_tiny_model(family)
+    ids = _data()
+    # give one input channel of every block an outlier, as real LLMs have
+    for block in model.model.layers:
+        block.input_layernorm.weight[3] = 30.0
+    expected = model(ids).logits
+    groups = smoothing_groups(model)
+    firsts = [consumers[0] for _, consumers in groups]
+    observers = {name: AbsMaxObserver(per_channel=True) for name in firsts}
+    with observe(model, observers):
+        model(ids)
+    absmax = {name: obs.absmax for name, obs in observers.items()}
+    factors = smooth_(model, absmax, alpha=0.5)
+    torch.testing.assert_close(model(ids).logits, expected, rtol=1e-4, atol=1e-4)
+    q_proj = "model.layers.0.self_attn.q_proj"
+    spread_before = absmax[q_proj].max() / absmax[q_proj].median()
+    spread_after = (absmax[q_proj] / factors[q_proj]).max() / (
+        absmax[q_proj] / factors[q_proj]
+    ).median()
+    assert spread_after < spread_before / 2
+
+
+def test_smoothing_refuses_other_families():
+    with pytest.raises(ConfigError, match="--smooth-alpha supports"):
+        compress(make_tiny_model("gpt2"), Int8Config(smooth_alpha=0.5), data=_data())
+
+
+@torch.no_grad()
+def test_smoothed_static_scheme_reloads_exactly(tmp_path):
+    model = make_tiny_model("llama")
+    ids = _data()
+    config = Int8Config(smooth_alpha=0.5, activations="static")
+    report = compress(model, config, data=_data(8, seed=1))
+    assert (
+        report.extra["smoothed_layers"] == 6 * model.config.num_hidden_layers
+    )  # q k v gate up down
+    expected = model(ids).logits
+    save_compressed(model, tmp_path / "out", report)
+    loaded, _, _ = load_compressed(tmp_path / "out", runtime="packed")
+    torch.testing.assert_close(loaded(ids).logits, expected, rtol=1e-5, atol=1e-5)

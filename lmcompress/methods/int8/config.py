@@ -27,7 +27,10 @@ class Int8Config(MethodConfig):
     )
     group_size: int = field(
         default=0,
-        metadata={"help": "input channels per weight scale", "default_text": "0, per output channel"},
+        metadata={
+            "help": "input channels per weight scale",
+            "default_text": "0, per output channel",
+        },
     )
     softmax_bits: int = field(
         default=0,
@@ -39,6 +42,13 @@ class Int8Config(MethodConfig):
     bias_correction: Literal["none", "layer", "head"] = field(
         default="none",
         metadata={"help": "offline softmax bias correction: per layer (the paper) or per head"},
+    )
+    smooth_alpha: float = field(
+        default=0.0,
+        metadata={
+            "help": "SmoothQuant: move activation outliers into the weights with strength alpha "
+            "before quantizing (0: off; the paper uses 0.5); llama, mistral, qwen2"
+        },
     )
     path: Literal["int", "simulated"] = field(
         default="int",
@@ -58,6 +68,8 @@ class Int8Config(MethodConfig):
             raise ConfigError("--bias-correction corrects the 8-bit softmax: add --softmax-bits 8")
         if self.group_size < 0:
             raise ConfigError(f"group_size must be >= 0 (0: per channel), got {self.group_size}")
+        if not 0.0 <= self.smooth_alpha < 1.0:
+            raise ConfigError(f"smooth_alpha must lie in [0, 1) (0: off), got {self.smooth_alpha}")
         if self.calib_batch_size < 1:
             raise ConfigError(f"calib_batch_size must be at least 1, got {self.calib_batch_size}")
 

@@ -29,6 +29,7 @@ from lmcompress.errors import ConfigError
 from lmcompress.methods.common import count_params
 from lmcompress.methods.int8.bias_plot import bias_magnitudes
 from lmcompress.methods.int8.config import Int8Config
+from lmcompress.methods.int8.smooth import check_smoothable, smooth_
 from lmcompress.methods.int8.softmax import SoftmaxBiasAccumulator, SoftmaxQuantizer
 from lmcompress.methods.int8.transform import Int8Softmax
 from lmcompress.progress import bar_disabled
@@ -44,10 +45,16 @@ class Int8(Method):
 
     def __init__(self, config: Int8Config, device: str | torch.device | None = None) -> None:
         super().__init__(config, device)
-        self.needs_calibration = config.activations == "static" or config.bias_correction != "none"
+        self.needs_calibration = (
+            config.activations == "static"
+            or config.bias_correction != "none"
+            or config.smooth_alpha > 0
+        )
 
     def validate(self, model: nn.Module) -> dict[str, nn.Module]:
         layers = super().validate(model)
+        if self.config.smooth_alpha > 0:
+            check_smoothable(model)
         group = self.config.group_size
         for name, module in layers.items():
             in_features = weight_matrix(module).shape[1]
@@ -80,8 +87,9 @@ class Int8(Method):
         if data is None:
             raise ConfigError("int8 with static activations or a bias correction needs data")
         layers = self.validate(model)
-        static = self.config.activations == "static"
-        observers = {name: AbsMaxObserver() for name in layers} if static else {}
+        ranges = self.config.activations == "static" or self.config.smooth_alpha > 0
+        # per input channel: smoothing needs them, and static ranges follow from them
+        observers = {name: AbsMaxObserver(per_channel=True) for name in layers} if ranges else {}
         softmax = (
             SoftmaxBiasAccumulator(self.config.softmax_step)
             if self.config.bias_correction != "none"
@@ -114,8 +122,11 @@ class Int8(Method):
         def quantize(name: str, module: nn.Module) -> QuantLinear:
             layer_start = time.perf_counter()
             input_scale = None
-            if config.activations == "static":
-                input_scale = absmax_scale(stats.tensors[f"{name}.{ABSMAX}"]).reshape(1)
+            if config.activations == "static":  # the input's range after smoothing
+                absmax = stats.tensors[f"{name}.{ABSMAX}"].float()
+                if name in factors:
+                    absmax = absmax / factors[name].to(absmax.device)
+                input_scale = absmax_scale(absmax.amax()).reshape(1)
             new = QuantLinear.from_linear(
                 module,
                 activations=config.activations,
@@ -126,8 +137,16 @@ class Int8(Method):
             report.layers.append(_layer_report(name, module, new, layer_start))
             return new
 
+        factors: dict[str, torch.Tensor] = {}
+        if config.smooth_alpha > 0:
+            absmax = {k.removesuffix(f".{ABSMAX}"): v for k, v in stats.tensors.items()}
+            factors = smooth_(model, absmax, config.smooth_alpha)
         replace_modules(model, layers, quantize)
-        report.extra = {"activations": config.activations, "path": config.path}
+        report.extra = {
+            "activations": config.activations,
+            "path": config.path,
+            "smoothed_layers": len(factors),
+        }
         if config.softmax_bits == 8:
             bias = {k.removeprefix(BIAS): v for k, v in stats.tensors.items() if k.startswith(BIAS)}
             quantizer = SoftmaxQuantizer.from_bias(bias, config.softmax_step)
