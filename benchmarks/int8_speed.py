@@ -218,6 +218,16 @@ def render(payload: dict[str, Any]) -> str:
         f"run {i}: {r['loadavg_before'][0]:.2f} → {r['loadavg_after'][0]:.2f}"
         for i, r in enumerate(runs, 1)
     )
+    goal = []
+    for i, run in enumerate(runs, 1):
+        speed = {name: got["tokens_per_second"] for name, got in run["rows"].items()}
+        if "int8 (ours)" in speed:
+            peer = (
+                f", {speed['int8 (ours)'] / speed['torchao']:.2f}× torchao"
+                if "torchao" in speed
+                else ""
+            )
+            goal.append(f"run {i}: {speed['int8 (ours)'] / speed['fp32']:.2f}× fp32{peer}")
     m = payload["machine"]
     text = (
         f"Forward of {s['batch']} × {s['seq_len']} = {tokens} tokens of SmolLM2-135M "
@@ -229,6 +239,8 @@ def render(payload: dict[str, Any]) -> str:
         f"1-minute load average {loads} (on {m['cpu_count']} cores).\n\n"
         + markdown_table(header, table)
     )
+    if goal:
+        text += f"\nOurs (goal: ≥ 1.5× fp32, ≥ 1× torchao): {'; '.join(goal)}.\n"
     profiles = payload.get("profile", {})
     if profiles:
         names = list(profiles)

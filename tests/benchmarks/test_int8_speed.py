@@ -60,6 +60,7 @@ def test_render_gives_tokens_per_second_and_the_ratio_to_fp32_of_each_run():
     assert "| int8 (ours) | 300 | 1.50 | 160 | 1.60 | 3.0 |" in lines
     assert "| torchao | 100 | 0.50 | 50 | 0.50 | 3.0 |" in lines
     assert "run 1: 4.50 → 3.50, run 2: 3.00 → 2.00" in md
+    assert "run 1: 1.50× fp32, 3.00× torchao; run 2: 1.60× fp32, 3.20× torchao." in md
     # the profile table: ms and share of each column's total, the biggest bucket first
     assert "| linear (float matmul) | 750 (75%) | 0 (0%) |" in lines
     assert "| int8 matmul (torch._int_mm) | 0 (0%) | 300 (60%) |" in lines
