@@ -12,10 +12,20 @@ holds its job table and ``render(payload)``:
 - ``maskllm_fsdp``: MaskLLM memory per process, data parallel vs FSDP;
 - ``runtime``: compress, then reload in the packed and the dense runtime (bytes, RSS,
   perplexity), and the README's main job from an empty cache;
+- ``int8_speed``: forward speed of fp32, bf16, our int8 runtime and torchao's int8 side by side,
+  with a profile of ours (torchao in its own folder: ``PYTHONPATH=.venv-torchao``);
 - ``bad_inputs``: issue 10's bad and hostile inputs on the real model (exit code, time, message,
   what is left behind; kills while saving; file modes and output sizes).
 
 ``rss_profile`` is a diagnostic, not a benchmark: it writes no results file.
 """
 
-BENCHMARKS = ("magnitude", "pruning", "maskllm", "maskllm_fsdp", "runtime", "bad_inputs")
+BENCHMARKS = (
+    "magnitude",
+    "pruning",
+    "maskllm",
+    "maskllm_fsdp",
+    "runtime",
+    "bad_inputs",
+    "int8_speed",
+)
