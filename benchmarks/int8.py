@@ -45,6 +45,11 @@ SOFTMAX = ("--softmax-bits", "8")
 JOBS = [  # name, compress-model flags after --method int8
     {"name": "W8A8 dynamic", "flags": ()},
     {"name": "W8A8 static", "flags": ("--activations", "static", *CALIB)},
+    {"name": "W8A8 dynamic, SmoothQuant 0.5", "flags": ("--smooth-alpha", "0.5", *CALIB)},
+    {
+        "name": "W8A8 static, SmoothQuant 0.5",
+        "flags": ("--activations", "static", "--smooth-alpha", "0.5", *CALIB),
+    },
     {"name": "W8A8 dynamic + softmax8", "flags": SOFTMAX},
     {
         "name": "+ bias correction per layer",
@@ -60,7 +65,7 @@ ORDER = [j["name"] for j in JOBS]
 
 
 def _out(work: Path, name: str) -> Path:
-    return work / "outputs" / name.replace(" ", "-").replace("+", "plus")
+    return work / "outputs" / name.replace(" ", "-").replace("+", "plus").replace(",", "")
 
 
 def compress_job(spec: dict[str, Any], work: Path, settings: dict[str, Any]) -> Job:
