@@ -12,6 +12,8 @@ holds its job table and ``render(payload)``:
 - ``maskllm_fsdp``: MaskLLM memory per process, data parallel vs FSDP;
 - ``runtime``: compress, then reload in the packed and the dense runtime (bytes, RSS,
   perplexity), and the README's main job from an empty cache;
+- ``int8``: W8A8 (dynamic, static, SmoothQuant), the 8-bit softmax and its bias correction, and
+  the compressed-tensors interop check;
 - ``int8_speed``: forward speed of fp32, bf16, our int8 runtime and torchao's int8 side by side,
   with a profile of ours (torchao in its own folder: ``PYTHONPATH=.venv-torchao``);
 - ``bad_inputs``: issue 10's bad and hostile inputs on the real model (exit code, time, message,
@@ -28,4 +30,5 @@ BENCHMARKS = (
     "runtime",
     "bad_inputs",
     "int8_speed",
+    "int8",
 )
