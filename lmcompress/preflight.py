@@ -79,10 +79,9 @@ def preflight(options: RunOptions, method: Method) -> Plan:
 def _inputs(options: RunOptions, method: Method) -> list[Path]:
     """The local paths the job reads (and must not overwrite)."""
     paths = checkpoint_paths(options.checkpoint)
-    for name in ("prior_from",):
-        value = getattr(method.config, name, None)
-        if value:
-            paths.append(Path(value))
+    prior_from = getattr(method.config, "prior_from", None)
+    if prior_from:
+        paths.append(Path(prior_from))
     training = getattr(method.config, "training", None)
     if training is not None and training.checkpoint_dir:
         paths.append(Path(training.checkpoint_dir))
@@ -102,14 +101,18 @@ def check_output(output: str | os.PathLike, overwrite: bool, inputs: list[Path])
     out = Path(output).expanduser().resolve()
     for path in inputs:
         source = path.expanduser().resolve()
-        if out == source or out.is_relative_to(source) or source.is_relative_to(out):
-            relation = (
-                "is" if out == source else "is inside" if out.is_relative_to(source) else "contains"
-            )
-            raise ConfigError(
-                f"output {output} {relation} the input {path}: writing it would destroy the "
-                "input (even with --overwrite); choose another -o"
-            )
+        if out == source:
+            relation = "is"
+        elif out.is_relative_to(source):
+            relation = "is inside"
+        elif source.is_relative_to(out):
+            relation = "contains"
+        else:
+            continue
+        raise ConfigError(
+            f"output {output} {relation} the input {path}: writing it would destroy the "
+            "input (even with --overwrite); choose another -o"
+        )
     ancestor = out
     while not ancestor.exists():
         ancestor = ancestor.parent
@@ -143,11 +146,8 @@ def estimate_job(skeleton: nn.Module, options: RunOptions, method: Method) -> Me
     estimate = MemoryEstimate(
         {"model weights": param_bytes(skeleton, itemsize), "torch and libraries": RUNTIME_BYTES}
     )
-    phases = [
-        method.memory_estimate(skeleton, options.nsamples, options.seq_len, itemsize)
-        if method.needs_calibration
-        else method.memory_estimate(skeleton, 0, options.seq_len, itemsize)
-    ]
+    nsamples = options.nsamples if method.needs_calibration else 0
+    phases = [method.memory_estimate(skeleton, nsamples, options.seq_len, itemsize)]
     if options.eval:
         phases.append(
             {

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -58,9 +59,11 @@ class AttentionHook:
         return self.names.get(id(module))
 
 
-# id(module) -> hooks active on it, outermost first. Keyed by module (not config) so that
-# blocks run directly, and sub-models with their own config, find their model's hooks.
-_ACTIVE: dict[int, list[AttentionHook]] = {}
+# module -> hooks active on it, outermost first. Keyed by module (not config) so that
+# blocks run directly, and sub-models with their own config, find their model's hooks; weakly,
+# so that a model dropped with a transform still installed leaves no entry behind (an entry
+# keyed by a dead module's ``id`` would be found by a new module that reuses the address).
+_ACTIVE: weakref.WeakKeyDictionary[nn.Module, list[AttentionHook]] = weakref.WeakKeyDictionary()
 
 
 def layer_index(module: nn.Module) -> int | None:
@@ -167,7 +170,7 @@ def hooked_attention(
     arguments (``sliding_window``: already in the mask; position ids) are not needed."""
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("attention sinks (s_aux) are not supported by the hook")
-    hooks = _ACTIVE.get(id(module), ())
+    hooks = _ACTIVE.get(module, ())
     observers = [h.observe for h in hooks if h.observe is not None]
     transforms = [h.transform for h in hooks if h.transform is not None]
 
@@ -243,19 +246,19 @@ def open_hook(
     hook = AttentionHook(observe, transform, {id(m): n for n, m in model.named_modules()})
     hook.previous = model.config._attn_implementation
     model.set_attn_implementation(register())
-    for module_id in hook.names:
-        _ACTIVE.setdefault(module_id, []).append(hook)
+    for module in model.modules():
+        _ACTIVE.setdefault(module, []).append(hook)
     return hook
 
 
 def close_hook(model: nn.Module, hook: AttentionHook) -> None:
     """Remove ``hook``; the model's previous attention implementation comes back once no hook
     of it is left."""
-    for module_id in hook.names:
-        active = _ACTIVE.get(module_id, [])
+    for module in model.modules():
+        active = _ACTIVE.get(module, [])
         if hook in active:
             active.remove(hook)
         if not active:
-            _ACTIVE.pop(module_id, None)
-    if not any(id(m) in _ACTIVE for m in model.modules()):
+            _ACTIVE.pop(module, None)
+    if not any(module in _ACTIVE for module in model.modules()):
         model.set_attn_implementation(hook.previous)

@@ -126,7 +126,7 @@ def save_compressed(
             layer_tensors = {
                 key: t.detach().cpu().contiguous()
                 if key in module.exact_tensors
-                else _cast(t, dtype)
+                else cast_tensor(t, dtype)
                 for key, t in module.state_tensors().items()
             }
             tensors.update({f"{name}.{key}": value for key, value in layer_tensors.items()})
@@ -214,20 +214,27 @@ def _write_weights(
             state = {k: v for k, v in model.state_dict().items() if not k.startswith(skip)}
     finally:
         replace_modules(model, swapped, lambda name, _: in_model[name])
-    cast: dict[tuple, torch.Tensor] = {}  # tied weights stay one tensor (saved once)
-    for key, value in state.items():
-        view = (value.untyped_storage().data_ptr(), value.storage_offset(), value.shape)
-        if view not in cast:
-            cast[view] = _cast(value, dtype)
-        state[key] = cast[view]
-    model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=cast_state(state, dtype))
     config_file = tmp / "config.json"  # save_pretrained records the model's dtype, not ours
     config = json.loads(config_file.read_text())
     config["dtype"] = str(dtype).removeprefix("torch.")
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``state`` with every tensor through :func:`cast_tensor`; tied weights (one storage
+    under several keys) stay one tensor, so ``save_pretrained`` stores them once."""
+    cast: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for key, value in state.items():
+        view = (value.untyped_storage().data_ptr(), value.storage_offset(), value.shape)
+        if view not in cast:
+            cast[view] = cast_tensor(value, dtype)
+        out[key] = cast[view]
+    return out
+
+
+def cast_tensor(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """On the CPU, in ``dtype`` if floating point (integer codes keep theirs); no copy when
     nothing changes."""
     target = dtype if tensor.is_floating_point() else tensor.dtype

@@ -106,17 +106,19 @@ def load_compressed(
     model = build_model(out_dir, manifest, device)
     if runtime == "dense":
         replace_modules(model, manifest["compressed_layers"], lambda _, module: module.to_dense())
-    for index, entry in enumerate(manifest.get("transforms", [])):  # e.g. an 8-bit softmax
+    transforms = manifest.get("transforms", [])  # e.g. an 8-bit softmax
+    if transforms:
         with _open(out_dir / COMPRESSED_TENSORS, device) as packed:
-            try:
-                tensors = {
-                    k: packed.get_tensor(f"transforms.{index}.{k}") for k in entry["tensors"]
-                }
-            except SafetensorError as err:
-                raise ModelLoadError(
-                    f"{out_dir}: transform {entry['kind']} is incomplete: {err}"
-                ) from None
-        transform_class(entry["kind"]).from_state(tensors, entry["meta"]).install(model)
+            for index, entry in enumerate(transforms):
+                try:
+                    tensors = {
+                        k: packed.get_tensor(f"transforms.{index}.{k}") for k in entry["tensors"]
+                    }
+                except SafetensorError as err:
+                    raise ModelLoadError(
+                        f"{out_dir}: transform {entry['kind']} is incomplete: {err}"
+                    ) from None
+                transform_class(entry["kind"]).from_state(tensors, entry["meta"]).install(model)
     tokenizer = _load_tokenizer(str(out_dir), False, {"trust_remote_code": False})
     return model, tokenizer, CompressionReport.from_dict(manifest["report"])
 

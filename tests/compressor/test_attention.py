@@ -292,3 +292,19 @@ def test_identity_hook_matches_eager_in_bfloat16(variant):
         with attention_hook(model):
             hooked = model(ids).logits
     assert torch.equal(hooked, reference)
+
+
+def test_a_dropped_model_leaves_no_active_hook_behind():
+    """A hook opened for a model's lifetime (an installed transform) must not outlive the model:
+    a new module at a dead one's address would otherwise run the dead model's transform."""
+    import gc
+
+    from lmcompress.compressor.attention import _ACTIVE, open_hook
+
+    before = len(_ACTIVE)
+    model = make_tiny_model("llama")
+    open_hook(model, transform=lambda _module, probs: probs)
+    assert len(_ACTIVE) > before
+    del model
+    gc.collect()
+    assert len(_ACTIVE) == before

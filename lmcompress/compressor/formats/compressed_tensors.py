@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmcompress.compressor.export import cast_state, cast_tensor
 from lmcompress.compressor.runtime import CompressedLinear
 from lmcompress.compressor.surgery import is_linear
 from lmcompress.errors import LmcompressError
@@ -175,18 +176,12 @@ def write_compressed_tensors(
     config = quantization_config(model, quantized)
     dtype = dtype or next(model.parameters()).dtype
     prefixes = tuple(f"{name}." for name in quantized)
-    state: dict[str, torch.Tensor] = {}
-    cast: dict[tuple, torch.Tensor] = {}  # tied weights stay one tensor (saved once)
-    for key, value in model.state_dict().items():
-        if key.startswith(prefixes):
-            continue
-        view = (value.untyped_storage().data_ptr(), value.storage_offset(), value.shape)
-        if view not in cast:
-            cast[view] = _cast(value, dtype)
-        state[key] = cast[view]
+    state = cast_state(
+        {k: v for k, v in model.state_dict().items() if not k.startswith(prefixes)}, dtype
+    )
     for name, module in quantized.items():
         for key, value in layer_tensors(module).items():
-            state[f"{name}.{key}"] = _cast(value, dtype) if key == "bias" else value.cpu()
+            state[f"{name}.{key}"] = cast_tensor(value, dtype) if key == "bias" else value.cpu()
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True, state_dict=state)
     config_file = out_dir / "config.json"
@@ -227,9 +222,3 @@ def simulated_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     W = (codes * module.weight_scale.float().unsqueeze(-1)).flatten(-2)  # (out, in)
     x = fake_quantize_input(x, getattr(module, "input_scale", None))
     return nn.functional.linear(x, W.to(x.dtype), module.bias)
-
-
-def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """On the CPU, in ``dtype`` if floating point; no copy when nothing changes."""
-    tensor = tensor.detach().cpu()
-    return tensor.to(dtype) if tensor.is_floating_point() else tensor

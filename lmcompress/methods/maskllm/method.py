@@ -8,7 +8,6 @@ model's block outputs); ``priors`` gives the masks they start from.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
@@ -22,7 +21,6 @@ from torch.nn.utils import parametrize
 # sharding of the logits (``shard_modules``)
 from lmcompress.compressor import distributed  # noqa: F401
 from lmcompress.compressor.export import STATS
-from lmcompress.compressor.families import family_of
 from lmcompress.compressor.layerwise import layerwise_estimate
 from lmcompress.compressor.method import Stats
 from lmcompress.compressor.report import CompressionReport
@@ -117,16 +115,18 @@ class MaskLLM(PruningMethod):
             return 4 * 4 * numel // sparsity.m * patterns + 2 * numel * itemsize
 
         if self.config.blockwise:
-            sized = {name: functools.partial(state, name) for name in layers}
+            names = {id(module): name for name, module in layers.items()}
             parts = layerwise_estimate(
-                model, layers, nsamples, seq_len, training.batch_size, itemsize
+                model,
+                layers,
+                nsamples,
+                seq_len,
+                training.batch_size,
+                itemsize,
+                state={
+                    "mask logits, gradients and AdamW moments": lambda m: state(names[id(m)], m)
+                },
             )
-            prefix = family_of(model).blocks + "."
-            per_block: dict[str, int] = {}
-            for name in layers:
-                block = name.removeprefix(prefix).split(".", 1)[0]
-                per_block[block] = per_block.get(block, 0) + sized[name](layers[name])
-            parts["mask logits, gradients and AdamW moments"] = max(per_block.values(), default=0)
             parts["dense block outputs"] = parts["calibration activations"]
             return parts
         hidden = config.hidden_size
