@@ -150,7 +150,8 @@ def run(options: RunOptions, config: MethodConfig) -> dict[str, Any]:
             dtype=save_dtype,
             overwrite=options.overwrite,
             extra=results,
-            stats=stats,  # learned tensors (MaskLLM's logits): for --prior-from and inspection
+            # learned tensors (MaskLLM's logits): for --prior-from and inspection
+            stats=stats if method.stats_in_output else None,
             dense_copy=options.dense_copy,
         )
         results["output"] = options.output

@@ -70,6 +70,22 @@ def eval_bytes(model: nn.Module, batch_size: int, seq_len: int, itemsize: int) -
     return tokens * (2 * vocab + 4 * hidden + 2 * intermediate) * itemsize
 
 
+def backward_bytes(
+    model: nn.Module, batch_size: int, seq_len: int, itemsize: int, logit_copies: int = 3
+) -> int:
+    """Activations one forward keeps for backward through every block (hidden, MLP and the
+    eager attention matrix per block), plus ``logit_copies`` logit-sized tensors (the logits,
+    their log-softmax and its gradient)."""
+    config = model.config
+    hidden = config.hidden_size
+    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    heads = getattr(config, "num_attention_heads", 1)
+    tokens = batch_size * seq_len
+    per_block = tokens * (12 * hidden + 4 * intermediate + 2 * heads * seq_len) * itemsize
+    logits = tokens * config.vocab_size * itemsize * logit_copies
+    return config.num_hidden_layers * per_block + logits
+
+
 def available_bytes(device: torch.device | str = "cpu") -> tuple[int | None, str]:
     """Memory a new allocation can still get, and where the number comes from:
     ``MemAvailable`` of ``/proc/meminfo`` (or psutil) for the CPU, the free memory the driver

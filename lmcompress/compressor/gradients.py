@@ -51,6 +51,7 @@ from lmcompress.progress import bar_disabled
 logger = logging.getLogger(__name__)
 
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+SampleHook = Callable[[str, torch.Tensor], None]  # (layer name, that sample's G (out, in))
 _FIELDS = ("fisher", "xx", "dd")
 
 
@@ -119,8 +120,10 @@ class _Collector:
         kronecker: bool,
         device: torch.device,
         dtype: torch.dtype,
+        on_sample: SampleHook | None = None,
     ) -> None:
         self.dtype = dtype
+        self.on_sample = on_sample
         self.recomputing = False  # True during backward: forwards then are checkpoint replays
         self.stats: dict[str, GradientStats] = {}
 
@@ -160,10 +163,13 @@ class _Collector:
     def on_weight_grad(self, name: str, transpose: bool, weight: nn.Parameter) -> None:
         """Post-accumulate hook: the weight's gradient of this backward is complete."""
         fisher = self.stats[name].fisher
-        if fisher is not None:
+        if fisher is not None or self.on_sample is not None:
             g = weight.grad.detach()
             g = (g.T if transpose else g).to(self.dtype)  # (out, in)
-            fisher.addcmul_(g, g)
+            if fisher is not None:
+                fisher.addcmul_(g, g)
+            if self.on_sample is not None:
+                self.on_sample(name, g)
         weight.grad = None
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -246,6 +252,7 @@ def gradient_statistics(
     progress: bool = True,
     loss_fn: LossFn | None = None,
     dtype: torch.dtype = torch.float32,
+    on_sample: SampleHook | None = None,
 ) -> dict[str, GradientStats]:
     """Back-propagate the LM loss over the windows ``data`` (N, T) and accumulate, for every
     layer in ``layers`` (``{qualified name: linear}``, as ``LayerSelection.select`` returns):
@@ -256,7 +263,9 @@ def gradient_statistics(
     backward (:func:`checkpointed_blocks`: same numbers, less activation memory);
     ``loss_fn(model, ids) -> scalar loss`` replaces :func:`causal_lm_loss` (it should keep the
     mean reduction, and pass ``use_cache=False`` under checkpointing); ``dtype``: of the
-    accumulators (float32, or float64).
+    accumulators (float32, or float64); ``on_sample(name, G)`` is called with every
+    layer's weight gradient of every backward pass, (out, in) in ``dtype`` (a view freed after
+    the call: copy what you keep), for estimators that need per-sample gradients.
 
     The pass runs in eval mode (no dropout: the statistics of the network being compressed),
     with gradients enabled and only the selected weights requiring grad (the graph must reach
@@ -271,7 +280,9 @@ def gradient_statistics(
         raise ConfigError(f"accumulator dtype must be float32 or float64, got {dtype}")
     loss_fn = loss_fn or causal_lm_loss
     device = next(model.parameters()).device
-    collector = _Collector(layers, fisher=fisher, kronecker=kronecker, device=device, dtype=dtype)
+    collector = _Collector(
+        layers, fisher=fisher, kronecker=kronecker, device=device, dtype=dtype, on_sample=on_sample
+    )
     n_windows = data.shape[0]
     requires_grad = [(p, p.requires_grad) for p in model.parameters()]
     modes = [(m, m.training) for m in model.modules()]

@@ -68,6 +68,9 @@ class Method:
 
     config_class: ClassVar[type[MethodConfig]] = MethodConfig
     needs_calibration: ClassVar[bool] = True
+    # Whether an export keeps the stats (``stats.safetensors``): learned tensors that another
+    # run reuses (MaskLLM's logits), not statistics as large as the model (Fisher factors).
+    stats_in_output: ClassVar[bool] = True
 
     def __init__(self, config: MethodConfig, device: str | torch.device | None = None) -> None:
         """``device``: where calibration computes (``None``: where the model is). Layer-wise

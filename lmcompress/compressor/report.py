@@ -31,6 +31,7 @@ class LayerReport:
     # ``from_linear`` takes (``{"n": 2, "m": 4}`` for ``nm_packed``).
     format: str | None = None
     format_options: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # method-specific numbers (JSON)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> LayerReport:

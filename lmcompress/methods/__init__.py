@@ -11,7 +11,7 @@ from lmcompress.methods.int8 import Int8
 from lmcompress.methods.magnitude import Magnitude
 from lmcompress.methods.maskllm import MaskLLM
 from lmcompress.methods.sparsegpt import SparseGPT
-from lmcompress.methods.svd import SVD
+from lmcompress.methods.svd import ASVD, FWSVD, GFWSVD, SVD, SVDLLM
 from lmcompress.methods.wanda import Wanda
 
 METHODS: dict[str, type[Method]] = {
@@ -20,6 +20,10 @@ METHODS: dict[str, type[Method]] = {
     "sparsegpt": SparseGPT,
     "maskllm": MaskLLM,
     "svd": SVD,
+    "asvd": ASVD,
+    "svd-llm": SVDLLM,
+    "fwsvd": FWSVD,
+    "gfwsvd": GFWSVD,
     "int8": Int8,
 }
 

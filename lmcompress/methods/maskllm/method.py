@@ -20,6 +20,7 @@ from torch.nn.utils import parametrize
 # ``distributed`` is reached as ``maskllm.method.distributed`` by tests that spy on the
 # sharding of the logits (``shard_modules``)
 from lmcompress.compressor import distributed  # noqa: F401
+from lmcompress.compressor.budget import backward_bytes
 from lmcompress.compressor.export import STATS
 from lmcompress.compressor.layerwise import layerwise_estimate
 from lmcompress.compressor.method import Stats
@@ -106,7 +107,7 @@ class MaskLLM(PruningMethod):
         seq_len: int,
         itemsize: int,
     ) -> dict[str, int]:
-        config, training = model.config, self.config.training
+        training = self.config.training
 
         def state(name: str, module: nn.Module) -> int:
             sparsity = self.config.sparsity_of(name)
@@ -129,17 +130,14 @@ class MaskLLM(PruningMethod):
             )
             parts["dense block outputs"] = parts["calibration activations"]
             return parts
-        hidden = config.hidden_size
-        intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
-        heads = getattr(config, "num_attention_heads", 1)
-        tokens = training.batch_size * seq_len
-        per_block = tokens * (12 * hidden + 4 * intermediate + 2 * heads * seq_len) * itemsize
-        logits = tokens * config.vocab_size * itemsize * (5 if self.config.distill else 3)
+        activations = backward_bytes(
+            model, training.batch_size, seq_len, itemsize, 5 if self.config.distill else 3
+        )
         return {
             "mask logits, gradients and AdamW moments": sum(
                 state(name, module) for name, module in layers.items()
             ),
-            "activations kept for backward": config.num_hidden_layers * per_block + logits,
+            "activations kept for backward": activations,
         }
 
     def calibrate(self, model: nn.Module, data: torch.Tensor | None) -> Stats:

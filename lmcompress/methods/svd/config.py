@@ -1,32 +1,153 @@
+"""Configs of the low-rank family: plain SVD and its weighted variants (ASVD, SVD-LLM, FWSVD,
+GFWSVD). All share the parameter budget convention and the rank allocation."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from lmcompress.compressor.config import MethodConfig
 from lmcompress.errors import ConfigError
 
 
 @dataclass(frozen=True)
-class SVDConfig(MethodConfig):
-    """Plain truncated SVD: replace each selected linear by a rank-r factor pair.
+class LowRankConfig(MethodConfig):
+    """Options every low-rank method has (not a method of its own).
 
     ``ratio`` is the fraction of the selected layers' parameters KEPT (the ASVD convention):
-    0.8 keeps about 80 % of them, i.e. removes about 20 %. Each layer (out m, in n) gets rank
-    ``floor(ratio·m·n/(m+n))`` rounded down to a multiple of 8, so the kept count is at most
-    ``ratio`` of the layer's and falls short of it only by that rounding. ``ratio = 1`` keeps
+    0.8 keeps about 80 % of them, i.e. removes about 20 %. ``allocation="uniform"``: each layer
+    (out m, in n) gets rank ``floor(ratio·m·n/(m+n))`` rounded down to a multiple of 8, so the
+    kept count is at most ``ratio`` of the layer's. ``allocation="greedy"``: the same total
+    budget shared out by the weighted truncation error each parameter removes
+    (``ranks.allocate_ranks``); layers may then stay dense or drop lower. ``ratio = 1`` keeps
     every layer dense.
     """
 
-    method: ClassVar[str] = "svd"
+    method: ClassVar[str] = "low-rank"
+    # Fisher weightings compare truncation errors across layers as they are (both estimate
+    # the loss increase); the others relative to each layer's total (ranks.allocate_ranks).
+    absolute_errors: ClassVar[bool] = False
 
     ratio: float = field(
         default=0.8, metadata={"help": "fraction of the selected layers' parameters kept"}
     )
+    allocation: Literal["uniform", "greedy"] = field(
+        default="uniform",
+        metadata={
+            "help": "ranks: the same ratio in every layer, or greedy by the weighted error per "
+            "parameter under the same total budget"
+        },
+    )
 
     def __post_init__(self) -> None:
-        super().__post_init__()  # ratio is a finite float from here on
+        super().__post_init__()  # types are checked from here on
         if not 0.0 < self.ratio <= 1.0:
             raise ConfigError(
                 f"ratio {self.ratio!r} must lie in (0, 1]: the fraction of parameters kept"
             )
+
+
+@dataclass(frozen=True)
+class SVDConfig(LowRankConfig):
+    """Plain truncated SVD: replace each selected linear by a rank-r factor pair."""
+
+    method: ClassVar[str] = "svd"
+
+
+@dataclass(frozen=True)
+class _CalibratedConfig(LowRankConfig):
+    calib_batch_size: int = field(
+        default=4, metadata={"help": "calibration windows per forward or backward pass"}
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.calib_batch_size < 1:
+            raise ConfigError(f"calib_batch_size must be at least 1, got {self.calib_batch_size}")
+
+
+@dataclass(frozen=True)
+class ASVDConfig(_CalibratedConfig):
+    """ASVD: SVD of W·S with S = diag(mean|x_j|^alpha) over calibration inputs, factors back
+    with S⁻¹ (Yuan et al. 2023)."""
+
+    method: ClassVar[str] = "asvd"
+
+    alpha: float = field(
+        default=0.5, metadata={"help": "exponent of the mean absolute input per channel"}
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.alpha <= 4.0:
+            raise ConfigError(f"alpha {self.alpha!r} must lie in [0, 4] (ASVD uses 0.5)")
+
+
+@dataclass(frozen=True)
+class SVDLLMConfig(_CalibratedConfig):
+    """SVD-LLM: truncation in the space whitened by the Cholesky factor of Σ x xᵀ, so that the
+    dropped singular values are exactly the layer's output error (Wang et al. 2024)."""
+
+    method: ClassVar[str] = "svd-llm"
+
+    damp: float = field(
+        default=0.0,
+        metadata={"help": "first shrinkage of Σxxᵀ towards its mean diagonal; raised ×10 "
+                  "until the Cholesky factorisation succeeds"},
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.damp < 1.0:
+            raise ConfigError(f"damp {self.damp!r} must lie in [0, 1)")
+
+
+@dataclass(frozen=True)
+class FWSVDConfig(_CalibratedConfig):
+    """FWSVD: SVD of W·D with D = diag(√I_j), I_j the empirical Fisher of input feature j
+    (squared LM-loss gradients summed over the output rows), factors back with D⁻¹ (Hsu et al.
+    2022)."""
+
+    method: ClassVar[str] = "fwsvd"
+    absolute_errors: ClassVar[bool] = True
+
+    calib_batch_size: int = field(
+        default=8, metadata={"help": "windows per backward pass (one Fisher sample)"}
+    )
+    checkpointing: bool = field(
+        default=False, metadata={"help": "recompute each block in backward (less memory)"}
+    )
+
+
+@dataclass(frozen=True)
+class GFWSVDConfig(FWSVDConfig):
+    """GFWSVD: the Fisher approximated as X ⊗ Y (input and output sides), truncation in the
+    space of their Cholesky factors: W̃ = L_Yᵀ W L_X (Chekalina et al. 2025)."""
+
+    method: ClassVar[str] = "gfwsvd"
+
+    calib_batch_size: int = field(
+        default=8,
+        metadata={"help": "windows per backward pass; with --kronecker nearest, one gradient "
+                  "sample each (nsamples / calib-batch-size of them are kept)"},
+    )  # fmt: skip
+    kronecker: Literal["kfac", "nearest"] = field(
+        default="kfac",
+        metadata={"help": "the factors: K-FAC (Σxxᵀ and Σδδᵀ of the gradient pass) or the "
+                  "nearest Kronecker product to the per-sample Fisher (power iteration)"},
+    )  # fmt: skip
+    damp: float = field(
+        default=0.01,
+        metadata={"help": "regularisation (1-a)F + a·mean(diag F)·I of each factor, a "
+                  "starting here and raised ×10 until the Cholesky factorisation succeeds"},
+    )  # fmt: skip
+    power_iters: int = field(
+        default=4, metadata={"help": "power iterations of --kronecker nearest (at most)"}
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.damp < 1.0:
+            raise ConfigError(f"damp {self.damp!r} must lie in [0, 1)")
+        if self.power_iters < 1:
+            raise ConfigError(f"power_iters must be at least 1, got {self.power_iters}")

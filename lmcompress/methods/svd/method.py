@@ -1,58 +1,114 @@
-"""Plain truncated SVD (the low-rank baseline): no calibration, every selected linear becomes a
-:class:`LowRankLinear` at the rank its parameter budget allows (``ranks.budget_rank``).
+"""The low-rank methods: every selected linear becomes a :class:`LowRankLinear` whose factors
+minimise a weighted error of the weight (:mod:`weighted`), at ranks from the parameter budget
+(:mod:`ranks`). The methods differ only in their statistics and the weights built from them:
 
-Plain SVD minimises the weight error ``‖W - BA‖_F``, not the error of the layer's output on
-real inputs; on LLM weights (flat singular spectra) that costs a lot of perplexity, which is
-what the Fisher-weighted variants are for.
+- ``svd``: none (the baseline: minimises ‖W − BA‖_F, which on LLM weights, whose singular
+  spectra are flat, costs a lot of perplexity);
+- ``asvd``: mean |x| per input channel, from forward passes over calibration text;
+- ``svd-llm``: Σ x xᵀ per layer, from the same forward passes;
+- ``fwsvd``: the diagonal empirical Fisher Σ G², from the core's gradient pass;
+- ``gfwsvd``: Kronecker factors of the Fisher, from the same pass (K-FAC) or from its
+  per-sample gradients (the nearest Kronecker product, :mod:`kronecker`).
+
+All statistics come from the dense model in one pass, before any layer changes (as the
+reference implementations do), so ranks can be allocated across all layers at once.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
+from transformers.pytorch_utils import Conv1D
 
 from lmcompress.compressor.formats.low_rank import LowRankLinear
 from lmcompress.compressor.method import Method, Stats
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.compressor.surgery import replace_modules, weight_matrix
+from lmcompress.errors import ConfigError
 from lmcompress.methods.common import count_params
-from lmcompress.methods.svd.config import SVDConfig
-from lmcompress.methods.svd.ranks import budget_rank
+from lmcompress.methods.svd.config import LowRankConfig, SVDConfig
+from lmcompress.methods.svd.ranks import allocate_ranks, budget_rank
+from lmcompress.methods.svd.weighted import (
+    Weight,
+    weighted_error,
+    weighted_factors,
+    weighted_spectrum,
+)
+from lmcompress.progress import bar_disabled
 
 logger = logging.getLogger(__name__)
 
+Weights = tuple[Weight, Weight, dict[str, Any]]  # input side, output side, what to report
 
-class SVD(Method):
-    config_class = SVDConfig
+
+class LowRankMethod(Method):
+    """Base of the family: ``weights`` turns a layer's statistics into the weighted norm;
+    ``apply`` allocates ranks and factorises. Subclasses set ``config_class`` and override
+    ``calibrate`` and ``weights``."""
+
+    config_class = LowRankConfig
     needs_calibration = False
+    stats_in_output = False  # Gram matrices and Kronecker factors: as large as the model
 
-    def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:  # noqa: ARG002
+    def weights(self, name: str, W: torch.Tensor, stats: Stats) -> Weights:  # noqa: ARG002
+        """The input-side and output-side weights of layer ``name`` (``None``: identity)."""
+        return None, None, {}
+
+    def _layer_weights(self, layers: dict[str, nn.Module], stats: Stats) -> dict[str, Weights]:
+        return {
+            name: self.weights(name, weight_matrix(module).detach(), stats)
+            for name, module in layers.items()
+        }
+
+    def ranks(
+        self, layers: dict[str, nn.Module], weights: dict[str, Weights]
+    ) -> dict[str, int | None]:
+        config = self.config
+        shapes = {name: tuple(weight_matrix(module).shape) for name, module in layers.items()}
+        if config.allocation == "uniform":
+            return {name: budget_rank(m, n, config.ratio) for name, (m, n) in shapes.items()}
+        spectra = {}
+        for name, module in tqdm(
+            layers.items(), desc=f"{self.name} spectra", unit="layer", disable=bar_disabled()
+        ):
+            right, left, _ = weights[name]
+            s = weighted_spectrum(weight_matrix(module).detach(), right, left)
+            spectra[name] = (*shapes[name], s.cpu())
+        return allocate_ranks(spectra, config.ratio, relative=not config.absolute_errors)
+
+    def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:
         start = time.perf_counter()
         layers = self.validate(model)
         report = CompressionReport(
             self.name, self.config.to_dict(), model_params=count_params(model)
         )
-        with tqdm(total=len(layers), desc="svd", unit="layer") as bar:
+        weights = self._layer_weights(layers, stats)
+        ranks = self.ranks(layers, weights)
+        with tqdm(total=len(layers), desc=self.name, unit="layer", disable=bar_disabled()) as bar:
 
             def factorize(name: str, module: nn.Module) -> LowRankLinear | None:
                 layer_start = time.perf_counter()
-                out_features, in_features = weight_matrix(module).shape
-                rank = budget_rank(out_features, in_features, self.config.ratio)
-                new = None if rank is None else LowRankLinear.from_linear(module, rank)
-                if new is None:
-                    logger.info(
-                        "%s (%dx%d) stays dense: at ratio %g a factorisation would not save "
-                        "parameters",
-                        name,
-                        out_features,
-                        in_features,
-                        self.config.ratio,
-                    )
-                report.layers.append(layer_report(name, module, new, layer_start))
+                W = weight_matrix(module).detach()
+                right, left, info = weights.pop(name)
+                rank, new = ranks[name], None
+                if rank is not None:
+                    A, B = weighted_factors(W, rank, right, left)
+                    bias = module.bias.detach().clone() if module.bias is not None else None
+                    new = LowRankLinear.from_factors(A, B, bias, isinstance(module, Conv1D))
+                else:
+                    logger.info("%s (%dx%d) stays dense", name, *W.shape)
+                layer = layer_report(name, module, new, layer_start)
+                if new is not None and (right is not None or left is not None):
+                    total = weighted_error(W, torch.zeros_like(W), right, left)
+                    error = weighted_error(W, new.dense_weight(), right, left)
+                    info = {**info, "weighted_rel_error": (error / max(total, 1e-300)) ** 0.5}
+                layer.extra = info
+                report.layers.append(layer)
                 bar.update(1)
                 return new
 
@@ -60,26 +116,46 @@ class SVD(Method):
         report.seconds = time.perf_counter() - start
         report.extra = {
             "ratio": self.config.ratio,
+            "allocation": self.config.allocation,
             "params_kept_fraction": report.params_kept / max(report.params, 1),
             "dense_layers": [layer.name for layer in report.layers if layer.rank is None],
+            "ranks": {layer.name: layer.rank for layer in report.layers},
         }
         logger.info(
-            "svd: kept %d of %d parameters (%.2f%%, ratio %g); %d of %d layers stay dense",
+            "%s: kept %d of %d parameters (%.2f%%, ratio %g, %s ranks); %d of %d layers stay dense",
+            self.name,
             report.params_kept,
             report.params,
             100 * report.extra["params_kept_fraction"],
             self.config.ratio,
+            self.config.allocation,
             len(report.extra["dense_layers"]),
             len(report.layers),
         )
         return report
 
 
+class SVD(LowRankMethod):
+    config_class = SVDConfig
+
+
+def stat(stats: Stats, name: str, key: str) -> torch.Tensor:
+    """``stats.tensors["{name}.{key}"]``, or a one-line error naming what is missing."""
+    try:
+        return stats.tensors[f"{name}.{key}"]
+    except KeyError:
+        raise ConfigError(
+            f"no {key} statistics for layer {name!r}: these stats were not collected by this "
+            "method on this model"
+        ) from None
+
+
 @torch.no_grad()
 def layer_report(
     name: str, dense: nn.Module, new: LowRankLinear | None, started: float
 ) -> LayerReport:
-    """What factorising ``dense`` into ``new`` did (``new is None``: the layer stayed dense)."""
+    """What factorising ``dense`` into ``new`` did (``new is None``: the layer stayed dense).
+    ``rel_error``: the plain relative weight error ‖W − BA‖ / ‖W‖."""
     W = weight_matrix(dense)  # (out, in)
     numel, elem = W.numel(), W.element_size()
     if new is None:

@@ -1,4 +1,4 @@
-"""Which rank each layer gets under a parameter budget (pure integer arithmetic).
+"""Which rank each layer gets under a parameter budget: one ratio for all, or allocated.
 
 A rank-r factorisation of an ``m × n`` weight stores ``r·(m + n)`` parameters, so keeping a
 fraction ``ratio`` of them allows ``r = floor(ratio·m·n / (m + n))``. The rank is rounded down
@@ -9,7 +9,12 @@ within its budget.
 
 from __future__ import annotations
 
+import logging
 import math
+
+import torch
+
+logger = logging.getLogger(__name__)
 
 RANK_MULTIPLE = 8
 
@@ -28,3 +33,93 @@ def budget_rank(
     if rank == 0 or rank * (m + n) >= m * n:
         return None
     return rank
+
+
+def dense_rank(out_features: int, in_features: int, multiple: int = RANK_MULTIPLE) -> int:
+    """The smallest multiple of ``multiple`` whose factors store at least the dense weight's
+    parameters: from there on the layer is better kept dense."""
+    m, n = out_features, in_features
+    return -(-(m * n) // ((m + n) * multiple)) * multiple
+
+
+def allocate_ranks(
+    spectra: dict[str, tuple[int, int, torch.Tensor]],
+    ratio: float,
+    *,
+    relative: bool = True,
+    multiple: int = RANK_MULTIPLE,
+) -> dict[str, int | None]:
+    """Ranks for all layers at once under one parameter budget, ``ratio · Σ m·n``, greedily
+    by the weighted truncation error each parameter buys.
+
+    ``spectra[name] = (m, n, s)``: the layer's shape and the singular values ``s`` (descending)
+    of its weighted matrix, so that truncating at rank r costs ``e(r) = Σ_{i>r} s_i²`` in the
+    method's weighted norm. With ``relative`` the errors are divided by the layer's total
+    ``Σ s_i²`` (for weightings whose units differ between layers: plain, activation-aware and
+    whitened SVD); without, they are compared as they are (Fisher weightings, whose error
+    estimates the loss increase in the same units for every layer).
+
+    Every layer starts at rank ``multiple``; each step adds ``multiple`` to the rank of the
+    layer whose next step removes the most error per added parameter, while the budget allows.
+    A layer whose rank reaches :func:`dense_rank` is kept dense (``None``): the last step costs
+    only what the dense weight needs beyond the factors and removes all of the error left.
+    Returns ``{name: rank or None}``; the kept parameters never exceed the budget (when even
+    rank ``multiple`` everywhere exceeds it, those minimal ranks are returned and a warning is
+    logged).
+    """
+    import heapq
+
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"ratio must lie in (0, 1], got {ratio}")
+    budget = ratio * sum(m * n for m, n, _ in spectra.values())
+    tails: dict[str, torch.Tensor] = {}  # tails[name][r] = e(r), r = 0..len(s)
+    ranks: dict[str, int] = {}
+    used = 0.0
+    for name, (m, n, s) in spectra.items():
+        energy = s.double().square()
+        tail = energy.flip(0).cumsum(0).flip(0)  # tail[r] = Σ_{i>=r} s_i²
+        tail = torch.cat([tail, tail.new_zeros(1)])
+        if relative:
+            tail = tail / tail[0].clamp_min(1e-300)
+        tails[name] = tail
+        ranks[name] = min(multiple, min(m, n))
+        used += min(ranks[name] * (m + n), m * n)
+
+    def step(name: str) -> tuple[float, int, float] | None:
+        """(-gain per parameter, next rank, added parameters) of layer ``name``'s next step."""
+        m, n, _ = spectra[name]
+        rank = ranks[name]
+        if rank * (m + n) >= m * n or rank >= min(m, n):
+            return None  # dense already
+        nxt = rank + multiple
+        cost_now = rank * (m + n)
+        if nxt >= dense_rank(m, n, multiple) or nxt >= min(m, n):
+            nxt, cost = dense_rank(m, n, multiple), m * n - cost_now
+            gain = float(tails[name][min(rank, len(tails[name]) - 1)])
+        else:
+            cost = multiple * (m + n)
+            gain = float(tails[name][rank] - tails[name][nxt])
+        return (-gain / max(cost, 1), nxt, cost)
+
+    heap = []
+    for name in spectra:
+        if (nxt := step(name)) is not None:
+            heapq.heappush(heap, (nxt[0], name, nxt[1], nxt[2]))
+    while heap:
+        _, name, nxt, cost = heapq.heappop(heap)
+        if used + cost > budget:
+            continue  # this layer cannot grow; others may still fit
+        ranks[name], used = nxt, used + cost
+        if (following := step(name)) is not None:
+            heapq.heappush(heap, (following[0], name, following[1], following[2]))
+    if used > budget:
+        logger.warning(
+            "ratio %g is below what rank %d in every layer needs; using rank %d everywhere",
+            ratio,
+            multiple,
+            multiple,
+        )
+    return {
+        name: None if r * (m + n) >= m * n or r >= min(m, n) else r
+        for name, (m, n, _), r in ((k, spectra[k], ranks[k]) for k in spectra)
+    }

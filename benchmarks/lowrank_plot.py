@@ -1,0 +1,140 @@
+"""The table and the picture of ``benchmarks.lowrank``: pure functions of its results JSON."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from benchmarks.render import markdown_table
+
+CORPORA = ("wiki-test", "lee")
+LABELS = {
+    "svd": "SVD",
+    "asvd": "ASVD (α 0.5)",
+    "svd-llm": "SVD-LLM",
+    "fwsvd": "FWSVD",
+    "gfwsvd": "GFWSVD (K-FAC factors)",
+    "gfwsvd-nearest": "GFWSVD (nearest Kronecker)",
+}
+
+
+def _ppl(row: dict[str, Any], corpus: str) -> str:
+    value = row.get("ppl", {}).get(corpus)
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _stats_cell(stats: dict[str, Any] | None) -> str:
+    return (
+        "-" if stats is None else f"{stats['wall_seconds']:.0f} s / {stats['peak_rss_mb']:.0f} MB"
+    )
+
+
+def render(payload: dict[str, Any]) -> str:
+    rows = {row["name"]: row for row in payload["results"]}
+    stats = {
+        "asvd": rows.get("stats:activations"),
+        "svd-llm": rows.get("stats:activations"),
+        "fwsvd": rows.get("stats:gradients"),
+        "gfwsvd": rows.get("stats:gradients"),
+        "gfwsvd-nearest": rows.get("stats:gradients"),
+    }
+    lines = [
+        "# Low-rank compression of SmolLM2-135M (`python -m benchmarks.lowrank`)\n",
+        f"Every linear in the decoder blocks; `ratio` = fraction of their parameters kept. "
+        f"Statistics from the dense model on {payload['nsamples']} × {payload['seq_len']} "
+        f"tokens of wiki-calib (seed 0), one job per kind (wall time / peak RSS in the "
+        f"`statistics` column; the gradient job serves FWSVD and both GFWSVD variants and "
+        f"includes the nearest-Kronecker power iterations). Perplexity at seq-len "
+        f"{payload['seq_len']} over the first {payload['eval_tokens']} tokens of each corpus. "
+        f"`factorise s`: `Method.apply`; `job RSS`: the process that factorised and scored.\n",
+    ]
+    header = ["method", "ratio", "ranks", "kept %", "wiki-test ppl", "lee ppl",
+              "factorise s", "job RSS MB", "statistics"]  # fmt: skip
+    table = []
+    for row in payload["results"]:
+        if row["name"].startswith("stats:") or row["name"] in ("combined", "cli"):
+            continue
+        if row["name"] == "dense":
+            table.append(["dense", "1", "-", "100", _ppl(row, "wiki-test"), _ppl(row, "lee"),
+                          "-", f"{row['peak_rss_mb']:.0f}", "-"])  # fmt: skip
+            continue
+        table.append([
+            LABELS[row["method"]], f"{row['ratio']:g}", row["allocation"],
+            f"{100 * row['params_kept_fraction']:.2f}", _ppl(row, "wiki-test"), _ppl(row, "lee"),
+            f"{row['apply_seconds']:.1f}", f"{row['peak_rss_mb']:.0f}",
+            _stats_cell(stats.get(row["method"])),
+        ])  # fmt: skip
+    lines.append(markdown_table(header, table))
+    gradients = rows.get("stats:gradients")
+    if gradients:
+        iters = gradients["power_iterations"]
+        lines.append(
+            f"\nGradient pass: {gradients['pass_seconds']:.0f} s for {payload['nsamples']} "
+            f"windows ({gradients['samples']} backward passes of 8 windows: the per-sample "
+            f"gradients of the nearest Kronecker product); power iterations "
+            f"{gradients['power_seconds']:.0f} s ({min(iters)}–{max(iters)} per layer); "
+            f"peak RSS of the whole job {gradients['peak_rss_mb']:.0f} MB.\n"
+        )
+    if "combined" in rows:
+        row = rows["combined"]
+        lines.append(
+            f"\nCombined: GFWSVD (K-FAC) at ratio {row['ratio']:g} on the MLP layers, then "
+            f"SparseGPT 2:4 on the attention layers ({NSAMPLES_TEXT}): "
+            f"{100 * row['params_kept_fraction']:.2f} % of the parameters kept (non-zeros), "
+            f"wiki-test {_ppl(row, 'wiki-test')}, lee {_ppl(row, 'lee')}; factorise "
+            f"{row['apply_seconds']:.1f} s, SparseGPT {row['sparsegpt_seconds']:.0f} s.\n"
+        )
+    if "cli" in rows:
+        row = rows["cli"]
+        ratio = row["compressed_bytes"] / row["expected_bytes"]
+        lines.append(
+            f"\nEnd to end: `{row['command']}`: {row['wall_seconds']:.0f} s, peak RSS "
+            f"{row['peak_rss_mb']:.0f} MB (gradient pass on 32 windows included); kept "
+            f"{100 * row['params_kept_fraction']:.2f} %; `compressed.safetensors` "
+            f"{row['compressed_bytes']:,} bytes = {ratio:.4f} × the fp32 bytes of the kept "
+            f"parameters plus the uncompressed rest; perplexity wiki-test "
+            f"{_ppl(row, 'wiki-test')} / lee {_ppl(row, 'lee')}, reloaded by `compress-model eval "
+            f"--runtime packed`: {row['reloaded_ppl']['wiki-test']:.2f} / "
+            f"{row['reloaded_ppl']['lee']:.2f}.\n"
+        )
+    return "\n".join(lines)
+
+
+NSAMPLES_TEXT = "the same 128 calibration windows"
+
+
+def plot(payload: dict[str, Any], results_dir: Path, path: Path) -> None:  # noqa: ARG001
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in payload["results"] if r.get("allocation") in ("uniform", "greedy")]
+    dense = next((r for r in payload["results"] if r["name"] == "dense"), None)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
+    for ax, corpus in zip(axes, CORPORA, strict=True):
+        for i, method in enumerate(LABELS):
+            for allocation, style in (("uniform", "-"), ("greedy", "--")):
+                points = sorted(
+                    (r["ratio"], r["ppl"][corpus])
+                    for r in rows
+                    if r["method"] == method and r["allocation"] == allocation
+                )
+                if len(points) == 1:
+                    style = "x" if allocation == "greedy" else "o"
+                if points:
+                    xs, ys = zip(*points, strict=True)
+                    label = f"{LABELS[method]}{' greedy' if allocation == 'greedy' else ''}"
+                    ax.plot(xs, ys, style, color=f"C{i}", marker="o" if style != "x" else "x",
+                            label=label)  # fmt: skip
+        if dense:
+            ax.axhline(dense["ppl"][corpus], color="black", lw=0.8, ls=":", label="dense")
+        ax.set_yscale("log")
+        ax.set_xlabel("fraction of decoder-linear parameters kept")
+        ax.set_title(f"SmolLM2-135M, {corpus}")
+        ax.invert_xaxis()
+    axes[0].set_ylabel("perplexity (log scale)")
+    axes[1].legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
