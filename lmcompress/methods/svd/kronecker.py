@@ -105,5 +105,5 @@ def kronecker_residual(
     K, m, n = G.shape
     vecs = G.transpose(1, 2).reshape(K, m * n)  # column-major vec of each G_k
     F = vecs.T @ vecs / K
-    approx = torch.kron(X.to(F), Y.to(F))
+    approx = torch.kron(X.to(F).contiguous(), Y.to(F).contiguous())
     return float((F - approx).norm() / F.norm().clamp_min(1e-300))
