@@ -152,7 +152,12 @@ def child_stats(job: str, stats_dir: Path) -> dict[str, Any]:
     samples = SampleStore()
     torch.set_grad_enabled(True)
     found = gradient_statistics(
-        model, calib, LayerSelection().select(model), batch_size=8, on_sample=samples
+        model,
+        calib,
+        LayerSelection().select(model),
+        batch_size=8,
+        checkpointing=True,
+        on_sample=samples,
     )
     pass_seconds = time.perf_counter() - start
     fwsvd_stats(found, NSAMPLES).save(stats_dir / "fwsvd.safetensors")

@@ -107,8 +107,19 @@ class _GradientMethod(LowRankMethod):
     def _pass_estimate(
         self, model: nn.Module, nsamples: int, seq_len: int, itemsize: int
     ) -> dict[str, int]:
+        """One batch's backward: every block's activations, or with checkpointing one block's
+        and the hidden states between blocks (and the logits either way)."""
         batch = min(self.config.calib_batch_size, max(nsamples, 1))
-        return {"activations kept for backward": backward_bytes(model, batch, seq_len, itemsize)}
+        full = backward_bytes(model, batch, seq_len, itemsize)
+        if not self.config.checkpointing:
+            return {"activations kept for backward": full}
+        config = model.config
+        logits = backward_bytes(model, batch, seq_len, itemsize) - backward_bytes(
+            model, batch, seq_len, itemsize, logit_copies=0
+        )
+        one_block = (full - logits) // config.num_hidden_layers
+        boundaries = config.num_hidden_layers * batch * seq_len * config.hidden_size * itemsize
+        return {"activations kept for backward": one_block + boundaries + logits}
 
 
 class FWSVD(_GradientMethod):
