@@ -149,12 +149,13 @@ def child_stats(job: str, stats_dir: Path) -> dict[str, Any]:
     from lmcompress.compressor.gradients import gradient_statistics
     from lmcompress.compressor.surgery import LayerSelection
 
-    samples = SampleStore()
+    layers = LayerSelection().select(model)
+    samples = SampleStore(layers, -(-NSAMPLES // 8))
     torch.set_grad_enabled(True)
     found = gradient_statistics(
         model,
         calib,
-        LayerSelection().select(model),
+        layers,
         batch_size=8,
         checkpointing=True,
         on_sample=samples,
