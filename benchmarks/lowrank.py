@@ -164,7 +164,7 @@ def child_stats(job: str, stats_dir: Path) -> dict[str, Any]:
     fwsvd_stats(found, NSAMPLES).save(stats_dir / "fwsvd.safetensors")
     gfwsvd_stats(found, NSAMPLES).save(stats_dir / "gfwsvd-kfac.safetensors")
     for layer in found.values():  # free what the nearest product does not need
-        layer.fisher = layer.dd = None
+        layer.fisher = layer.dd = None  # (gfwsvd_stats reads only xx when given samples)
     nearest = gfwsvd_stats(found, NSAMPLES, samples)
     nearest.save(stats_dir / "gfwsvd-nearest.safetensors")
     return {

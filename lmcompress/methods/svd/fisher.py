@@ -83,8 +83,10 @@ def gfwsvd_stats(
     for name, layer in tqdm(
         found.items(), desc="gfwsvd factors", unit="layer", disable=bar_disabled()
     ):
-        X, Y = layer.xx / layer.tokens, layer.dd / layer.tokens  # K-FAC, as means
-        if samples is not None:
+        X = layer.xx / layer.tokens  # K-FAC, as means (and where the power iteration starts)
+        if samples is None:
+            Y = layer.dd / layer.tokens
+        else:
             grads = samples.pop(name).float()  # (K, out, in)
             X, Y, used = nearest_kronecker(grads, init=X, iters=power_iters)
             iterations.append(used)
