@@ -16,6 +16,8 @@ holds its job table and ``render(payload)``:
   the compressed-tensors interop check;
 - ``int8_speed``: forward speed of fp32, bf16, our int8 runtime and torchao's int8 side by side,
   with a profile of ours (torchao in its own folder: ``PYTHONPATH=.venv-torchao``);
+- ``lowrank`` (with ``lowrank_plot``): SVD, ASVD, SVD-LLM, FWSVD and GFWSVD at three ratios,
+  uniform and allocated ranks, one low-rank + SparseGPT 2:4 row, and the CLI end to end;
 - ``bad_inputs``: issue 10's bad and hostile inputs on the real model (exit code, time, message,
   what is left behind; kills while saving; file modes and output sizes).
 
@@ -31,4 +33,5 @@ BENCHMARKS = (
     "bad_inputs",
     "int8_speed",
     "int8",
+    "lowrank",
 )

@@ -239,7 +239,6 @@ def _cli_row(work: Path, eval_tokens: int) -> dict[str, Any]:
     kept = sum(layer["params_kept"] for layer in summary["layers"])
     params = sum(layer["params"] for layer in summary["layers"])
     tensors = out / "compressed.safetensors"
-    model_params = summary["model_params"]
     return {
         "name": "cli",
         "method": "gfwsvd",
@@ -251,7 +250,7 @@ def _cli_row(work: Path, eval_tokens: int) -> dict[str, Any]:
         "ppl": {c: manifest["results"]["compressed"][c]["perplexity"] for c in CORPORA},
         "reloaded_ppl": {c: reloaded.result[c]["perplexity"] for c in CORPORA},
         "compressed_bytes": tensors.stat().st_size,
-        "expected_bytes": 4 * (model_params - params + kept),
+        "expected_bytes": 4 * kept,  # fp32 factors; the header is the rest
     }
 
 

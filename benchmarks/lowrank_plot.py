@@ -92,7 +92,7 @@ def render(payload: dict[str, Any]) -> str:
             f"{row['peak_rss_mb']:.0f} MB (gradient pass on 32 windows included); kept "
             f"{100 * row['params_kept_fraction']:.2f} %; `compressed.safetensors` "
             f"{row['compressed_bytes']:,} bytes = {ratio:.4f} × the fp32 bytes of the kept "
-            f"parameters plus the uncompressed rest; perplexity wiki-test "
+            f"parameters (the factors; the rest is its header); perplexity wiki-test "
             f"{_ppl(row, 'wiki-test')} / lee {_ppl(row, 'lee')}, reloaded by `compress-model eval "
             f"--runtime packed`: {row['reloaded_ppl']['wiki-test']:.2f} / "
             f"{row['reloaded_ppl']['lee']:.2f}.\n"

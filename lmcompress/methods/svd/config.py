@@ -68,8 +68,9 @@ class _CalibratedConfig(LowRankConfig):
 
 @dataclass(frozen=True)
 class ASVDConfig(_CalibratedConfig):
-    """ASVD: SVD of W·S with S = diag(mean|x_j|^alpha) over calibration inputs, factors back
-    with S⁻¹ (Yuan et al. 2023)."""
+    """ASVD: truncated SVD of W·S, S = diag(mean|x_j|^alpha) of the calibration inputs.
+
+    The factors are mapped back with S⁻¹ (Yuan et al. 2023)."""
 
     method: ClassVar[str] = "asvd"
 
@@ -85,8 +86,10 @@ class ASVDConfig(_CalibratedConfig):
 
 @dataclass(frozen=True)
 class SVDLLMConfig(_CalibratedConfig):
-    """SVD-LLM: truncation in the space whitened by the Cholesky factor of Σ x xᵀ, so that the
-    dropped singular values are exactly the layer's output error (Wang et al. 2024)."""
+    """SVD-LLM: truncated SVD in the space whitened by the Cholesky factor of Σ x xᵀ.
+
+    The dropped singular values are then exactly the layer's output error on the calibration
+    inputs (Wang et al. 2024)."""
 
     method: ClassVar[str] = "svd-llm"
 
@@ -104,9 +107,10 @@ class SVDLLMConfig(_CalibratedConfig):
 
 @dataclass(frozen=True)
 class FWSVDConfig(_CalibratedConfig):
-    """FWSVD: SVD of W·D with D = diag(√I_j), I_j the empirical Fisher of input feature j
-    (squared LM-loss gradients summed over the output rows), factors back with D⁻¹ (Hsu et al.
-    2022)."""
+    """FWSVD: truncated SVD of W·D, D = diag(√I_j) from the diagonal empirical Fisher.
+
+    I_j sums the squared LM-loss gradients of input feature j over the output rows; the factors
+    are mapped back with D⁻¹ (Hsu et al. 2022)."""
 
     method: ClassVar[str] = "fwsvd"
     absolute_errors: ClassVar[bool] = True
@@ -123,8 +127,10 @@ class FWSVDConfig(_CalibratedConfig):
 
 @dataclass(frozen=True)
 class GFWSVDConfig(FWSVDConfig):
-    """GFWSVD: the Fisher approximated as X ⊗ Y (input and output sides), truncation in the
-    space of their Cholesky factors: W̃ = L_Yᵀ W L_X (Chekalina et al. 2025)."""
+    """GFWSVD: truncated SVD weighted by a Kronecker-factored Fisher X ⊗ Y, both sides.
+
+    The truncation runs in the space of the factors' Cholesky factors, W̃ = L_Yᵀ W L_X
+    (Chekalina et al. 2025)."""
 
     method: ClassVar[str] = "gfwsvd"
 
