@@ -46,7 +46,9 @@ def render(payload: dict[str, Any]) -> str:
         f"`statistics` column; the gradient job serves FWSVD and both GFWSVD variants and "
         f"includes the nearest-Kronecker power iterations). Perplexity at seq-len "
         f"{payload['seq_len']} over the first {payload['eval_tokens']} tokens of each corpus. "
-        f"`factorise s`: `Method.apply`; `job RSS`: the process that factorised and scored.\n",
+        f"`factorise s`: `Method.apply`; `job RSS`: the process that factorised and scored."
+        + (f" {payload['note']}" if payload.get("note") else "")
+        + "\n",
     ]
     header = ["method", "ratio", "ranks", "kept %", "wiki-test ppl", "lee ppl",
               "factorise s", "job RSS MB", "statistics"]  # fmt: skip
@@ -111,7 +113,7 @@ def plot(payload: dict[str, Any], results_dir: Path, path: Path) -> None:  # noq
 
     rows = [r for r in payload["results"] if r.get("allocation") in ("uniform", "greedy")]
     dense = next((r for r in payload["results"] if r["name"] == "dense"), None)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.4), sharex=True)
     for ax, corpus in zip(axes, CORPORA, strict=True):
         for i, method in enumerate(LABELS):
             for allocation, style in (("uniform", "-"), ("greedy", "--")):
@@ -132,9 +134,9 @@ def plot(payload: dict[str, Any], results_dir: Path, path: Path) -> None:  # noq
         ax.set_yscale("log")
         ax.set_xlabel("fraction of decoder-linear parameters kept")
         ax.set_title(f"SmolLM2-135M, {corpus}")
-        ax.invert_xaxis()
     axes[0].set_ylabel("perplexity (log scale)")
-    axes[1].legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="center right")
+    fig.tight_layout(rect=(0, 0, 0.8, 1))
     fig.savefig(path, dpi=110, metadata={"Software": None})
     plt.close(fig)
