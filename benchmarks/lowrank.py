@@ -248,7 +248,8 @@ def _cli_row(work: Path, eval_tokens: int) -> dict[str, Any]:
         "peak_rss_mb": run.peak_rss_mb,
         "params_kept_fraction": kept / params,
         "ppl": {c: manifest["results"]["compressed"][c]["perplexity"] for c in CORPORA},
-        "reloaded_ppl": {c: reloaded.result[c]["perplexity"] for c in CORPORA},
+        "reloaded_ppl": {c: reloaded.result["perplexity"][c]["perplexity"] for c in CORPORA},
+        "reload_peak_rss_mb": reloaded.peak_rss_mb,
         "compressed_bytes": tensors.stat().st_size,
         "expected_bytes": 4 * kept,  # fp32 factors; the header is the rest
     }
