@@ -59,15 +59,10 @@ class LowRankMethod(Method):
         """The input-side and output-side weights of layer ``name`` (``None``: identity)."""
         return None, None, {}
 
-    def _layer_weights(self, layers: dict[str, nn.Module], stats: Stats) -> dict[str, Weights]:
-        return {
-            name: self.weights(name, weight_matrix(module).detach(), stats)
-            for name, module in layers.items()
-        }
-
-    def ranks(
-        self, layers: dict[str, nn.Module], weights: dict[str, Weights]
-    ) -> dict[str, int | None]:
+    def ranks(self, layers: dict[str, nn.Module], stats: Stats) -> dict[str, int | None]:
+        """Every layer's rank (``None``: stays dense). Greedy allocation needs every layer's
+        weighted spectrum first; the weights are rebuilt when factorising rather than all kept
+        (GFWSVD's Cholesky factors would double the memory of its statistics)."""
         config = self.config
         shapes = {name: tuple(weight_matrix(module).shape) for name, module in layers.items()}
         if config.allocation == "uniform":
@@ -76,9 +71,9 @@ class LowRankMethod(Method):
         for name, module in tqdm(
             layers.items(), desc=f"{self.name} spectra", unit="layer", disable=bar_disabled()
         ):
-            right, left, _ = weights[name]
-            s = weighted_spectrum(weight_matrix(module).detach(), right, left)
-            spectra[name] = (*shapes[name], s.cpu())
+            W = weight_matrix(module).detach()
+            right, left, _ = self.weights(name, W, stats)
+            spectra[name] = (*shapes[name], weighted_spectrum(W, right, left).cpu())
         return allocate_ranks(spectra, config.ratio, relative=not config.absolute_errors)
 
     def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:
@@ -87,14 +82,13 @@ class LowRankMethod(Method):
         report = CompressionReport(
             self.name, self.config.to_dict(), model_params=count_params(model)
         )
-        weights = self._layer_weights(layers, stats)
-        ranks = self.ranks(layers, weights)
+        ranks = self.ranks(layers, stats)
         with tqdm(total=len(layers), desc=self.name, unit="layer", disable=bar_disabled()) as bar:
 
             def factorize(name: str, module: nn.Module) -> LowRankLinear | None:
                 layer_start = time.perf_counter()
                 W = weight_matrix(module).detach()
-                right, left, info = weights.pop(name)
+                right, left, info = self.weights(name, W, stats)
                 rank, new = ranks[name], None
                 if rank is not None:
                     A, B = weighted_factors(W, rank, right, left)
