@@ -131,7 +131,12 @@ def child_stats(job: str, stats_dir: Path) -> dict[str, Any]:
     from lmcompress.compressor.method import Stats
     from lmcompress.methods.svd import ASVDConfig, SVDLLMConfig
     from lmcompress.methods.svd.activation import ASVD, SVDLLM, forward_statistics
-    from lmcompress.methods.svd.fisher import SampleStore, fwsvd_stats, gfwsvd_stats
+    from lmcompress.methods.svd.fisher import (
+        SampleStore,
+        fwsvd_stats,
+        gfwsvd_stats,
+        sample_count,
+    )
 
     model, _, calib, _ = _setup()
     stats_dir.mkdir(parents=True, exist_ok=True)
@@ -150,7 +155,7 @@ def child_stats(job: str, stats_dir: Path) -> dict[str, Any]:
     from lmcompress.compressor.surgery import LayerSelection
 
     layers = LayerSelection().select(model)
-    samples = SampleStore(layers, -(-NSAMPLES // 8))
+    samples = SampleStore(layers, sample_count(NSAMPLES, 8))
     torch.set_grad_enabled(True)
     found = gradient_statistics(
         model,

@@ -10,6 +10,11 @@ from lmcompress.compressor.config import MethodConfig
 from lmcompress.errors import ConfigError
 
 
+def _check_damp(damp: float) -> None:
+    if not 0.0 <= damp < 1.0:
+        raise ConfigError(f"damp {damp!r} must lie in [0, 1)")
+
+
 @dataclass(frozen=True)
 class LowRankConfig(MethodConfig):
     """Options every low-rank method has (not a method of its own).
@@ -101,8 +106,7 @@ class SVDLLMConfig(_CalibratedConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0.0 <= self.damp < 1.0:
-            raise ConfigError(f"damp {self.damp!r} must lie in [0, 1)")
+        _check_damp(self.damp)
 
 
 @dataclass(frozen=True)
@@ -155,7 +159,6 @@ class GFWSVDConfig(FWSVDConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0.0 <= self.damp < 1.0:
-            raise ConfigError(f"damp {self.damp!r} must lie in [0, 1)")
+        _check_damp(self.damp)
         if self.power_iters < 1:
             raise ConfigError(f"power_iters must be at least 1, got {self.power_iters}")

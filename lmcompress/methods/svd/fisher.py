@@ -30,6 +30,11 @@ INPUT_FACTOR, OUTPUT_FACTOR = "X", "Y"
 SAMPLE_DTYPE = torch.bfloat16  # per-sample gradients kept for the nearest Kronecker product
 
 
+def sample_count(windows: int, batch_size: int) -> int:
+    """Backward passes (gradient samples) of ``windows`` windows, ``batch_size`` per pass."""
+    return -(-max(windows, 1) // batch_size)
+
+
 class SampleStore:
     """``on_sample`` of the gradient pass: every layer's per-sample gradients, in bfloat16, for
     the nearest Kronecker product.
@@ -137,12 +142,10 @@ class _GradientMethod(LowRankMethod):
         if not self.config.checkpointing:
             return {"activations kept for backward": full}
         config = model.config
-        logits = backward_bytes(model, batch, seq_len, itemsize) - backward_bytes(
-            model, batch, seq_len, itemsize, logit_copies=0
-        )
-        one_block = (full - logits) // config.num_hidden_layers
+        blocks_only = backward_bytes(model, batch, seq_len, itemsize, logit_copies=0)
+        one_block = blocks_only // config.num_hidden_layers
         boundaries = config.num_hidden_layers * batch * seq_len * config.hidden_size * itemsize
-        return {"activations kept for backward": one_block + boundaries + logits}
+        return {"activations kept for backward": one_block + boundaries + full - blocks_only}
 
 
 class FWSVD(_GradientMethod):
@@ -179,16 +182,15 @@ class GFWSVD(_GradientMethod):
         shapes = [weight_matrix(m).shape for m in layers.values()]
         parts["Kronecker factors"] = sum(4 * (m * m + n * n) for m, n in shapes)
         if self.config.kronecker == "nearest":
-            samples = -(-max(nsamples, 1) // self.config.calib_batch_size)
+            samples = sample_count(nsamples, self.config.calib_batch_size)
             parts["per-sample gradients"] = samples * sum(2 * m * n for m, n in shapes)
         return parts
 
     def calibrate(self, model: nn.Module, data: torch.Tensor | None) -> Stats:
-        nearest = self.config.kronecker == "nearest"
-        if data is None:
-            raise ConfigError(f"{self.name} needs calibration data")
-        samples = -(-int(data.shape[0]) // self.config.calib_batch_size) if nearest else 0
-        kept = SampleStore(self.validate(model), samples) if nearest else None
+        kept = None
+        if self.config.kronecker == "nearest" and data is not None:  # (None: refused below)
+            samples = sample_count(int(data.shape[0]), self.config.calib_batch_size)
+            kept = SampleStore(self.select(model), samples)
         found = self._gradient_pass(model, data, fisher=False, kronecker=True, on_sample=kept)
         return gfwsvd_stats(found, int(data.shape[0]), kept, self.config.power_iters)
 
