@@ -50,6 +50,8 @@ from lmcompress.progress import bar_disabled
 logger = logging.getLogger(__name__)
 
 CHECKPOINT = "trainer_state"
+OPTIMIZERS = ("adamw", "sgd")
+SCHEDULES = ("cosine", "constant")
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,10 @@ class TrainConfig:
     grad_accum: int = 1
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # 0: no clipping (the norm is still logged)
+    optimizer: str = "adamw"  # or "sgd" (with ``momentum``; the betas are then unused)
+    momentum: float = 0.9
+    schedule: str = "cosine"  # or "constant" (after the warmup)
     warmup_steps: int = 0
     eval_every: int = 0  # 0: only at the end
     bf16: bool = False
@@ -73,7 +78,14 @@ class TrainConfig:
     mmap_threshold: int = 0
 
     def __post_init__(self) -> None:
-        check_counts(self, non_negative=("eval_every", "checkpoint_every", "mmap_threshold"))
+        check_counts(
+            self, non_negative=("eval_every", "checkpoint_every", "mmap_threshold", "grad_clip")
+        )
+        if self.optimizer not in OPTIMIZERS or self.schedule not in SCHEDULES:
+            raise ConfigError(
+                f"optimizer must be one of {OPTIMIZERS} and schedule one of {SCHEDULES}, "
+                f"got {self.optimizer!r}, {self.schedule!r}"
+            )
 
     @classmethod
     def from_options(cls, options: TrainingOptions, **overrides: Any) -> TrainConfig:
@@ -83,10 +95,19 @@ class TrainConfig:
         return cls(**{**shared, "seed": options.train_seed, **overrides})
 
 
+def lr_factor(step: int, config: TrainConfig) -> float:
+    """The learning rate at ``step`` as a fraction of the peak: linear warmup, then cosine
+    decay to 0 at ``steps`` (or constant, ``schedule="constant"``)."""
+    return cosine_lr(step, config) / config.lr
+
+
 def cosine_lr(step: int, config: TrainConfig) -> float:
-    """Learning rate at ``step``: linear warmup, then cosine decay to 0 at ``steps``."""
+    """Learning rate at ``step``: linear warmup, then cosine decay to 0 at ``steps`` (or the
+    peak, with ``schedule="constant"``)."""
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
+    if config.schedule == "constant":
+        return config.lr
     progress = (step - config.warmup_steps) / max(config.steps - config.warmup_steps, 1)
     return 0.5 * config.lr * (1 + math.cos(math.pi * min(progress, 1.0)))
 
@@ -96,6 +117,38 @@ class TrainState:
     step: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)  # one entry per step
     evals: list[dict[str, Any]] = field(default_factory=list)
+
+
+def make_optimizer(
+    params: dict[str, nn.Parameter], config: TrainConfig, options: dict[str, dict[str, float]]
+) -> torch.optim.Optimizer:
+    """AdamW or SGD over ``params``; one parameter group per distinct ``options`` entry (in the
+    order of ``params``, which checkpoints index the moments by), each remembering its peak lr.
+
+    Fused where every tensor is on CPU/CUDA: one kernel per tensor, no whole-model temporaries
+    (the default "foreach" path allocates copies of every moment: ~1 GB more peak for SmolLM2's
+    mask logits)."""
+    unknown = set(options) - set(params)
+    if unknown:
+        raise ValueError(f"param_options for unknown parameters: {sorted(unknown)}")
+    groups: list[dict[str, Any]] = []
+    for name, param in params.items():
+        extra = options.get(name, {})
+        group = {
+            "lr": extra.get("lr", config.lr),
+            "weight_decay": extra.get("weight_decay", config.weight_decay),
+        }
+        if groups and all(groups[-1][k] == v for k, v in group.items()):
+            groups[-1]["params"].append(param)  # same options as the one before: same group
+        else:
+            groups.append({**group, "params": [param]})
+    for group in groups:
+        group["peak_lr"] = group["lr"]
+    fused = all(p.device.type in ("cpu", "cuda") for p in params.values())
+    kwargs: dict[str, Any] = {"fused": fused or None, "foreach": None if fused else False}
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, **kwargs)
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, **kwargs)
 
 
 def batch_indices(step: int, micro: int, config: TrainConfig, n_windows: int) -> torch.Tensor:
@@ -130,7 +183,9 @@ class Trainer:
     ``loss_fn(model, batch, step) -> (loss, logs)`` computes the loss of one micro-batch (by
     default (b, L) token ids: see :func:`default_collate`, or give ``collate(examples, idx)``);
     ``before_step(step)`` sets schedules (temperatures, ...) before it; ``evaluate(step) ->
-    dict`` scores the model (e.g. the hard-mask perplexity).
+    dict`` scores the model (e.g. the hard-mask perplexity). ``param_options`` gives a
+    parameter its own ``lr`` (its peak: the schedule scales every one alike) or
+    ``weight_decay`` (e.g. a learned scale beside mask logits, as ASLP trains them).
     """
 
     def __init__(
@@ -146,6 +201,7 @@ class Trainer:
         desc: str = "train",
         leave: bool = True,
         collate: Callable[[Sequence | torch.Tensor, torch.Tensor], Any] = default_collate,
+        param_options: dict[str, dict[str, float]] | None = None,
     ) -> None:
         self.model, self.params, self.config = model, params, config
         self.collate = collate
@@ -153,17 +209,7 @@ class Trainer:
         self.loss_fn, self.before_step, self.evaluate = loss_fn, before_step, evaluate
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.accelerator = accelerator
-        # Fused: one kernel per tensor, no whole-model temporaries (the default "foreach"
-        # path allocates copies of every moment: ~1 GB more peak for SmolLM2's mask logits).
-        fused = all(p.device.type in ("cpu", "cuda") for p in params.values())
-        self.optimizer = torch.optim.AdamW(
-            list(params.values()),
-            lr=config.lr,
-            betas=config.betas,
-            weight_decay=config.weight_decay,
-            fused=fused or None,
-            foreach=None if fused else False,
-        )
+        self.optimizer = make_optimizer(params, config, param_options or {})
         self.state = TrainState()
 
     # --- checkpoints ----------------------------------------------------------------------
@@ -284,7 +330,7 @@ class Trainer:
         logs = dict(self.before_step(step)) if self.before_step else {}
         lr = cosine_lr(step, config)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = group["peak_lr"] * lr_factor(step, config)
         start = time.perf_counter()
         total = 0.0
         for micro in range(config.grad_accum):
@@ -304,7 +350,9 @@ class Trainer:
                 logs[key] = logs.get(key, 0.0) + value / config.grad_accum
         if self.accelerator is not None:
             average_gradients(self.params.values())
-        norm = torch.nn.utils.clip_grad_norm_(list(self.params.values()), config.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(
+            list(self.params.values()), config.grad_clip or math.inf
+        )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -33,6 +33,13 @@ class TrainingOptions:
     batch_size: int = field(default=1, metadata={"help": "windows per micro-batch"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per step"})
     warmup_steps: int = field(default=0, metadata={"help": "linear lr warmup before the cosine"})
+    optimizer: Literal["adamw", "sgd"] = field(
+        default="adamw", metadata={"help": "optimiser of the trained parameters"}
+    )
+    momentum: float = field(default=0.9, metadata={"help": "SGD momentum (--optimizer sgd)"})
+    schedule: Literal["cosine", "constant"] = field(
+        default="cosine", metadata={"help": "learning-rate schedule after the warmup"}
+    )
     eval_windows: int = field(default=2, metadata={"help": "held-out windows for hard-mask ppl"})
     eval_every: int = field(default=0, metadata={"help": "evaluate every N steps (0: at the end)"})
     checkpoint_dir: str | None = field(
@@ -94,10 +101,17 @@ def flat_training_options(cls: type) -> type:
     @functools.wraps(init)
     def __init__(self, *args: Any, training: TrainingOptions | None = None, **kwargs: Any) -> None:
         flat = {k: kwargs.pop(k) for k in list(kwargs) if k in TRAINING_FIELDS}
-        training = training if training is not None else TrainingOptions()
+        training = training if training is not None else default_training()
         if not isinstance(training, TrainingOptions):
             raise ConfigError(f"training must be TrainingOptions, got {type(training).__name__}")
         init(self, *args, training=dataclasses.replace(training, **flat), **kwargs)
+
+    field_ = next(f for f in dataclasses.fields(cls) if f.name == "training")
+
+    def default_training() -> TrainingOptions:  # the class's own defaults (e.g. SGD for ASLP)
+        if field_.default_factory is not dataclasses.MISSING:
+            return field_.default_factory()
+        return TrainingOptions()
 
     cls.__init__ = __init__
     return cls

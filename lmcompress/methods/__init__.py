@@ -11,6 +11,7 @@ from lmcompress.methods.int8 import Int8
 from lmcompress.methods.magnitude import Magnitude
 from lmcompress.methods.maskllm import MaskLLM
 from lmcompress.methods.sparsegpt import SparseGPT
+from lmcompress.methods.subnet import Subnet
 from lmcompress.methods.svd import ASVD, FWSVD, GFWSVD, SVD, SVDLLM
 from lmcompress.methods.wanda import Wanda
 
@@ -19,6 +20,7 @@ METHODS: dict[str, type[Method]] = {
     "wanda": Wanda,
     "sparsegpt": SparseGPT,
     "maskllm": MaskLLM,
+    "subnet": Subnet,
     "svd": SVD,
     "asvd": ASVD,
     "svd-llm": SVDLLM,

@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal, get_args
+
+from lmcompress.compressor.training import TrainingOptions, flat_training_options
+from lmcompress.errors import ConfigError
+from lmcompress.methods.pruning import PruningConfig
+from lmcompress.methods.subnet.parametrization import Scale
+
+Prior = Literal["sparsegpt", "wanda", "magnitude", "none"]
+Constraint = Literal["lagrangian", "penalty", "none"]
+Extract = Literal["topk", "threshold"]
+Refit = Literal["none", "sparsegpt"]
+CONSTRAINTS: tuple[str, ...] = get_args(Constraint)
+
+
+def paper_training() -> TrainingOptions:
+    """ASLP's optimiser: SGD, lr 50, momentum 0.9, constant, on the mask logits."""
+    return TrainingOptions(optimizer="sgd", lr=50.0, momentum=0.9, schedule="constant")
+
+
+@flat_training_options
+@dataclass(frozen=True)
+class SubnetConfig(PruningConfig):
+    """Stochastic subnetwork extraction (ASLP): per-weight keep logits sampled with a hard
+    Gumbel-softmax, frozen weights, a learned rescaling of the surviving weights.
+
+    The defaults are the paper's (SGD lr 50 on the logits, scale lr 1e-3, τ = 1, one scale per
+    layer), plus what a pretrained LM needs: a one-shot prior as the initial logits, a sparsity
+    target held by a constraint on the expected keep rate and met exactly at extraction."""
+
+    method: ClassVar[str] = "subnet"
+
+    training: TrainingOptions = field(default_factory=paper_training)
+    tau: float = field(default=1.0, metadata={"help": "Gumbel-softmax temperature"})
+    scale: Scale = field(
+        default="layer",
+        metadata={"help": "learned rescaling of the kept weights: per layer, per row, or none"},
+    )
+    scale_lr: float = field(default=1e-3, metadata={"help": "learning rate of the scales"})
+    prior: Prior = field(
+        default="sparsegpt",
+        metadata={"help": "one-shot mask the logits start from (none: all 0, the paper)"},
+    )
+    prior_strength: float = field(
+        default=3.0, metadata={"help": "initial logit: +A where the prior keeps, -A elsewhere"}
+    )
+    constraint: Constraint = field(
+        default="lagrangian",
+        metadata={
+            "help": "hold each layer's expected keep rate at the target (unstructured): "
+            "learned Lagrange multipliers, a fixed quadratic penalty, or nothing (top-k "
+            "extraction alone)"
+        },
+    )
+    constraint_weight: float = field(
+        default=1.0,
+        metadata={"help": "penalty: its weight; lagrangian: the multipliers' learning rate"},
+    )
+    extract: Extract = field(
+        default="topk",
+        metadata={
+            "help": "topk: exactly the target sparsity; threshold: keep logits >= 0 (the "
+            "paper; the sparsity emerges and is reported)"
+        },
+    )
+    blockwise: bool = field(
+        default=False,
+        metadata={
+            "help": "learn each decoder block's subnetwork in turn on a local loss (match the "
+            "dense model's block outputs), --steps per block"
+        },
+    )
+    refit: Refit = field(
+        default="none",
+        metadata={"help": "re-fit the kept weights under the extracted mask (scale not folded)"},
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tau <= 0 or self.scale_lr <= 0 or self.constraint_weight < 0:
+            raise ConfigError("tau and scale_lr must be positive, constraint_weight >= 0")
+        if self.prior_strength < 0:
+            raise ConfigError(f"prior_strength must be >= 0, got {self.prior_strength}")
+        nm = self.sparsity.is_nm or any(s.is_nm for _, s in self.layer_rules)
+        if self.extract == "threshold" and nm:
+            raise ConfigError("--extract threshold is for unstructured masks, not N:M")
+        training = self.training
+        if self.blockwise and (training.checkpoint_dir or training.resume or training.fsdp):
+            raise ConfigError(
+                "--blockwise runs one process and does not checkpoint: drop "
+                "--checkpoint-dir/--resume/--fsdp"
+            )

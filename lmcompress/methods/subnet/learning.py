@@ -1,0 +1,120 @@
+"""What subnetwork extraction's end-to-end and block-wise runs share: a layer's learnable
+subnetwork (initial logits from a one-shot prior), the sparsity constraint on the expected keep
+rate, and extraction (the scale folded into the kept weights, or the kept weights re-fitted).
+
+The constraint, per unstructured layer with target keep rate ``k`` and expected keep rate
+``r = mean(sigmoid(logits))``, on the relative deviation ``d = (r − k) / k``:
+
+- ``penalty``: ``w · mean_l d_l²`` (a fixed weight ``w``);
+- ``lagrangian``: ``Σ_l λ1_l d_l + λ2_l d_l²`` whose multipliers are trained by gradient
+  *ascent* (their gradient is reversed; learning rate ``w``), as in L0-regularised structured
+  pruning (Wang et al. 2020; Sheared LLaMA): the multipliers grow while the rate is off target,
+  so the optimum is on the constraint rather than at "keep everything".
+
+N:M layers keep exactly ``n`` of ``m`` by construction and get no term.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+from transformers.pytorch_utils import Conv1D
+
+from lmcompress.compressor.report import LayerReport
+from lmcompress.compressor.surgery import add_parametrization, weight_matrix
+from lmcompress.methods.common import prune_layer_
+from lmcompress.methods.subnet.config import SubnetConfig
+from lmcompress.methods.subnet.parametrization import KeepLogitMask
+from lmcompress.methods.subnet.sampling import extract_keep
+
+
+def new_mask(
+    config: SubnetConfig, name: str, module: nn.Module, prior: torch.Tensor | None
+) -> KeepLogitMask:
+    """Logits ``±prior_strength`` where the prior keeps / drops (all 0 without a prior: keep
+    probability 1/2, the paper's start), as a parametrization of ``module``'s weight."""
+    W = weight_matrix(module)
+    logits = torch.zeros(W.shape, dtype=torch.float32, device=W.device)
+    if prior is not None:
+        logits = torch.where(prior.to(W.device), config.prior_strength, -config.prior_strength)
+        logits = logits.to(torch.float32)
+    target = config.sparsity_of(name) if config.extract == "topk" else None
+    mask = KeepLogitMask(
+        logits, target, config.scale, config.tau, transposed=isinstance(module, Conv1D)
+    )
+    add_parametrization(module, mask)
+    return mask
+
+
+class _Reverse(torch.autograd.Function):
+    """Identity forward, negated gradient: descent on the loss is ascent on a multiplier."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        return -grad
+
+
+class KeepRateConstraint(nn.Module):
+    """The constraint term of the unstructured layers among ``masks`` (see the module doc)."""
+
+    def __init__(self, config: SubnetConfig, masks: dict[str, KeepLogitMask]) -> None:
+        super().__init__()
+        self.kind, self.weight = config.constraint, config.constraint_weight
+        self.masks = {n: m for n, m in masks.items() if not config.sparsity_of(n).is_nm}
+        self.targets = {n: 1.0 - config.sparsity_of(n).ratio for n in self.masks}
+        layers = len(self.masks)
+        self.multipliers = nn.Parameter(torch.zeros(2, layers)) if layers else None
+
+    def trainable(self, prefix: str) -> tuple[dict[str, nn.Parameter], dict[str, dict]]:
+        if self.kind != "lagrangian" or self.multipliers is None:
+            return {}, {}
+        name = f"{prefix}.multipliers"
+        return {name: self.multipliers}, {name: {"lr": self.weight, "weight_decay": 0.0}}
+
+    def deviations(self) -> torch.Tensor:
+        """``(r_l − k_l) / k_l`` per constrained layer."""
+        return torch.stack(
+            [
+                (torch.sigmoid(m.logits).mean() - self.targets[n]) / self.targets[n]
+                for n, m in self.masks.items()
+            ]
+        )
+
+    def forward(self, _step: int) -> tuple[torch.Tensor, dict[str, float]]:
+        if self.kind == "none" or not self.masks:
+            return torch.zeros(()), {}
+        d = self.deviations()
+        logs = {"keep_dev": float(d.detach().abs().max())}
+        if self.kind == "penalty":
+            return self.weight * d.square().mean(), logs
+        lam = _Reverse.apply(self.multipliers)
+        logs["lambda"] = float(self.multipliers.detach().abs().max())
+        return (lam[0] * d).sum() + (lam[1] * d.square()).sum(), logs
+
+
+def extract_layer(
+    config: SubnetConfig,
+    name: str,
+    module: nn.Module,
+    logits: torch.Tensor,
+    scale: torch.Tensor | None,
+    started: float | None = None,
+) -> LayerReport:
+    """Remove ``module``'s parametrization (the frozen weight comes back), keep its extracted
+    mask and fold the scale into the kept weights (``scale`` None: leave the weights as they
+    are, e.g. after a re-fit)."""
+    started = time.perf_counter() if started is None else started
+    if parametrize.is_parametrized(module, "weight"):
+        parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
+    target = config.sparsity_of(name) if config.extract == "topk" else None
+    W = weight_matrix(module).detach()
+    keep = extract_keep(logits.to(W.device), target)
+    new_weight = None if scale is None else W * scale.to(W.device, W.dtype)
+    return prune_layer_(name, module, keep, config.sparsity_of(name), started, new_weight)

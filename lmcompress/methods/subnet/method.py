@@ -1,0 +1,294 @@
+"""Stochastic subnetwork extraction on a Hugging Face model: parametrize every selected linear
+with per-weight keep logits and a learned scale, learn them with the shared drivers
+(``compressor.learned``: end to end on the LM loss, or block by block on the block-output
+error), then extract the subnetwork with the scale folded into the kept weights."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lmcompress.compressor import distributed, memory
+from lmcompress.compressor.budget import backward_bytes
+from lmcompress.compressor.layerwise import layerwise_estimate
+from lmcompress.compressor.learned import (
+    Learnable,
+    hard_perplexity,
+    learn_blockwise,
+    learn_end_to_end,
+)
+from lmcompress.compressor.method import Stats
+from lmcompress.compressor.report import CompressionReport, LayerReport
+from lmcompress.compressor.surgery import weight_matrix
+from lmcompress.compressor.trainer import CHECKPOINT, TrainConfig
+from lmcompress.errors import ConfigError, LmcompressError
+from lmcompress.methods.common import count_params, prune_layer_
+from lmcompress.methods.maskllm import learning as maskllm_learning
+from lmcompress.methods.maskllm.priors import (
+    ONE_SHOT_PRIORS,
+    one_shot_prior_masks,
+)
+from lmcompress.methods.pruning import PruningMethod
+from lmcompress.methods.subnet.config import SubnetConfig
+from lmcompress.methods.subnet.learning import KeepRateConstraint, extract_layer, new_mask
+from lmcompress.methods.subnet.parametrization import KeepLogitMask
+
+logger = logging.getLogger(__name__)
+
+CURVE_KEYS = ("step", "loss", "lm_loss", "rel_err", "keep_dev", "lambda")
+MMAP_THRESHOLD = 1 << 20  # as MaskLLM end to end: freed step temporaries go back to the system
+
+
+def _learnable(config: SubnetConfig, masks: dict[str, KeepLogitMask]) -> Learnable:
+    """The logits (the trainer's lr), the scales (``scale_lr``, no weight decay) and the
+    constraint's multipliers, with the constraint as the extra loss term."""
+    params: dict[str, nn.Parameter] = {}
+    options: dict[str, dict[str, float]] = {}
+    for name, mask in masks.items():
+        params.update(mask.trainable(name))
+        if mask.scale is not None:
+            options[f"{name}.scale"] = {"lr": config.scale_lr, "weight_decay": 0.0}
+    constraint = KeepRateConstraint(config, masks)
+    extra, extra_options = constraint.trainable("constraint")
+    return Learnable(
+        params={**params, **extra},
+        extra_loss=constraint,
+        param_options={**options, **extra_options},
+    )
+
+
+class Subnet(PruningMethod):
+    config_class = SubnetConfig
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # layers ``calibrate`` already extracted (block-wise, or re-fitted), by module identity:
+        # ``apply`` on that model reports them as they are, a fresh model is extracted
+        self._extracted: dict[int, LayerReport] = {}
+
+    def _split(self, data: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if data is None:
+            raise ConfigError("subnet needs training text (calibration windows)")
+        held = min(self.config.training.eval_windows, data.shape[0] - 1)
+        return (data[:-held], data[-held:]) if held > 0 else (data, None)
+
+    def _train_config(self, **overrides) -> TrainConfig:
+        # the paper: no weight decay on the logits, no gradient clipping
+        return TrainConfig.from_options(
+            self.config.training, weight_decay=0.0, grad_clip=0.0, **overrides
+        )
+
+    def validate(self, model: nn.Module) -> dict[str, nn.Module]:
+        layers = super().validate(model)
+        training = self.config.training
+        if training.resume and not (Path(training.checkpoint_dir) / CHECKPOINT).is_dir():
+            raise ConfigError(f"--resume: no checkpoint in {training.checkpoint_dir}")
+        return layers
+
+    def memory_estimate(
+        self, model: nn.Module, nsamples: int, seq_len: int, itemsize: int = 4
+    ) -> dict[str, int]:
+        """Per layer: fp32 logits, their gradient and up to two optimiser moments, and the
+        weight-sized sample and masked weight kept for backward; end to end, the activations
+        for backward; block-wise, the loop's windows twice (inputs and dense targets)."""
+        layers = self.validate(model)
+        training = self.config.training
+
+        def state(module: nn.Module) -> int:
+            numel = weight_matrix(module).numel()
+            return 4 * 4 * numel + 3 * numel * itemsize
+
+        if self.config.blockwise:
+            parts = layerwise_estimate(
+                model, layers, nsamples, seq_len, training.batch_size, itemsize,
+                state={"keep logits, gradients and moments": state},
+            )  # fmt: skip
+            parts["dense block outputs"] = parts["calibration activations"]
+            return parts
+        return {
+            "keep logits, gradients and moments": sum(state(m) for m in layers.values()),
+            "activations kept for backward": backward_bytes(
+                model, training.batch_size, seq_len, itemsize, 3
+            ),
+        }
+
+    def calibrate(self, model: nn.Module, data: torch.Tensor | None) -> Stats:
+        train_data, eval_data = self._split(data)
+        layers = self.validate(model)
+        device = self.device or next(model.parameters()).device
+        torch.manual_seed(self.config.training.train_seed)  # the noise: the global RNG
+        if self.config.blockwise:
+            return self._blockwise(model, train_data, eval_data, layers, device)
+        return self._end_to_end(model, train_data, eval_data, layers, device)
+
+    def _end_to_end(self, model, train_data, eval_data, layers, device) -> Stats:
+        config, training = self.config, self.config.training
+        start = time.perf_counter()
+        priors = (
+            one_shot_prior_masks(
+                model, train_data, layers, config.prior, config.sparsity_of, device
+            )
+            if config.prior != "none"
+            else {}
+        )
+        masks = {n: new_mask(config, n, m, priors.get(n)) for n, m in layers.items()}
+        del priors
+        learnable = _learnable(config, masks)
+        step0 = hard_perplexity(model, eval_data, masks.values())
+        state = learn_end_to_end(
+            model,
+            train_data,
+            learnable,
+            self._train_config(mmap_threshold=MMAP_THRESHOLD),
+            evaluate=(lambda _s: hard_perplexity(model, eval_data, masks.values()))
+            if eval_data is not None
+            else None,
+            checkpoint_dir=training.checkpoint_dir,
+            resume=training.resume,
+            accelerator=distributed.accelerator(next(model.parameters()).device),
+        )
+        if state.step < training.steps:
+            raise LmcompressError(f"training stopped at step {state.step} of {training.steps}")
+        memory.release_free_memory()
+        tensors = _learned_tensors(masks)
+        meta = {"history": state.history, "evals": state.evals, "step0": step0}
+        if config.refit != "none":
+            for name, module in layers.items():  # back to the frozen dense weights, re-fitted
+                extract_layer(config, name, module, tensors[f"{name}.logits"], None)
+            keeps = {n: weight_matrix(m).detach() != 0 for n, m in layers.items()}
+            meta["layer_errors"] = maskllm_learning.refit(
+                config, model, train_data, layers, keeps, device
+            )
+            for name, module in layers.items():
+                self._extracted[id(module)] = _as_is(config, name, module)
+        meta.update(refit=config.refit != "none", seconds=time.perf_counter() - start)
+        return Stats(tensors=tensors, meta=meta)
+
+    def _blockwise(self, model, train_data, eval_data, layers, device) -> Stats:
+        config, training = self.config, self.config.training
+        prior = ONE_SHOT_PRIORS.get(config.prior)
+        tensors: dict[str, torch.Tensor] = {}
+
+        def start_block(_index, names, accumulators) -> Learnable:
+            masks = {}
+            for n in names:
+                keep = None
+                if prior is not None:
+                    W = weight_matrix(layers[n]).detach()
+                    H = accumulators[n].H
+                    keep = prior.mask(W, prior.from_hessian(H), config.sparsity_of(n))
+                masks[n] = new_mask(config, n, layers[n], keep)
+            learnable = _learnable(config, masks)
+
+            def finish() -> list[LayerReport]:
+                reports = []
+                learned = _learned_tensors(masks)
+                tensors.update(learned)
+                for n in names:
+                    scale = None if config.refit != "none" else learned.get(f"{n}.scale")
+                    started = time.perf_counter()
+                    report = extract_layer(config, n, layers[n], learned[f"{n}.logits"], scale)
+                    if config.refit != "none":
+                        keep = weight_matrix(layers[n]).detach() != 0
+                        report = maskllm_learning.refit_layer(
+                            config, n, layers[n], accumulators[n].H, keep
+                        )
+                    report.seconds = time.perf_counter() - started
+                    self._extracted[id(layers[n])] = report
+                    reports.append(report)
+                return reports
+
+            learnable.finish = finish
+            return learnable
+
+        result = learn_blockwise(
+            model,
+            train_data,
+            layers,
+            start_block,
+            config=lambda index: self._train_config(batch_size=1, seed=training.train_seed + index),
+            make_accumulator=maskllm_learning.hessian,
+            device=device,
+            batch_size=training.batch_size,
+        )
+        final = hard_perplexity(model, eval_data)
+        return Stats(
+            tensors=tensors,
+            meta={
+                "block_history": result.histories,
+                "evals": [{"step": training.steps, **final}] if final else [],
+                "layer_errors": {r.name: r.rel_error for r in result.reports},
+                "refit": config.refit != "none",
+                "extracted": True,
+                "seconds": result.seconds,
+            },
+        )
+
+    def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:
+        """Extract every layer from the learned logits in ``stats`` (works on a fresh model
+        too), the scale folded in; layers already extracted in ``calibrate`` (block-wise) or
+        re-fitted are kept as they are."""
+        start = time.perf_counter()
+        layers = self.validate(model)
+        report = CompressionReport(
+            self.name, self.config.to_dict(), model_params=count_params(model)
+        )
+        refit = stats.meta.get("refit", False)
+        errors = stats.meta.get("layer_errors", {})
+        if refit and not self._extracted:
+            logger.warning("subnet: the re-fitted weights live in the calibrated model only")
+        for name, module in layers.items():
+            if id(module) in self._extracted:
+                layer = self._extracted[id(module)]
+            else:
+                scale = None if refit else stats.tensors.get(f"{name}.scale")
+                layer = extract_layer(
+                    self.config, name, module, stats.tensors[f"{name}.logits"], scale
+                )
+            if name in errors:
+                layer.rel_error, layer.error_kind = errors[name], "output"
+            report.layers.append(layer)
+        report.seconds = stats.meta.get("seconds", 0.0) + time.perf_counter() - start
+        history = stats.meta.get("history", [])
+        blocks = stats.meta.get("block_history", [])
+        step0 = stats.meta.get("step0")
+        report.extra = {
+            "loss_curve": _curve(history),
+            "hard_ppl": ([{"step": 0, **step0}] if step0 else []) + stats.meta.get("evals", []),
+            "steps": len(history) or max((len(b["history"]) for b in blocks), default=0),
+            "sparsity": 1.0
+            - sum(r.params_kept for r in report.layers)
+            / max(sum(r.params for r in report.layers), 1),
+        }
+        if blocks:
+            report.extra["block_curves"] = [
+                {"block": b["block"], "curve": _curve(b["history"])} for b in blocks
+            ]
+        logger.info(
+            "subnet: %d steps, sparsity %.4f, hard ppl %s",
+            report.extra["steps"], report.extra["sparsity"], report.extra["hard_ppl"],
+        )  # fmt: skip
+        return report
+
+
+def _as_is(config: SubnetConfig, name: str, module: nn.Module) -> LayerReport:
+    """The report of a layer already extracted (its zeros are its mask)."""
+    keep = weight_matrix(module).detach() != 0
+    return prune_layer_(name, module, keep, config.sparsity_of(name), time.perf_counter())
+
+
+def _learned_tensors(masks: dict[str, KeepLogitMask]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, mask in masks.items():
+        out[f"{name}.logits"] = distributed.full_tensor(mask.logits.detach()).cpu().clone()
+        if mask.scale is not None:
+            out[f"{name}.scale"] = mask.scale.detach().cpu().clone()
+    return out
+
+
+def _curve(history: list[dict]) -> list[dict]:
+    return [{k: h[k] for k in CURVE_KEYS if k in h} for h in history]
