@@ -48,6 +48,9 @@ class Learnable:
     before_step: Callable[[int], dict[str, float]] | None = None
     # blockwise: extract the block's layers (the parametrizations removed) and report them
     finish: Callable[[], list[LayerReport]] | None = None
+    # modules with a ``hard`` flag (the deterministic mask): the block-wise driver measures
+    # the hard block error before and after training with them switched on
+    masks: list[nn.Module] = field(default_factory=list)
 
 
 def hard_perplexity(
@@ -108,6 +111,24 @@ def _run(block: nn.Module, index: int, x: torch.Tensor, batch: dict[str, Any]) -
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def _hard_error(learnable: Learnable, block, index, examples, count: int) -> float | None:
+    """The mean relative block-output error of the hard masks on the first ``count`` batches."""
+    if not learnable.masks or count == 0:
+        return None
+    for mask in learnable.masks:
+        mask.hard = True
+    try:
+        with torch.no_grad():
+            errors = [
+                float((_run(block, index, b["hidden"], b).float() - y.float()).square().mean() / s)
+                for b, y, s in examples[:count]
+            ]
+    finally:
+        for mask in learnable.masks:
+            mask.hard = False
+    return sum(errors) / len(errors)
+
+
 @dataclass
 class BlockwiseResult:
     reports: list[LayerReport]
@@ -125,6 +146,7 @@ def learn_blockwise(
     make_accumulator: Callable[[str, nn.Module], Accumulator],
     device: torch.device,
     batch_size: int,
+    hard_batches: int = 2,
 ) -> BlockwiseResult:
     """Train each decoder block's ``Learnable`` in turn on the relative block-output error.
 
@@ -133,6 +155,8 @@ def learn_blockwise(
     returns what to train; ``config(index)`` the block's trainer options (one example is one
     captured batch of ``batch_size`` windows); after training, the learnable's ``finish``
     extracts the layers and reports them, then the compressed block's outputs feed the next.
+    The history of each block also holds the hard masks' block error on the first
+    ``hard_batches`` batches before and after training (``hard_before``, ``hard_after``).
     """
     start = time.perf_counter()
     dense: list[torch.Tensor] = []  # the dense model's hidden states entering the block
@@ -168,9 +192,13 @@ def learn_blockwise(
             collate=lambda items, idx: items[int(idx[0])],
             param_options=learnable.param_options,
         )
+        before = _hard_error(learnable, block, index, examples, hard_batches)
         with torch.enable_grad():
             state = trainer.fit(examples)
-        histories.append({"block": index, "history": state.history})
+        after = _hard_error(learnable, block, index, examples, hard_batches)
+        histories.append(
+            {"block": index, "history": state.history, "hard_before": before, "hard_after": after}
+        )
         reports = learnable.finish() if learnable.finish else []
         dense[:] = targets
         return reports

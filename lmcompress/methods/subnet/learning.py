@@ -99,6 +99,15 @@ class KeepRateConstraint(nn.Module):
         return (lam[0] * d).sum() + (lam[1] * d.square()).sum(), logs
 
 
+def dense_keep(config: SubnetConfig, name: str, module: nn.Module, logits: torch.Tensor):
+    """Remove ``module``'s parametrization, leaving its frozen dense weight, and return the
+    extracted keep-mask (bool (out, in)): what a re-fit starts from."""
+    if parametrize.is_parametrized(module, "weight"):
+        parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
+    target = config.sparsity_of(name) if config.extract == "topk" else None
+    return extract_keep(logits.to(weight_matrix(module).device), target)
+
+
 def extract_layer(
     config: SubnetConfig,
     name: str,
@@ -111,10 +120,7 @@ def extract_layer(
     mask and fold the scale into the kept weights (``scale`` None: leave the weights as they
     are, e.g. after a re-fit)."""
     started = time.perf_counter() if started is None else started
-    if parametrize.is_parametrized(module, "weight"):
-        parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
-    target = config.sparsity_of(name) if config.extract == "topk" else None
+    keep = dense_keep(config, name, module, logits)
     W = weight_matrix(module).detach()
-    keep = extract_keep(logits.to(W.device), target)
     new_weight = None if scale is None else W * scale.to(W.device, W.dtype)
     return prune_layer_(name, module, keep, config.sparsity_of(name), started, new_weight)

@@ -34,7 +34,12 @@ from lmcompress.methods.maskllm.priors import (
 )
 from lmcompress.methods.pruning import PruningMethod
 from lmcompress.methods.subnet.config import SubnetConfig
-from lmcompress.methods.subnet.learning import KeepRateConstraint, extract_layer, new_mask
+from lmcompress.methods.subnet.learning import (
+    KeepRateConstraint,
+    dense_keep,
+    extract_layer,
+    new_mask,
+)
 from lmcompress.methods.subnet.parametrization import KeepLogitMask
 
 logger = logging.getLogger(__name__)
@@ -157,9 +162,9 @@ class Subnet(PruningMethod):
         tensors = _learned_tensors(masks)
         meta = {"history": state.history, "evals": state.evals, "step0": step0}
         if config.refit != "none":
-            for name, module in layers.items():  # back to the frozen dense weights, re-fitted
-                extract_layer(config, name, module, tensors[f"{name}.logits"], None)
-            keeps = {n: weight_matrix(m).detach() != 0 for n, m in layers.items()}
+            keeps = {  # the frozen dense weights back, re-fitted under the extracted masks
+                n: dense_keep(config, n, m, tensors[f"{n}.logits"]) for n, m in layers.items()
+            }
             meta["layer_errors"] = maskllm_learning.refit(
                 config, model, train_data, layers, keeps, device
             )
@@ -189,20 +194,21 @@ class Subnet(PruningMethod):
                 learned = _learned_tensors(masks)
                 tensors.update(learned)
                 for n in names:
-                    scale = None if config.refit != "none" else learned.get(f"{n}.scale")
                     started = time.perf_counter()
-                    report = extract_layer(config, n, layers[n], learned[f"{n}.logits"], scale)
+                    logits = learned[f"{n}.logits"]
                     if config.refit != "none":
-                        keep = weight_matrix(layers[n]).detach() != 0
-                        report = maskllm_learning.refit_layer(
-                            config, n, layers[n], accumulators[n].H, keep
-                        )
+                        keep = dense_keep(config, n, layers[n], logits)
+                        H = accumulators[n].H
+                        report = maskllm_learning.refit_layer(config, n, layers[n], H, keep)
+                    else:
+                        scale = learned.get(f"{n}.scale")
+                        report = extract_layer(config, n, layers[n], logits, scale)
                     report.seconds = time.perf_counter() - started
                     self._extracted[id(layers[n])] = report
                     reports.append(report)
                 return reports
 
-            learnable.finish = finish
+            learnable.finish, learnable.masks = finish, list(masks.values())
             return learnable
 
         result = learn_blockwise(
@@ -266,7 +272,13 @@ class Subnet(PruningMethod):
         }
         if blocks:
             report.extra["block_curves"] = [
-                {"block": b["block"], "curve": _curve(b["history"])} for b in blocks
+                {
+                    "block": b["block"],
+                    "curve": _curve(b["history"]),
+                    "hard_before": b.get("hard_before"),
+                    "hard_after": b.get("hard_after"),
+                }
+                for b in blocks
             ]
         logger.info(
             "subnet: %d steps, sparsity %.4f, hard ppl %s",
