@@ -18,6 +18,10 @@ holds its job table and ``render(payload)``:
   with a profile of ours (torchao in its own folder: ``PYTHONPATH=.venv-torchao``);
 - ``lowrank`` (with ``lowrank_plot``): SVD, ASVD, SVD-LLM, FWSVD and GFWSVD at three ratios,
   uniform and allocated ranks, one low-rank + SparseGPT 2:4 row, and the CLI end to end;
+- ``subnet_digits``: ASLP reproduced on an untrained MLP on scikit-learn's digits (extracted vs
+  random subnetworks vs the trained network, with and without rescaling, 3 seeds);
+- ``subnet``: subnetwork extraction on SmolLM2 at 50 % and 2:4 next to SparseGPT, Wanda and
+  MaskLLM;
 - ``bad_inputs``: issue 10's bad and hostile inputs on the real model (exit code, time, message,
   what is left behind; kills while saving; file modes and output sizes).
 
@@ -34,4 +38,5 @@ BENCHMARKS = (
     "int8_speed",
     "int8",
     "lowrank",
+    "subnet_digits",
 )
