@@ -167,3 +167,20 @@ def test_a_non_main_process_compresses_but_neither_evaluates_nor_writes(
     assert main(_job(tiny_checkpoint, corpus, out, "--sparsity", "2:4", "-q")) == 0
     assert not out.exists()
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize(
+    ("sparsity", "flags"),
+    [("0.5", []), ("2:4", ["--blockwise", "--refit", "sparsegpt", "--optimizer", "adamw"])],
+)
+def test_subnet_end_to_end(tiny_checkpoint, corpus, tmp_path, sparsity, flags):
+    """``--method subnet``: trained, extracted at exactly the target, scored and exported."""
+    out = tmp_path / "out"
+    argv = ["--method", "subnet", "--sparsity", sparsity, "--steps", "2", "--batch-size", "2"]
+    assert main(_job(tiny_checkpoint, corpus, out, *argv, "--nsamples", "8", *flags, "-q")) == 0
+    manifest = json.loads((out / MANIFEST).read_text())
+    layers = manifest["report"]["layers"]
+    assert layers and all(layer["sparsity"] == pytest.approx(0.5, abs=1e-9) for layer in layers)
+    assert manifest["report"]["extra"]["sparsity"] == pytest.approx(0.5, abs=1e-9)
+    assert manifest["config"]["blockwise"] == ("--blockwise" in flags)
+    assert (out / "stats.safetensors").exists()

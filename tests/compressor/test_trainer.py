@@ -214,3 +214,44 @@ def test_a_learned_method_takes_its_training_options_flat_or_nested():
     recipe = flat.to_dict()
     assert recipe["steps"] == 3 and "training" not in recipe
     assert MaskLLMConfig.from_dict(recipe) == flat
+
+
+def test_sgd_with_per_parameter_learning_rates_steps_as_written():
+    """Two parameters, SGD with momentum, constant schedule, one with its own lr: two steps
+    match the update rule by hand (v ← μv + g, p ← p − lr·v), no clipping (grad_clip 0)."""
+    model = Toy()
+    params = {"scale": model.scale, "w": model.w}
+    config = TrainConfig(
+        steps=2, lr=0.5, batch_size=10, optimizer="sgd", momentum=0.9, schedule="constant",
+        weight_decay=0.0, grad_clip=0.0,
+    )  # fmt: skip
+    examples = _examples()
+
+    def loss_fn(model, batch, _step):
+        x = torch.stack([e["x"] for e in batch])
+        return model(x).square().sum(), {}
+
+    expected = {k: v.detach().clone() for k, v in params.items()}
+    velocity = {k: torch.zeros_like(v) for k, v in expected.items()}
+    lrs = {"scale": 0.5, "w": 0.01}
+    x = torch.stack([e["x"] for e in examples])  # batch_size 10 = every example, any order
+    for _ in range(2):
+        s, w = expected["scale"].requires_grad_(), expected["w"].requires_grad_()
+        grads = torch.autograd.grad((s * (w * x) + model.b).square().sum(), [s, w])
+        with torch.no_grad():
+            for (name, value), grad in zip(list(expected.items()), grads, strict=True):
+                velocity[name] = 0.9 * velocity[name] + grad
+                expected[name] = (value - lrs[name] * velocity[name]).detach()
+    Trainer(model, params, config, loss_fn, leave=False, param_options={"w": {"lr": 0.01}}).fit(
+        examples
+    )
+    for name, param in params.items():
+        assert torch.allclose(param, expected[name], atol=1e-5), name
+
+
+def test_unknown_optimizer_or_parameter_options_are_refused():
+    with pytest.raises(ConfigError, match="optimizer"):
+        TrainConfig(optimizer="lion")
+    model = Toy()
+    with pytest.raises(ValueError, match="unknown parameters"):
+        Trainer(model, {"scale": model.scale}, TrainConfig(), _loss, param_options={"w": {}})

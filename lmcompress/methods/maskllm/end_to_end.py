@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from lmcompress.compressor import distributed, memory
+from lmcompress.compressor.learned import hard_perplexity
 from lmcompress.compressor.lm_loss import distillation_losses, final_hidden, nll_from_hidden
 from lmcompress.compressor.method import Stats
 from lmcompress.compressor.surgery import weight_matrix
@@ -26,7 +27,9 @@ from lmcompress.errors import LmcompressError
 from lmcompress.methods.maskllm import learning
 from lmcompress.methods.maskllm.config import MaskLLMConfig
 from lmcompress.methods.maskllm.parametrization import LearnableNMMask
-from lmcompress.methods.maskllm.priors import learned_prior_masks, one_shot_prior_masks
+from lmcompress.methods.maskllm.transfer import learned_prior_masks
+from lmcompress.methods.priors import one_shot_prior_masks
+from lmcompress.methods.sparsegpt.refit import refit
 
 logger = logging.getLogger(__name__)
 
@@ -121,14 +124,14 @@ def calibrate_end_to_end(
         TrainConfig.from_options(training, mmap_threshold=MMAP_THRESHOLD),
         _loss_fn(config, masks, layers, total_mass),
         before_step=learning.schedules(config, masks, training.steps),
-        evaluate=(lambda _step: learning.eval_hard(model, eval_data, masks.values()))
+        evaluate=(lambda _step: hard_perplexity(model, eval_data, masks.values()))
         if eval_data is not None
         else None,
         checkpoint_dir=training.checkpoint_dir,
         accelerator=accelerator,
     )
     torch.manual_seed(training.train_seed)  # the Gumbel noise comes from the global RNG
-    prior_eval = learning.eval_hard(model, eval_data, masks.values())
+    prior_eval = hard_perplexity(model, eval_data, masks.values())
     model.train(False)  # no dropout: the masks are what is learned
     state = trainer.fit(train_data, resume=training.resume)
     if state.step < training.steps:
@@ -148,9 +151,9 @@ def calibrate_end_to_end(
         for module in layers.values():  # back to the original dense weights
             parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
         keeps = {n: learning.keep_mask(config, n, layers[n], logits[n]) for n in layers}
-        meta["layer_errors"] = learning.refit(config, model, train_data, layers, keeps, compute)
+        meta["layer_errors"] = refit(config, model, train_data, layers, keeps, compute)
         meta["evals"] = meta["evals"] + [
-            {"step": training.steps, "refit": config.refit, **learning.eval_hard(model, eval_data)}
+            {"step": training.steps, "refit": config.refit, **hard_perplexity(model, eval_data)}
         ]
     meta["seconds"] = time.perf_counter() - start
     return Stats(tensors={f"{n}.logits": t for n, t in logits.items()}, meta=meta)

@@ -1,22 +1,17 @@
 """What MaskLLM's end-to-end and block-wise drivers share: a layer's learnable mask, the τ/κ
-schedules the trainer applies before each step, the hard-mask evaluation, the argmax keep-mask,
-and re-fitting the kept weights under a fixed mask (SparseGPT's OBS updates)."""
+schedules the trainer applies before each step and the argmax keep-mask (the hard-mask
+perplexity is the core's ``learned.hard_perplexity``, the re-fit ``sparsegpt.refit``)."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from lmcompress.compressor import distributed
-from lmcompress.compressor.layerwise import compress_layerwise
-from lmcompress.compressor.report import LayerReport
 from lmcompress.compressor.surgery import add_parametrization, weight_matrix
-from lmcompress.evaluation.perplexity import perplexity
-from lmcompress.methods.common import prune_layer_
 from lmcompress.methods.maskllm.config import MaskLLMConfig
 from lmcompress.methods.maskllm.masks import (
     candidate_patterns,
@@ -26,8 +21,6 @@ from lmcompress.methods.maskllm.masks import (
     prior_logits,
 )
 from lmcompress.methods.maskllm.parametrization import LearnableNMMask
-from lmcompress.methods.sparsegpt.method import output_error
-from lmcompress.methods.sparsegpt.solver import HessianAccumulator, sparsegpt_prune
 
 
 def new_mask(
@@ -90,67 +83,8 @@ def schedules(
     return before_step
 
 
-def eval_hard(
-    model: nn.Module, eval_data: torch.Tensor | None, masks: Iterable[LearnableNMMask] = ()
-) -> dict[str, float]:
-    """Perplexity of the argmax masks on the held-out windows (``{}`` without any)."""
-    if eval_data is None:
-        return {}
-    masks = list(masks)
-    for mask in masks:
-        mask.hard = True
-    try:
-        result = perplexity(model, eval_data.flatten(), eval_data.shape[1], progress=False)
-    finally:
-        for mask in masks:
-            mask.hard = False
-    return {"hard_ppl": result.perplexity}
-
-
 def keep_mask(config: MaskLLMConfig, name: str, module: nn.Module, logits: torch.Tensor):
     """The argmax keep-mask of ``logits``, bool (out, in)."""
     sparsity = config.sparsity_of(name)
     keep = hard_mask(logits.detach().cpu(), candidate_patterns(sparsity.n, sparsity.m))
     return keep.reshape(weight_matrix(module).shape).bool()
-
-
-def hessian(_name: str, module: nn.Module) -> HessianAccumulator:
-    W = weight_matrix(module)
-    return HessianAccumulator(W.shape[1], device=W.device)
-
-
-@torch.no_grad()
-def refit_layer(
-    config: MaskLLMConfig, name: str, module: nn.Module, H: torch.Tensor, keep: torch.Tensor
-) -> LayerReport:
-    """SparseGPT's OBS updates with the mask fixed to ``keep``: re-fit the kept weights."""
-    start = time.perf_counter()
-    sparsity = config.sparsity_of(name)
-    W = weight_matrix(module).detach()
-    W_new, keep = sparsegpt_prune(W, H, sparsity, mask=keep.to(W.device))
-    error = output_error(W, W_new, H)
-    report = prune_layer_(name, module, keep, sparsity, start, new_weight=W_new)
-    report.rel_error, report.error_kind = error, "output"
-    return report
-
-
-def refit(
-    config: MaskLLMConfig,
-    model: nn.Module,
-    data: torch.Tensor,
-    layers: dict[str, nn.Module],
-    keeps: dict[str, torch.Tensor],
-    device: torch.device,
-) -> dict[str, float]:
-    """Re-fit every layer to its mask through the layer-wise loop (each block sees the
-    re-fitted blocks before it, as SparseGPT does). Returns relative output errors."""
-    reports, _ = compress_layerwise(
-        model,
-        data,
-        layers,
-        make_accumulator=hessian,
-        compress_layer=lambda n, m, acc: refit_layer(config, n, m, acc.H, keeps[n]),
-        device=device,
-        batch_size=8,
-    )
-    return {r.name: r.rel_error for r in reports}

@@ -33,7 +33,7 @@ from lmcompress.methods.maskllm.blockwise import calibrate_blockwise
 from lmcompress.methods.maskllm.config import MaskLLMConfig
 from lmcompress.methods.maskllm.end_to_end import calibrate_end_to_end
 from lmcompress.methods.maskllm.learning import keep_mask
-from lmcompress.methods.maskllm.priors import PRIOR_BATCH_SIZE
+from lmcompress.methods.priors import PRIOR_BATCH_SIZE
 from lmcompress.methods.pruning import PruningMethod
 
 logger = logging.getLogger(__name__)

@@ -27,12 +27,12 @@ from lmcompress.compressor.surgery import weight_matrix
 from lmcompress.compressor.trainer import CHECKPOINT, TrainConfig
 from lmcompress.errors import ConfigError, LmcompressError
 from lmcompress.methods.common import count_params, prune_layer_
-from lmcompress.methods.maskllm import learning as maskllm_learning
-from lmcompress.methods.maskllm.priors import (
+from lmcompress.methods.priors import (
     ONE_SHOT_PRIORS,
     one_shot_prior_masks,
 )
 from lmcompress.methods.pruning import PruningMethod
+from lmcompress.methods.sparsegpt import refit
 from lmcompress.methods.subnet.config import SubnetConfig
 from lmcompress.methods.subnet.learning import (
     KeepRateConstraint,
@@ -165,9 +165,7 @@ class Subnet(PruningMethod):
             keeps = {  # the frozen dense weights back, re-fitted under the extracted masks
                 n: dense_keep(config, n, m, tensors[f"{n}.logits"]) for n, m in layers.items()
             }
-            meta["layer_errors"] = maskllm_learning.refit(
-                config, model, train_data, layers, keeps, device
-            )
+            meta["layer_errors"] = refit.refit(config, model, train_data, layers, keeps, device)
             for name, module in layers.items():
                 self._extracted[id(module)] = _as_is(config, name, module)
         meta.update(refit=config.refit != "none", seconds=time.perf_counter() - start)
@@ -199,7 +197,7 @@ class Subnet(PruningMethod):
                     if config.refit != "none":
                         keep = dense_keep(config, n, layers[n], logits)
                         H = accumulators[n].H
-                        report = maskllm_learning.refit_layer(config, n, layers[n], H, keep)
+                        report = refit.refit_layer(config, n, layers[n], H, keep)
                     else:
                         scale = learned.get(f"{n}.scale")
                         report = extract_layer(config, n, layers[n], logits, scale)
@@ -217,7 +215,7 @@ class Subnet(PruningMethod):
             layers,
             start_block,
             config=lambda index: self._train_config(batch_size=1, seed=training.train_seed + index),
-            make_accumulator=maskllm_learning.hessian,
+            make_accumulator=refit.hessian,
             device=device,
             batch_size=training.batch_size,
         )

@@ -1,5 +1,6 @@
-"""One-shot priors for learned masks: each pruner's pure ``mask(W, stats, sparsity)`` function
-and the statistic it needs, in one table (no method is run by name, no registry is imported).
+"""One-shot priors for learned masks (MaskLLM, subnetwork extraction): each pruner's pure
+``mask(W, stats, sparsity)`` function and the statistic it needs, in one table (no method is run
+by name, no registry is imported).
 
 The end-to-end prior (:func:`one_shot_prior_masks`) keeps the one-shot method's semantics:
 block by block through the layer-wise loop, each block is pruned with the prior's mask before
@@ -13,21 +14,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from lmcompress.compressor.config import Sparsity
-from lmcompress.compressor.export import STATS
 from lmcompress.compressor.layerwise import Accumulator, compress_layerwise
 from lmcompress.compressor.surgery import weight_matrix
 from lmcompress.errors import ConfigError
 from lmcompress.methods.common import prune_layer_
 from lmcompress.methods.magnitude.prior import magnitude_mask
-from lmcompress.methods.maskllm.masks import candidate_patterns, hard_mask
 from lmcompress.methods.sparsegpt.solver import HessianAccumulator, sparsegpt_mask
 from lmcompress.methods.wanda.scores import InputNorms, wanda_mask
 
@@ -124,21 +121,3 @@ def one_shot_prior_masks(
             for name, module in layers.items():
                 weight_matrix(module).copy_(originals[name])
     return {name: masks[name].to(W.device) & (W != 0) for name, W in originals.items()}
-
-
-def learned_prior_masks(
-    prior_from: str | Path, layers: dict[str, nn.Module], sparsity_of: Callable[[str], Sparsity]
-) -> dict[str, torch.Tensor]:
-    """The argmax masks of a learned-mask output directory (``--prior-from``: mask transfer)."""
-    path = Path(prior_from) / STATS
-    if not path.is_file():
-        raise ConfigError(f"--prior-from {prior_from}: no {STATS} (not a maskllm output)")
-    saved = load_file(str(path))
-    masks = {}
-    for name, module in layers.items():
-        if f"{name}.logits" not in saved:
-            raise ConfigError(f"--prior-from {prior_from} has no mask for {name}")
-        sparsity = sparsity_of(name)
-        keep = hard_mask(saved[f"{name}.logits"], candidate_patterns(sparsity.n, sparsity.m))
-        masks[name] = keep.bool().reshape(weight_matrix(module).shape)
-    return masks
