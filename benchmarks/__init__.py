@@ -39,4 +39,5 @@ BENCHMARKS = (
     "int8",
     "lowrank",
     "subnet_digits",
+    "subnet",
 )

@@ -101,6 +101,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "args": BLOCKWISE,
         "note": "2:4, the learned row scales folded in (no re-fit)",
     },
+    "subnet-50-e2e": {
+        "method": "subnet", "sparsity": "0.5",
+        "args": ["--steps", "40", "--batch-size", "1", "--optimizer", "adamw", "--lr", "0.1",
+                 "--schedule", "cosine", "--prior", "sparsegpt", "--prior-strength", "3",
+                 "--scale", "row", "--constraint", "penalty", "--refit", "sparsegpt",
+                 "--eval-windows", "2", "--eval-every", "20"],
+        "note": "end to end on the LM loss (AdamW lr 0.1, row scales), 40 steps of one window, "
+                "then the kept weights re-fitted",
+    },
     "subnet-50-e2e-paper": {
         "method": "subnet", "sparsity": "0.5",
         "args": ["--steps", "40", "--batch-size", "1", "--prior", "sparsegpt",
@@ -169,6 +178,11 @@ def run_config(name: str, work: Path) -> dict[str, Any]:
         "steps": extra.get("steps"),
         "achieved_sparsity": 1.0 - kept / total,
         "hard_ppl": extra.get("hard_ppl", []),
+        # block-wise: each block's hard-mask block error before and after training
+        "block_hard": [
+            {k: b.get(k) for k in ("block", "hard_before", "hard_after")}
+            for b in extra.get("block_curves", []) or []
+        ],
         "command": cmd[len(CLI) :],
         "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
@@ -279,10 +293,27 @@ def plot(payload: dict[str, Any], results_dir: Path, path: Path) -> None:  # noq
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_harness_args(parser, "run only these configurations")
+    parser.add_argument(
+        "--merge", nargs="+", type=Path, default=[], metavar="DIR",
+        help="merge the rows of these results dirs (runs made side by side) and redraw",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.render_only:
         print(render_files(args.results_dir, NAME, render, plot))
+        return 0
+    if args.merge:
+        payload = read_json(args.results_dir / f"{NAME}.json") or {
+            "settings": SETTINGS,
+            "machine": machine(),
+            "baselines": load_baselines(args.results_dir),
+            "results": [],
+        }
+        rows = payload["results"]
+        for other in args.merge:
+            new = read_json(other / f"{NAME}.json")["results"]
+            rows = merge_table_rows(rows, new, key=lambda r: r["name"], order=list(CONFIGS))
+        write_results(args.results_dir, NAME, {**payload, "results": rows}, render, plot)
         return 0
     names = select_jobs(parser, list(CONFIGS), args.only)
     work = args.work or Path(tempfile.mkdtemp(prefix="subnet-"))
