@@ -14,8 +14,10 @@ the whole ``compress-model`` process, evaluation included)::
 The one-shot baselines are not rerun: they are read from ``results/pruning.json`` (same
 calibration, same scoring) and copied into ``subnet.json`` when a configuration runs. MaskLLM
 2:4 is rerun here (its ``maskllm.json`` rows score wiki-test only), with the best block-wise
-recipe of ``benchmarks.maskllm``. Run configurations one or two at a time on the 2-core machine
-(``OMP_NUM_THREADS=1`` each when two run side by side); timings depend on the load.
+recipe of ``benchmarks.maskllm``. Results: ``results/subnet_smollm2.{json,md}`` and
+``subnet_smollm2_curves.png``. Run configurations one or two at a time on the 2-core machine
+(``OMP_NUM_THREADS=1`` each when two run side by side, each with its own ``--results-dir``,
+then ``--merge DIR ...``); timings depend on the load.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from benchmarks.runner import CLI, Job, machine, run_job
 
 log = logging.getLogger(__name__)
 
-NAME = "subnet"
+NAME = "subnet_smollm2"
 CORPORA = ("wiki-test", "lee")
 SETTINGS = {
     "checkpoint": "smollm2-135m",
