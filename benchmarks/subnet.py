@@ -12,8 +12,8 @@ the whole ``compress-model`` process, evaluation included)::
         <the configuration's args>
 
 The one-shot baselines are not rerun: they are read from ``results/pruning.json`` (same
-calibration, same scoring) and copied into ``subnet.json`` when a configuration runs. MaskLLM
-2:4 is rerun here (its ``maskllm.json`` rows score wiki-test only), with the best block-wise
+calibration, same scoring) and copied into ``subnet_smollm2.json`` when a configuration runs.
+MaskLLM 2:4 is rerun here (its ``maskllm.json`` rows score wiki-test only), with the best block-wise
 recipe of ``benchmarks.maskllm``. Results: ``results/subnet_smollm2.{json,md}`` and
 ``subnet_smollm2_curves.png``. Run configurations one or two at a time on the 2-core machine
 (``OMP_NUM_THREADS=1`` each when two run side by side, each with its own ``--results-dir``,
@@ -120,6 +120,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "note": "end to end on the LM loss with the paper's optimiser (SGD lr 50, momentum 0.9, "
                 "constant; scale SGD lr 1e-3; one scale per layer), 40 steps of one window",
     },
+    "subnet-50-refit-40": {
+        "method": "subnet", "sparsity": "0.5",
+        "args": [*BLOCKWISE, "--steps", "40", "--constraint", "penalty", "--refit", "sparsegpt"],
+        "note": "subnet-50-refit with 40 steps per block (a probe on blocks 0-1 halved their "
+                "hard-mask error going from 20 to 40 steps)",
+    },
     "maskllm-24": {
         "method": "maskllm", "sparsity": "2:4",
         "args": ["--steps", "20", "--batch-size", "4", "--lr", "1e-3", "--tau", "4", "0.05",
@@ -130,6 +136,29 @@ CONFIGS: dict[str, dict[str, Any]] = {
                 "rerun to score lee too",
     },
 }
+# Ablations on the first ABLATION_BLOCKS blocks only (the rest stays dense): each block's hard-mask
+# error before (the prior) and after training, and perplexity over ABLATION_TOKENS tokens.
+ABLATION_BLOCKS = 4
+ABLATION_TOKENS = 8192
+ABLATION_BASE = [
+    *BLOCKWISE, "--constraint", "penalty", "--eval-tokens", str(ABLATION_TOKENS),
+    "--include", *(f"model.layers.{i}.*" for i in range(ABLATION_BLOCKS)),
+]
+ABLATIONS = {
+    "row scale, penalty": [],
+    "layer scale (the paper's)": ["--scale", "layer"],
+    "no scale": ["--scale", "none"],
+    "lagrangian (lr 0.01)": ["--constraint", "lagrangian", "--constraint-weight", "0.01"],
+    "no constraint (top-k only)": ["--constraint", "none"],
+    "paper optimiser (SGD lr 50)": ["--optimizer", "sgd", "--lr", "50", "--schedule", "constant"],
+    "no training (the prior)": ["--steps", "1", "--lr", "1e-12"],
+}
+for _label, _extra in ABLATIONS.items():
+    CONFIGS[f"ablation: {_label}"] = {
+        "method": "subnet", "sparsity": "0.5", "ablation": True,
+        "args": [*ABLATION_BASE, *_extra],
+        "note": f"blocks 0-{ABLATION_BLOCKS - 1} only, 20 steps per block: {_label}",
+    }
 # fmt: on
 
 
@@ -245,7 +274,9 @@ def render(payload: dict[str, Any]) -> str:
               "wall s", "eval s", "train s", "peak RSS MB", "source"]  # fmt: skip
     baselines = {r["name"]: r for r in payload["baselines"]}
     table = []
-    for row in [*payload["baselines"], *payload["results"]]:
+    main_rows = [r for r in payload["results"] if not CONFIGS.get(r["name"], {}).get("ablation")]
+    ablations = [r for r in payload["results"] if CONFIGS.get(r["name"], {}).get("ablation")]
+    for row in [*payload["baselines"], *main_rows]:
         ref = baselines.get(f"sparsegpt {row['sparsity']}")
         ratio = (
             row["ppl"]["wiki-test"] / ref["ppl"]["wiki-test"]
@@ -260,8 +291,29 @@ def render(payload: dict[str, Any]) -> str:
             row.get("source", "this script"),
         ])  # fmt: skip
     lines.append(markdown_table(header, table))
+    if ablations:
+        lines.append(
+            f"\nAblations at 50 %: blocks 0-{ABLATION_BLOCKS - 1} only (the others dense), "
+            f"20 steps per block, perplexity over the first {ABLATION_TOKENS} tokens; block "
+            "error: the hard (extracted) masks' relative block-output error on two captured "
+            "batches, mean over the blocks, before training (the SparseGPT prior's mask, scale "
+            "1) and after.\n"
+        )
+        header = ["ablation", "block error before", "after", "after ÷ before", "wiki-test ppl",
+                  "lee ppl", "train s"]  # fmt: skip
+        table = []
+        for row in ablations:
+            hard = [b for b in row.get("block_hard", []) if b.get("hard_after") is not None]
+            before = sum(b["hard_before"] for b in hard) / len(hard) if hard else None
+            after = sum(b["hard_after"] for b in hard) / len(hard) if hard else None
+            table.append([
+                row["name"].removeprefix("ablation: "), _num(before, 4), _num(after, 4),
+                _num(after / before if hard else None, 3), _num(row["ppl"].get("wiki-test")),
+                _num(row["ppl"].get("lee")), _num(row.get("train_seconds"), 0),
+            ])  # fmt: skip
+        lines.append(markdown_table(header, table))
     lines.append("")
-    for row in payload["results"]:
+    for row in main_rows:
         args = " ".join(row["args"])
         lines.append(f"- **{row['name']}**: {row['note']} (`{args}`) [run {row['finished']}]")
     if payload.get("note"):
@@ -278,7 +330,13 @@ def plot(payload: dict[str, Any], results_dir: Path, path: Path) -> None:  # noq
     rows = [*payload["baselines"], *payload["results"]]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, sparsity in zip(axes, ("0.5", "2:4"), strict=True):
-        chosen = [r for r in rows if r["sparsity"] == sparsity and r["ppl"].get("wiki-test")]
+        chosen = [
+            r
+            for r in rows
+            if r["sparsity"] == sparsity
+            and r["ppl"].get("wiki-test")
+            and not CONFIGS.get(r["name"], {}).get("ablation")
+        ]
         x = range(len(chosen))
         for offset, corpus in ((-0.2, "wiki-test"), (0.2, "lee")):
             ax.bar([i + offset for i in x], [r["ppl"][corpus] or 0 for r in chosen], 0.4,
