@@ -105,11 +105,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
     "subnet-50-e2e": {
         "method": "subnet", "sparsity": "0.5",
-        "args": ["--steps", "40", "--batch-size", "1", "--optimizer", "adamw", "--lr", "0.1",
+        "args": ["--steps", "20", "--batch-size", "1", "--optimizer", "adamw", "--lr", "0.1",
                  "--schedule", "cosine", "--prior", "sparsegpt", "--prior-strength", "3",
                  "--scale", "row", "--constraint", "penalty", "--refit", "sparsegpt",
-                 "--eval-windows", "2", "--eval-every", "20"],
-        "note": "end to end on the LM loss (AdamW lr 0.1, row scales), 40 steps of one window, "
+                 "--eval-windows", "2", "--eval-every", "10"],
+        "note": "end to end on the LM loss (AdamW lr 0.1, row scales), 20 steps of one window, "
                 "then the kept weights re-fitted",
     },
     "subnet-50-e2e-paper": {
