@@ -43,7 +43,7 @@ from benchmarks.runner import machine
 from benchmarks.subnet_digits_plot import plot, render
 from lmcompress.compressor.trainer import TrainConfig, Trainer
 from lmcompress.methods.subnet.config import SubnetConfig
-from lmcompress.methods.subnet.learning import KeepRateConstraint, extract_layer, new_mask
+from lmcompress.methods.subnet.learning import extract_layer, learnable, new_mask
 
 log = logging.getLogger(__name__)
 
@@ -172,16 +172,8 @@ def train_mask(
     )
     modules = {name: getattr(model, name) for name in LAYERS}
     masks = {name: new_mask(config, name, module, None) for name, module in modules.items()}
-    params: dict[str, nn.Parameter] = {}
-    options: dict[str, dict[str, float]] = {}
-    for name, mask in masks.items():
-        params.update(mask.trainable(name))
-        if mask.scale is not None:
-            options[f"{name}.scale"] = {"lr": config.scale_lr, "weight_decay": 0.0}
-    keep_rate = KeepRateConstraint(config, masks)
-    extra, extra_options = keep_rate.trainable("constraint")
-    params.update(extra)
-    options.update(extra_options)
+    trained = learnable(config, masks)  # logits, scales, multipliers; the keep-rate term
+    params, options, keep_rate = trained.params, trained.param_options, trained.extra_loss
 
     def loss_fn(net: nn.Module, batch: tuple, step: int) -> tuple[torch.Tensor, dict]:
         x, y = batch

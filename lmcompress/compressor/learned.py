@@ -71,6 +71,34 @@ def hard_perplexity(
     return {"hard_ppl": result.perplexity}
 
 
+def training_extra(meta: dict[str, Any], curve_keys: tuple[str, ...]) -> dict[str, Any]:
+    """The report's ``extra`` of a learned-mask run from its stats ``meta``: the loss curve
+    (``curve_keys`` of each step), the hard-mask perplexities (step 0 = the prior), the steps
+    and, block-wise, each block's curve and hard block error before/after training."""
+
+    def curve(history: list[dict]) -> list[dict]:
+        return [{k: h[k] for k in curve_keys if k in h} for h in history]
+
+    history, blocks = meta.get("history", []), meta.get("block_history", [])
+    step0 = meta.get("step0")
+    extra: dict[str, Any] = {
+        "loss_curve": curve(history),
+        "hard_ppl": ([{"step": 0, **step0}] if step0 else []) + meta.get("evals", []),
+        "steps": len(history) or max((len(b["history"]) for b in blocks), default=0),
+    }
+    if blocks:
+        extra["block_curves"] = [
+            {
+                "block": b["block"],
+                "curve": curve(b["history"]),
+                "hard_before": b.get("hard_before"),
+                "hard_after": b.get("hard_after"),
+            }
+            for b in blocks
+        ]
+    return extra
+
+
 def learn_end_to_end(
     model: nn.Module,
     train_data: torch.Tensor,

@@ -23,6 +23,7 @@ from lmcompress.compressor import distributed  # noqa: F401
 from lmcompress.compressor.budget import backward_bytes
 from lmcompress.compressor.export import STATS
 from lmcompress.compressor.layerwise import layerwise_estimate
+from lmcompress.compressor.learned import training_extra
 from lmcompress.compressor.method import Stats
 from lmcompress.compressor.report import CompressionReport
 from lmcompress.compressor.surgery import weight_matrix
@@ -40,10 +41,6 @@ logger = logging.getLogger(__name__)
 
 # per-step entries of the training history that the report keeps
 CURVE_KEYS = ("step", "loss", "lm_loss", "rel_err", "tau", "kappa", "flipped")
-
-
-def _curve(history: list[dict]) -> list[dict]:
-    return [{k: h[k] for k in CURVE_KEYS if k in h} for h in history]
 
 
 class MaskLLM(PruningMethod):
@@ -165,18 +162,7 @@ class MaskLLM(PruningMethod):
                 layer.rel_error, layer.error_kind = errors[name], "output"
             report.layers.append(layer)
         report.seconds = stats.meta.get("seconds", 0.0) + time.perf_counter() - start
-        history = stats.meta.get("history", [])
-        blocks = stats.meta.get("block_history", [])
-        step0 = stats.meta.get("step0")
-        report.extra = {
-            "loss_curve": _curve(history),
-            "hard_ppl": ([{"step": 0, **step0}] if step0 else []) + stats.meta.get("evals", []),
-            "steps": len(history) or max((len(b["history"]) for b in blocks), default=0),
-        }
-        if blocks:
-            report.extra["block_curves"] = [
-                {"block": b["block"], "curve": _curve(b["history"])} for b in blocks
-            ]
+        report.extra = training_extra(stats.meta, CURVE_KEYS)
         if "trainable_elements_per_process" in stats.meta:
             report.extra["trainable_elements_per_process"] = stats.meta[
                 "trainable_elements_per_process"

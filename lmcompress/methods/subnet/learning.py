@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from transformers.pytorch_utils import Conv1D
 
+from lmcompress.compressor.learned import Learnable
 from lmcompress.compressor.report import LayerReport
 from lmcompress.compressor.surgery import add_parametrization, weight_matrix
 from lmcompress.methods.common import prune_layer_
@@ -124,3 +125,21 @@ def extract_layer(
     W = weight_matrix(module).detach()
     new_weight = None if scale is None else W * scale.to(W.device, W.dtype)
     return prune_layer_(name, module, keep, config.sparsity_of(name), started, new_weight)
+
+
+def learnable(config: SubnetConfig, masks: dict[str, KeepLogitMask]) -> Learnable:
+    """The logits (the trainer's lr), the scales (``scale_lr``, no weight decay) and the
+    constraint's multipliers, with the constraint as the extra loss term."""
+    params: dict[str, nn.Parameter] = {}
+    options: dict[str, dict[str, float]] = {}
+    for name, mask in masks.items():
+        params.update(mask.trainable(name))
+        if mask.scale is not None:
+            options[f"{name}.scale"] = {"lr": config.scale_lr, "weight_decay": 0.0}
+    constraint = KeepRateConstraint(config, masks)
+    extra, extra_options = constraint.trainable("constraint")
+    return Learnable(
+        params={**params, **extra},
+        extra_loss=constraint,
+        param_options={**options, **extra_options},
+    )

@@ -20,6 +20,7 @@ from lmcompress.compressor.learned import (
     hard_perplexity,
     learn_blockwise,
     learn_end_to_end,
+    training_extra,
 )
 from lmcompress.compressor.method import Stats
 from lmcompress.compressor.report import CompressionReport, LayerReport
@@ -35,9 +36,9 @@ from lmcompress.methods.pruning import PruningMethod
 from lmcompress.methods.sparsegpt import refit
 from lmcompress.methods.subnet.config import SubnetConfig
 from lmcompress.methods.subnet.learning import (
-    KeepRateConstraint,
     dense_keep,
     extract_layer,
+    learnable,
     new_mask,
 )
 from lmcompress.methods.subnet.parametrization import KeepLogitMask
@@ -46,24 +47,6 @@ logger = logging.getLogger(__name__)
 
 CURVE_KEYS = ("step", "loss", "lm_loss", "rel_err", "keep_dev", "lambda")
 MMAP_THRESHOLD = 1 << 20  # as MaskLLM end to end: freed step temporaries go back to the system
-
-
-def _learnable(config: SubnetConfig, masks: dict[str, KeepLogitMask]) -> Learnable:
-    """The logits (the trainer's lr), the scales (``scale_lr``, no weight decay) and the
-    constraint's multipliers, with the constraint as the extra loss term."""
-    params: dict[str, nn.Parameter] = {}
-    options: dict[str, dict[str, float]] = {}
-    for name, mask in masks.items():
-        params.update(mask.trainable(name))
-        if mask.scale is not None:
-            options[f"{name}.scale"] = {"lr": config.scale_lr, "weight_decay": 0.0}
-    constraint = KeepRateConstraint(config, masks)
-    extra, extra_options = constraint.trainable("constraint")
-    return Learnable(
-        params={**params, **extra},
-        extra_loss=constraint,
-        param_options={**options, **extra_options},
-    )
 
 
 class Subnet(PruningMethod):
@@ -142,12 +125,12 @@ class Subnet(PruningMethod):
         )
         masks = {n: new_mask(config, n, m, priors.get(n)) for n, m in layers.items()}
         del priors
-        learnable = _learnable(config, masks)
+        trained = learnable(config, masks)
         step0 = hard_perplexity(model, eval_data, masks.values())
         state = learn_end_to_end(
             model,
             train_data,
-            learnable,
+            trained,
             self._train_config(mmap_threshold=MMAP_THRESHOLD),
             evaluate=(lambda _s: hard_perplexity(model, eval_data, masks.values()))
             if eval_data is not None
@@ -185,7 +168,7 @@ class Subnet(PruningMethod):
                     H = accumulators[n].H
                     keep = prior.mask(W, prior.from_hessian(H), config.sparsity_of(n))
                 masks[n] = new_mask(config, n, layers[n], keep)
-            learnable = _learnable(config, masks)
+            trained = learnable(config, masks)
 
             def finish() -> list[LayerReport]:
                 reports = []
@@ -206,8 +189,8 @@ class Subnet(PruningMethod):
                     reports.append(report)
                 return reports
 
-            learnable.finish, learnable.masks = finish, list(masks.values())
-            return learnable
+            trained.finish, trained.masks = finish, list(masks.values())
+            return trained
 
         result = learn_blockwise(
             model,
@@ -257,27 +240,9 @@ class Subnet(PruningMethod):
                 layer.rel_error, layer.error_kind = errors[name], "output"
             report.layers.append(layer)
         report.seconds = stats.meta.get("seconds", 0.0) + time.perf_counter() - start
-        history = stats.meta.get("history", [])
-        blocks = stats.meta.get("block_history", [])
-        step0 = stats.meta.get("step0")
-        report.extra = {
-            "loss_curve": _curve(history),
-            "hard_ppl": ([{"step": 0, **step0}] if step0 else []) + stats.meta.get("evals", []),
-            "steps": len(history) or max((len(b["history"]) for b in blocks), default=0),
-            "sparsity": 1.0
-            - sum(r.params_kept for r in report.layers)
-            / max(sum(r.params for r in report.layers), 1),
-        }
-        if blocks:
-            report.extra["block_curves"] = [
-                {
-                    "block": b["block"],
-                    "curve": _curve(b["history"]),
-                    "hard_before": b.get("hard_before"),
-                    "hard_after": b.get("hard_after"),
-                }
-                for b in blocks
-            ]
+        report.extra = training_extra(stats.meta, CURVE_KEYS)
+        kept = sum(r.params_kept for r in report.layers)
+        report.extra["sparsity"] = 1.0 - kept / max(sum(r.params for r in report.layers), 1)
         logger.info(
             "subnet: %d steps, sparsity %.4f, hard ppl %s",
             report.extra["steps"], report.extra["sparsity"], report.extra["hard_ppl"],
@@ -298,7 +263,3 @@ def _learned_tensors(masks: dict[str, KeepLogitMask]) -> dict[str, torch.Tensor]
         if mask.scale is not None:
             out[f"{name}.scale"] = mask.scale.detach().cpu().clone()
     return out
-
-
-def _curve(history: list[dict]) -> list[dict]:
-    return [{k: h[k] for k in CURVE_KEYS if k in h} for h in history]
