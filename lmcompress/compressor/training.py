@@ -29,7 +29,7 @@ class TrainingOptions:
     """Optimiser steps, batches, evaluation, checkpoints and processes of a learned method."""
 
     steps: int = field(default=100, metadata={"help": "optimiser steps"})
-    lr: float = field(default=2e-4, metadata={"help": "peak learning rate (cosine schedule)"})
+    lr: float = field(default=2e-4, metadata={"help": "peak learning rate (see --schedule)"})
     batch_size: int = field(default=1, metadata={"help": "windows per micro-batch"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per step"})
     warmup_steps: int = field(default=0, metadata={"help": "linear lr warmup before the cosine"})
