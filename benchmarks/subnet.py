@@ -310,7 +310,7 @@ def render(payload: dict[str, Any]) -> str:
             f"20 steps per block, perplexity over the first {ABLATION_TOKENS} tokens; block "
             "error: the hard (extracted) masks' relative block-output error on two captured "
             "batches, mean over the blocks, before training (the SparseGPT prior's mask, scale "
-            "1) and after.\n"
+            "1) and after; `after ÷ before`: the mean of the blocks' ratios.\n"
         )
         header = ["ablation", "block error before", "after", "after ÷ before", "wiki-test ppl",
                   "lee ppl", "train s"]  # fmt: skip
@@ -321,7 +321,8 @@ def render(payload: dict[str, Any]) -> str:
             after = sum(b["hard_after"] for b in hard) / len(hard) if hard else None
             table.append([
                 row["name"].removeprefix("ablation: "), _num(before, 4), _num(after, 4),
-                _num(after / before if hard else None, 3), _num(row["ppl"].get("wiki-test")),
+                _num(sum(b["hard_after"] / b["hard_before"] for b in hard) / len(hard)
+                     if hard else None, 3), _num(row["ppl"].get("wiki-test")),
                 _num(row["ppl"].get("lee")), _num(row.get("train_seconds"), 0),
             ])  # fmt: skip
         lines.append(markdown_table(header, table))
