@@ -25,6 +25,11 @@ holds its job table and ``render(payload)``:
 - ``bad_inputs``: issue 10's bad and hostile inputs on the real model (exit code, time, message,
   what is left behind; kills while saving; file modes and output sizes).
 
+``kernels`` (GPU only: the packed 2:4 Triton kernel against cuBLAS and cuSPARSELt, and decode
+tokens/s) joins ``BENCHMARKS`` once a GPU run has committed its results: ``test_render`` redraws
+every listed benchmark from its committed JSON. Until then ``--smoke`` runs it in Triton's
+interpreter (``tests/benchmarks/test_kernels.py``).
+
 ``rss_profile`` is a diagnostic, not a benchmark: it writes no results file.
 """
 

@@ -8,16 +8,23 @@ benchmarks) runs everywhere through the same dispatcher entry:
 - ``register_fake`` gives shapes and dtypes without computing, so ``torch.compile(fullgraph=True)``
   traces through the op instead of breaking the graph;
 - ``register_autograd`` gives the backward in closed form (custom ops are opaque to autograd);
-- a device kernel (Triton on CUDA) registers under the same name with ``register_kernel``.
+- a device kernel registers under the same name with ``register_kernel``: on CUDA, the Triton
+  kernel of :mod:`lmcompress.kernels.nm_linear_triton` (``register_kernel``, not
+  ``triton_op``, which breaks ``torch.compile`` on CPU under fake tensors).
 
 Importing this module registers the ops (``torch.library`` is process-global, so it happens once,
 on the first import). This file has no ``from __future__ import annotations``: ``custom_op``
 reads the schema from the real annotations.
 """
 
+import functools
+import logging
+
 import torch
 
 from lmcompress.kernels import reference
+
+logger = logging.getLogger(__name__)
 
 
 @torch.library.custom_op("lmcompress::nm_linear", mutates_args=())
@@ -39,15 +46,27 @@ def nm_linear(
     return reference.nm_linear(x, values, indices, n, m, in_features, bias)
 
 
-# The CUDA kernel goes here, once it exists (``kernels/nm_linear_triton.py``, which imports
-# triton lazily and must not be imported on CPU-only installs):
-#
-#     @nm_linear.register_kernel("cuda")
-#     def _nm_linear_cuda(x, values, indices, n, m, in_features, bias=None):
-#         from lmcompress.kernels.nm_linear_triton import nm_linear_triton
-#         return nm_linear_triton(x, values, indices, n, m, in_features, bias)
-#
-# Until then CUDA tensors run the reference (unpack + matmul) like every other device.
+@nm_linear.register_kernel("cuda")
+def _nm_linear_cuda(x, values, indices, n, m, in_features, bias=None):
+    """The Triton kernel (:mod:`lmcompress.kernels.nm_linear_triton`, imported on first use:
+    CPU-only installs never import triton) for every layout it reads (``M <= 8``, fp16, bf16
+    and fp32); the reference (unpack, then matmul) for the rest, and where triton is missing."""
+    _check(x, values, n, m, in_features)
+    kernel = _triton_kernel()
+    floats = (torch.float16, torch.bfloat16, torch.float32)
+    if kernel is None or m > kernel.MAX_M or x.dtype not in floats or values.dtype not in floats:
+        return reference.nm_linear(x, values, indices, n, m, in_features, bias)
+    return kernel.nm_linear_triton(x, values, indices, n, m, in_features, bias)
+
+
+@functools.cache
+def _triton_kernel():
+    try:
+        from lmcompress.kernels import nm_linear_triton
+    except ImportError as err:
+        logger.warning("nm_linear: no Triton kernel (%s); CUDA runs the reference", err)
+        return None
+    return nm_linear_triton
 
 
 @nm_linear.register_fake

@@ -4,7 +4,8 @@ The layer keeps the ``n`` kept weights of every group of ``m`` inputs and their 
 2:4) positions (layout in :mod:`lmcompress.kernels.reference`): at fp16, 56.25 % of the dense
 bytes for 2:4. It never materialises the dense weight as a buffer; its forward calls
 ``torch.ops.lmcompress.nm_linear``, whose CPU implementation unpacks on the fly and whose CUDA
-implementation will be a Triton kernel reading the packed form directly.
+implementation is a Triton kernel reading the packed form directly
+(:mod:`lmcompress.kernels.nm_linear_triton`).
 """
 
 from __future__ import annotations
