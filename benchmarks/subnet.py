@@ -313,8 +313,9 @@ def render(payload: dict[str, Any]) -> str:
     lines.append(markdown_table(header, table))
     if ablations:
         lines.append(
-            f"\nAblations (50 % unless named): blocks 0-{ABLATION_BLOCKS - 1} only (the others dense), "
-            f"20 steps per block, perplexity over the first {ABLATION_TOKENS} tokens; block "
+            f"\nAblations (50 % unless named): blocks 0-{ABLATION_BLOCKS - 1} only (the "
+            f"others dense), 20 steps per block, perplexity over the first {ABLATION_TOKENS} "
+            "tokens; block "
             "error: the hard (extracted) masks' relative block-output error on two captured "
             "batches, mean over the blocks, before training (the SparseGPT prior's mask, scale "
             "1) and after; `after ÷ before`: the mean of the blocks' ratios.\n"

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import torch
 
 from lmcompress.api import run_method
+from lmcompress.cli.flags import command_line
 from lmcompress.compressor import distributed
 from lmcompress.compressor.config import MethodConfig, check_choices, check_types
 from lmcompress.compressor.export import save_compressed
@@ -123,7 +124,14 @@ def run(options: RunOptions, config: MethodConfig) -> dict[str, Any]:
         calib_ids = tokenize(tokenizer, options.calib)
         calib = calibration_windows(calib_ids, options.nsamples, options.seq_len, options.seed)
 
-    results: dict[str, Any] = {"options": asdict(options), "checkpoint": options.checkpoint}
+    results: dict[str, Any] = {
+        "options": asdict(options),
+        "checkpoint": options.checkpoint,
+        # for the model card: the run again, whatever recipe or API call started it
+        "command": command_line(
+            "compress-model", options.checkpoint, config.method, options, config
+        ),
+    }
     # Under ``accelerate launch`` every process compresses (a learned method trains on its
     # share of the data); only the main one evaluates and writes the outputs.
     main = distributed.is_main_process()

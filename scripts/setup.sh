@@ -7,6 +7,9 @@
 #   - triton (~1 GB; the CPU torch build does not bring it) runs the Triton kernels' tests on
 #     CPU in its interpreter (TRITON_INTERPRET=1); >= 3.7 because 3.4-3.6's interpreter breaks
 #     on numpy 2.4 (triton#9171).
+#   - the package's own dependencies bring optimum (>= 2.3: `optimum-cli lmcompress`, found
+#     through the optimum/commands/register namespace module this package installs) and
+#     matplotlib (every export's report.png).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

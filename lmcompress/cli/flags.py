@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
 import typing
 from typing import Any
 
@@ -20,6 +21,7 @@ from lmcompress.compressor.config import (
     is_value_type,
     literal_choices,
     option_fields,
+    option_value,
     recipe_value,
 )
 
@@ -122,3 +124,34 @@ def describe(cls: type) -> list[tuple[str, str, str]]:
             help_text = f"{help_text} [{'|'.join(map(str, choices))}]".strip()
         rows.append((flag_name(option.name), shown, help_text))
     return rows
+
+
+def changed_flags(config: Any, skip: tuple[str, ...] = ()) -> list[str]:
+    """The flags that rebuild ``config`` (a config dataclass) from its defaults: one per option
+    whose value differs from the default (``--sparsity 2:4``, ``--no-dense-copy``, ``--eval a
+    b``), the inverse of :func:`add_dataclass_flags`. A required option is always given."""
+    argv: list[str] = []
+    for option in option_fields(type(config)):
+        if option.name in skip:
+            continue
+        value = recipe_value(option_value(config, option))
+        default = option.default
+        if default is not dataclasses.MISSING and value == recipe_value(default):
+            continue
+        flag = flag_name(option.name)
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
+        elif value is not None:  # None differing from a default: no flag spells it
+            argv += [flag, str(value)]
+    return argv
+
+
+def command_line(prog: str, checkpoint: str, method: str, *configs: Any) -> str:
+    """The shell command that runs ``configs`` again: ``prog CHECKPOINT --method M`` plus
+    :func:`changed_flags` of each config (``-o`` written short, ``--overwrite`` left out)."""
+    argv = [prog, checkpoint, "--method", method]
+    for config in configs:
+        argv += changed_flags(config, skip=("checkpoint", "overwrite"))
+    return shlex.join(["-o" if arg == "--output" else arg for arg in argv])

@@ -18,7 +18,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -60,12 +61,29 @@ def _load_recipe(path: str) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in recipe.items()}
 
 
-def _compress(argv: Sequence[str]) -> int:
+@dataclass(frozen=True)
+class JobFlags:
+    """What :func:`run_job` needs besides the parsed flags: the recipe the flags override, the
+    method's config class, and which flags are the job's and which the method's."""
+
+    recipe: dict[str, Any]
+    config_class: type
+    run_fields: list[str]
+    method_fields: list[str]
+
+
+def add_job_arguments(
+    parser: argparse.ArgumentParser, argv: Sequence[str], prog: str = PROG
+) -> JobFlags:
+    """Define a compression job's flags on ``parser``: the job's (:class:`RunOptions`) and the
+    options of the method ``argv`` names (``--method``, else the recipe's, else magnitude).
+
+    ``compress-model`` and ``optimum-cli lmcompress`` both build their parser here, so the two
+    take the same options. Raises ``ConfigError`` for an unknown method or unreadable recipe.
+    """
     from lmcompress.cli.flags import add_dataclass_flags
-    from lmcompress.compressor import distributed
-    from lmcompress.compressor.config import option_fields
-    from lmcompress.methods import get_method
-    from lmcompress.pipeline import RunOptions, run
+    from lmcompress.methods import METHODS, get_method
+    from lmcompress.pipeline import RunOptions
 
     # First pass: which method (from the flag or the recipe) decides which flags exist.
     pre = _Parser(add_help=False)
@@ -74,19 +92,17 @@ def _compress(argv: Sequence[str]) -> int:
     known, _ = pre.parse_known_args(argv)
     recipe = _load_recipe(known.config) if known.config else {}
     method_name = known.method or recipe.get("method") or "magnitude"
-    method_class = get_method(method_name)
-    config_class = method_class.config_class
+    config_class = get_method(method_name).config_class
 
-    from lmcompress.methods import METHODS
-
-    parser = _Parser(
-        prog=PROG,
-        description="Compress a Hugging Face causal LM, score it beside the dense one, and "
-        "write it as safetensors.",
-        epilog=f"The options above are {method_name}'s; each method has its own: "
-        f"`{PROG} --method NAME --help`, or `{PROG} methods` for all of them. Other commands: "
+    parser.description = (
+        "Compress a Hugging Face causal LM, score it beside the dense one, and write it as "
+        "safetensors (with a model card, README.md, and report.png)."
+    )
+    parser.epilog = (
+        f"The options above are {method_name}'s; each method has its own: "
+        f"`{prog} --method NAME --help`, or `{PROG} methods` for all of them. Other commands: "
         f"`{PROG} eval OUT` scores a written output. Exit codes: 0 done, 2 a bad input (one "
-        "line, nothing written), 130 interrupted, 143 terminated.",
+        "line, nothing written), 130 interrupted, 143 terminated."
     )
     parser.add_argument(
         "checkpoint",
@@ -108,24 +124,45 @@ def _compress(argv: Sequence[str]) -> int:
     )
     method_group = parser.add_argument_group(f"{method_name} options")
     method_fields = add_dataclass_flags(method_group, config_class)
-    args = vars(parser.parse_args(argv))
-    _setup_logging(args.pop("quiet"))
+    return JobFlags(recipe, config_class, run_fields, method_fields)
 
-    for group in {o.path[0] for o in option_fields(config_class) if len(o.path) > 1}:
+
+def run_job(args: dict[str, Any], flags: JobFlags) -> int:
+    """Run the job that ``args`` (the flags :func:`add_job_arguments` defined, as a dict)
+    describe, and print its summary."""
+    from lmcompress.compressor import distributed
+    from lmcompress.compressor.config import option_fields
+    from lmcompress.pipeline import RunOptions, run
+
+    args = dict(args)
+    _setup_logging(args.pop("quiet"))
+    recipe = dict(flags.recipe)
+    for group in {o.path[0] for o in option_fields(flags.config_class) if len(o.path) > 1}:
         if isinstance(recipe.get(group), dict):  # an option group as a mapping: flatten it
             recipe.update({str(k).replace("-", "_"): v for k, v in recipe.pop(group).items()})
-    unknown = set(recipe) - set(run_fields) - set(method_fields) - {"method", "checkpoint"}
+    unknown = set(recipe) - set(flags.run_fields) - set(flags.method_fields)
+    unknown -= {"method", "checkpoint"}
     if unknown:
         raise ConfigError(
-            f"recipe has unknown option(s) for method {method_name!r}: {', '.join(sorted(unknown))}"
+            f"recipe has unknown option(s) for method {args['method']!r}: "
+            f"{', '.join(sorted(unknown))}"
         )
     merged = {**recipe, **args}
-    options = RunOptions(**{k: merged[k] for k in (*run_fields, "checkpoint") if k in merged})
-    config = config_class.from_dict({k: merged[k] for k in method_fields if k in merged})
+    run_keys = (*flags.run_fields, "checkpoint")
+    options = RunOptions(**{k: merged[k] for k in run_keys if k in merged})
+    config = flags.config_class.from_dict(
+        {k: merged[k] for k in flags.method_fields if k in merged}
+    )
     results = run(options, config)
     if distributed.is_main_process():  # one summary, not one per process
         _print_summary(results)
     return 0
+
+
+def _compress(argv: Sequence[str]) -> int:
+    parser = _Parser(prog=PROG)
+    flags = add_job_arguments(parser, argv)
+    return run_job(vars(parser.parse_args(argv)), flags)
 
 
 def _print_summary(results: dict[str, Any]) -> None:
@@ -324,30 +361,47 @@ def _setup_logging(quiet: bool) -> None:
 COMMANDS = {"methods": _methods, "eval": _eval}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "-q" in argv or "--quiet" in argv:  # tqdm reads TQDM_DISABLE once, when it is imported
+def quiet_environment(argv: Sequence[str]) -> None:
+    """``-q``: no progress bars. tqdm reads TQDM_DISABLE once, when it is imported: call this
+    before anything imports it (transformers, if imported already, is told directly)."""
+    if "-q" in argv or "--quiet" in argv:
         os.environ["TQDM_DISABLE"] = "1"
-    command = COMMANDS.get(argv[0]) if argv else None
+        transformers = sys.modules.get("transformers")
+        if transformers is not None:  # imported already (optimum-cli does): tell it directly
+            transformers.utils.logging.disable_progress_bar()
+
+
+def guarded(prog: str, command: Callable[..., int], *args: Any) -> int:
+    """``command(*args)`` with the CLI's exit codes: a user error is one line on stderr and 2,
+    Ctrl-C 130, SIGTERM 143 (raised where the process was, so clean-up runs as for Ctrl-C)."""
     previous = signal.getsignal(signal.SIGTERM)
     try:
         signal.signal(signal.SIGTERM, _raise_terminated)
     except ValueError:  # not the main thread (main() called from a worker): leave it alone
         previous = None
     try:
-        return command(argv[1:]) if command else _compress(argv)
+        return command(*args)
     except LmcompressError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     except Terminated:
-        print(f"{PROG}: terminated", file=sys.stderr)
+        print(f"{prog}: terminated", file=sys.stderr)
         return 143
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_environment(argv)
+    command = COMMANDS.get(argv[0]) if argv else None
+    if command:
+        return guarded(PROG, command, argv[1:])
+    return guarded(PROG, _compress, argv)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,14 @@ different number from ``perplexity.perplexity``; never put the two in one column
   counts. We join all documents and score non-overlapping windows of the whole corpus, dropping
   the tail. Families that need BOS in every window (Gemma) get it from us, not from lm-eval.
 
-Two lm-eval 0.4.13 quirks are fixed for rolling (perplexity) requests only: a tokenizer that adds
-BOS by itself (Llama-2, Gemma) made lm-eval score a second BOS after the prefix token, counting
-log p(BOS | BOS) as document text; and lm-eval opened one progress bar per batch of windows.
+The model is handed to lm-eval as an instance (``HFLM(pretrained=model)``, lm-eval's public
+way to evaluate a model it did not load) and only public methods are overridden: rolling
+(perplexity) requests are scored by ``loglikelihood_rolling`` here, which fixes two lm-eval
+0.4.13 quirks: a tokenizer that adds BOS by itself (Llama-2, Gemma) made lm-eval score a second
+BOS after the prefix token, counting log p(BOS | BOS) as document text; and lm-eval opened one
+progress bar per batch of windows. Other requests (multiple choice, generation) are lm-eval's
+own. An exported directory with its dense copy needs no adapter at all:
+``lm_eval --model hf --model_args pretrained=OUT --tasks ...``.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import yaml
 
 from lmcompress.errors import ConfigError, DataError, LmcompressError
@@ -263,37 +269,103 @@ def _registry_task_manager():
     return _task_manager_class()()
 
 
+def rolling_windows(
+    tokens: list[int], prefix_token: int, max_length: int
+) -> list[tuple[list[int], list[int]]]:
+    """``(inputs, targets)`` per window of a document, as lm-eval's rolling loglikelihood cuts
+    it: the first window is the prefix token and the first ``max_length - 1`` tokens and
+    predicts the first ``max_length``; each later one is the ``max_length`` tokens before its
+    last target and predicts only tokens no window predicted yet. The targets are the next-token
+    predictions of the last ``len(targets)`` positions of ``inputs``."""
+    if not tokens:
+        return []
+    end = min(max_length, len(tokens))
+    windows = [([prefix_token, *tokens[: end - 1]], tokens[:end])]
+    while end < len(tokens):
+        start, end = end, min(end + max_length, len(tokens))
+        windows.append((tokens[end - max_length - 1 : end - 1], tokens[start:end]))
+    return windows
+
+
+@torch.no_grad()
+def window_logprobs(
+    model: torch.nn.Module, windows: list[tuple[list[int], list[int]]], device: Any
+) -> list[float]:
+    """Summed log-probability of each window's targets, one forward for the batch.
+
+    Windows are right-padded to the longest (a causal model's earlier positions do not see the
+    padding). Only the positions that predict a target reach the head, a chunk of rows at a
+    time (:mod:`lmcompress.compressor.lm_loss`): never the batch's ``B x T x V`` logits.
+    """
+    from lmcompress.compressor.lm_loss import default_chunk_tokens, final_hidden, head_logits
+
+    width = max(len(inputs) for inputs, _ in windows)
+    ids = torch.tensor(
+        [inputs + [inputs[0]] * (width - len(inputs)) for inputs, _ in windows], device=device
+    )
+    hidden = final_hidden(model, ids)  # (B, T, H)
+    chunk = default_chunk_tokens(model.config.vocab_size)
+    sums = []
+    for row, (inputs, targets) in enumerate(windows):
+        rows = hidden[row, len(inputs) - len(targets) : len(inputs)]  # (k, H), k = len(targets)
+        labels = torch.tensor(targets, device=hidden.device)
+        total = 0.0
+        for at in range(0, len(targets), chunk):
+            logits = head_logits(model, rows[at : at + chunk]).float()  # (chunk, V)
+            nll = F.cross_entropy(logits, labels[at : at + chunk], reduction="sum")
+            total -= nll.item()
+        sums.append(total)
+    return sums
+
+
 @functools.cache
 def _hflm_class():
     from lm_eval.models.huggingface import HFLM
     from tqdm.auto import tqdm
 
-    class _HFLM(HFLM):
-        """HFLM with rolling requests fixed: no second BOS, one progress bar over all windows."""
+    from lmcompress.compressor.families import FAMILIES
 
-        _windows = None  # the progress bar while loglikelihood_rolling runs
+    class _HFLM(HFLM):
+        """HFLM (built on the in-memory model: ``HFLM(pretrained=model)``) whose rolling
+        (perplexity) requests are scored here, through lm-eval's public interface only.
+
+        ``loglikelihood_rolling`` is one of the three methods of lm-eval's model interface;
+        lm-eval 0.4.13's own (which the other requests keep using) lets a tokenizer that adds
+        BOS by itself score a second BOS after the prefix token, opens one progress bar per
+        batch of windows, and holds a batch's whole logits. Here: the document encoded without
+        special tokens (the prefix token already is the BOS), one bar over all windows, the
+        head run on scored positions only. Numbers otherwise match lm-eval's (tested)."""
 
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-            self._windows = tqdm(
-                desc="lm-eval windows", unit="window", disable=bar_disabled(not disable_tqdm)
+            model_type = getattr(self.model.config, "model_type", None)
+            batch_size = self.batch_size  # run_lm_eval gives an int; "auto" is lm-eval's to do
+            if self.world_size > 1 or model_type not in FAMILIES or not isinstance(batch_size, int):
+                return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
+            windows = []  # (request index, (inputs, targets))
+            for index, request in enumerate(requests):
+                (text,) = request.args
+                tokens = self.tok_encode(text, add_special_tokens=False)
+                windows += [
+                    (index, window)
+                    for window in rolling_windows(tokens, self.prefix_token_id, self.max_length)
+                ]
+            totals = [0.0] * len(requests)
+            bar = tqdm(
+                total=len(windows),
+                desc="lm-eval windows",
+                unit="window",
+                disable=bar_disabled(not disable_tqdm),
             )
-            try:
-                return super().loglikelihood_rolling(requests, disable_tqdm=True)
-            finally:
-                self._windows.close()
-                self._windows = None
-
-        def tok_encode(self, string, add_special_tokens=None, **kwargs):
-            if self._windows is not None and add_special_tokens is None:
-                add_special_tokens = False  # the rolling prefix token already is the BOS
-            return super().tok_encode(string, add_special_tokens=add_special_tokens, **kwargs)
-
-        def _loglikelihood_tokens(self, requests, **kwargs):
-            if self._windows is None:
-                return super()._loglikelihood_tokens(requests, **kwargs)
-            out = super()._loglikelihood_tokens(requests, **{**kwargs, "disable_tqdm": True})
-            self._windows.update(len(requests))
-            return out
+            with bar:
+                for at in range(0, len(windows), batch_size):
+                    batch = windows[at : at + batch_size]
+                    sums = window_logprobs(self.model, [w for _, w in batch], self.device)
+                    for (index, _), logprob in zip(batch, sums, strict=True):
+                        totals[index] += logprob
+                    bar.update(len(batch))
+            for request, total in zip(requests, totals, strict=True):
+                self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+            return totals
 
     return _HFLM
 

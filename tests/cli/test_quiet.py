@@ -4,6 +4,8 @@ import, and a bar given ``disable=False`` ignores it: ``lmcompress.progress`` ha
 import subprocess
 import sys
 
+import matplotlib
+
 from lmcompress.progress import bar_disabled
 
 
@@ -35,7 +37,14 @@ def test_quiet_job_prints_nothing_on_stderr(tiny_checkpoint, tmp_path):
         capture_output=True,
         text=True,
         check=False,
-        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"},
+        env={
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(tmp_path),
+            "OMP_NUM_THREADS": "1",
+            # report.png: matplotlib's font cache from this user's (in an empty HOME, building
+            # it takes seconds and, past 5 s, warns on stderr)
+            "MPLCONFIGDIR": matplotlib.get_cachedir(),
+        },
     )
     assert done.returncode == 0, done.stderr
     assert done.stderr == "", done.stderr  # no bars (blocks, perplexity, saving), no INFO logs

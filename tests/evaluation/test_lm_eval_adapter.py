@@ -264,3 +264,95 @@ def test_check_tasks_against_lm_evals_own_index(monkeypatch):
     lm_eval_adapter.check_tasks(["wikitext", "lmcompress_lee"])  # data on the hub: not fetched
     with pytest.raises(ConfigError, match=r"'wikitxt' \(did you mean wikitext"):
         lm_eval_adapter.check_tasks(["wikitxt"])
+
+
+# --- public lm-eval API only; offline; exports through plain lm-eval ---------------------------
+
+
+def _rolling_requests(docs):
+    from lm_eval.api.instance import Instance
+
+    return [
+        Instance(request_type="loglikelihood_rolling", doc={}, arguments=(doc,), idx=i)
+        for i, doc in enumerate(docs)
+    ]
+
+
+def test_rolling_windows_cover_every_token_once():
+    tokens = list(range(100, 171))  # 71 tokens, windows of 32: 32 + 32 + 7 predicted
+    windows = lm_eval_adapter.rolling_windows(tokens, prefix_token=1, max_length=32)
+    assert [t for _, targets in windows for t in targets] == tokens
+    for inputs, targets in windows:
+        assert len(inputs) == min(32, len(tokens) + 1) and len(targets) <= len(inputs)
+        full = [*inputs, targets[-1]]  # position j of inputs predicts full[j + 1]
+        assert full[-len(targets) :] == targets
+    assert windows[0][0][0] == 1 and lm_eval_adapter.rolling_windows([], 1, 32) == []
+
+
+def test_rolling_scores_match_lm_evals_own():
+    # A tokenizer that adds no BOS (lm-eval's own scoring is right there): the adapter's rolling
+    # scores equal lm-eval 0.4's HFLM.loglikelihood_rolling, over several windows and batches.
+    from lm_eval.models.huggingface import HFLM
+
+    model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
+    docs = ["Ünïcödé rolls over windows. " * 4, "Short.", "A middle one, forty bytes or so long."]
+    requests = _rolling_requests(docs)
+    ours = lm_eval_adapter._hflm_class()(
+        pretrained=model, tokenizer=tok, batch_size=3, max_length=32
+    )
+    theirs = HFLM(pretrained=model, tokenizer=tok, batch_size=3, max_length=32)
+    expected = theirs.loglikelihood_rolling(requests, disable_tqdm=True)
+    assert ours.loglikelihood_rolling(requests) == pytest.approx(expected, rel=1e-5)
+
+
+def test_adapter_overrides_only_public_lm_eval_methods():
+    from lm_eval.models.huggingface import HFLM
+
+    adapter = lm_eval_adapter._hflm_class()
+    overridden = {name for name in vars(adapter) if callable(getattr(HFLM, name, None))}
+    assert overridden == {"loglikelihood_rolling"}
+
+
+def test_local_tasks_run_offline(monkeypatch):
+    # the real `lee` corpus (shipped in gensim), with every socket refused
+    import socket
+
+    def refuse(*_args, **_kwargs):
+        raise OSError("network access in an offline test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
+    torch.nn.init.zeros_(model.get_output_embeddings().weight)  # logits == 0
+
+    metrics = run_lm_eval(model, tok, ["lmcompress_lee"], limit=2, max_length=64)["lmcompress_lee"]
+    assert metrics["byte_perplexity"] == pytest.approx(VOCAB, rel=1e-6)
+
+
+def test_dense_export_scores_the_same_through_plain_lm_eval(documents, tmp_path):
+    # `lm_eval --model hf --model_args pretrained=OUT`: lm-eval loads the export itself
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from lmcompress import compress, save_compressed
+    from lmcompress.methods.magnitude import MagnitudeConfig
+
+    documents["lee"] = SHORT_DOCS["lee"]
+    model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
+    report = compress(model, MagnitudeConfig(sparsity="2:4"))
+    out = save_compressed(model, tmp_path / "out", report, tokenizer=tok)
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    lm_eval_adapter.write_local_tasks(["lmcompress_lee"], tasks)  # as `--include_path` reads
+
+    output = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={out},dtype=float32",
+        device="cpu",
+        tasks=["lmcompress_lee"],
+        task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
+        bootstrap_iters=0,
+    )
+    plain = clean_results(output["results"])["lmcompress_lee"]
+    ours = run_lm_eval(model, tok, ["lmcompress_lee"])["lmcompress_lee"]
+    assert plain["byte_perplexity"] == pytest.approx(ours["byte_perplexity"], rel=1e-5)
