@@ -10,12 +10,19 @@ The public API::
 
 Names are imported on first use, so ``import lmcompress`` (and the CLI's ``--help``) stays fast
 and importing ``lmcompress.errors`` does not pull in transformers.
+
+``import lmcompress`` also registers the ``lmcompress`` quantizer with transformers (as soon as
+transformers' quantizer registry is imported, never importing it itself): afterwards
+``AutoModelForCausalLM.from_pretrained(out)`` on an export written with ``dense_copy=False``
+builds the compressed runtime modules (:mod:`lmcompress.compressor.hf_quantizer`).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from lmcompress.compressor import hf_registration as _hf_registration
 
 __version__ = "0.1.0"
 
@@ -37,6 +44,8 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
+
+_hf_registration.install()
 
 
 def __getattr__(name: str) -> Any:

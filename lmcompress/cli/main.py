@@ -218,10 +218,11 @@ def _output_sizes(out: Path) -> str:
     text = f"{total:.1f} MB in all"
     if compressed:
         text += f"; compressed form {compressed:.1f} MB ({COMPRESSED_TENSORS})"
-    interop = (json.loads((out / "compression.json").read_text()).get("interop") or {}).get(
-        "layout"
-    )
-    if dense and compressed and interop:
+    manifest = json.loads((out / "compression.json").read_text())
+    interop = (manifest.get("interop") or {}).get("layout")
+    if dense and compressed and not manifest.get("dense_copy", True):
+        text += f"; the other parameters {dense:.1f} MB (no dense copy)"
+    elif dense and compressed and interop:
         text += f"; model.safetensors {dense:.1f} MB in the {interop} layout"
     elif dense and compressed:
         text += (

@@ -4,11 +4,16 @@
 
 - ``config.json`` + ``model.safetensors``: by default a dense copy that plain ``transformers``
   loads as a normal model (pruned weights as zeros, factorised layers multiplied out); with
-  ``dense_copy=False`` only the parameters of the layers that are *not* compressed;
+  ``dense_copy=False`` only the parameters of the layers that are *not* compressed, plus
+  ``lmcompress.safetensors.index.json`` and a ``quantization_config`` through which
+  ``from_pretrained`` builds the compressed runtime after ``import lmcompress``;
 - ``compressed.safetensors``: every compressed layer in its format's tensors, keyed
   ``<module>.<tensor>`` (packed N:M values and positions, low-rank factors, ...);
 - ``compression.json``: method, config, report, package versions, format version, and per
-  compressed layer its ``format``, the ``meta`` that rebuilds it, and its tensor names.
+  compressed layer its ``format``, the ``meta`` that rebuilds it, and its tensor names;
+- ``README.md`` (the model card: method, options, perplexities, the command that reproduces
+  the run, versions) and ``report.png`` (per-layer sparsity / rank / error, perplexity dense vs
+  compressed), both drawn from the manifest alone.
 
 The stored form of a layer is chosen by name from the registry (``runtime.FORMATS``): a layer
 the method already replaced by a compressed module is stored as that module's tensors; a layer
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +47,9 @@ from lmcompress.compressor.load import (  # noqa: F401  (the on-disk layout; re-
     read_manifest,
     runtime_bytes,
 )
+from lmcompress.compressor.model_card import MODEL_CARD, REPORT_PNG, model_card
 from lmcompress.compressor.report import CompressionReport
+from lmcompress.compressor.report_plot import write_report_png
 from lmcompress.compressor.runtime import CompressedLinear, format_class, installed
 from lmcompress.compressor.surgery import replace_modules
 from lmcompress.errors import LmcompressError
@@ -57,6 +65,7 @@ def _versions() -> dict[str, str]:
     from lmcompress import __version__
 
     return {
+        "python": platform.python_version(),
         "lmcompress": __version__,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -90,13 +99,16 @@ def save_compressed(
         dtype: storage dtype of the weights and compressed tensors (floating ones only: packed
             positions stay uint8); ``None`` = the model's. The model itself is not changed.
         overwrite: replace an existing non-empty ``out_dir`` (only once the new one is complete).
-        extra: more JSON-serialisable results to record in ``compression.json`` (perplexities).
+        extra: more JSON-serialisable results to record in ``compression.json`` and show in
+            the model card: the pipeline's ``checkpoint``, ``options``, ``dense`` /
+            ``compressed`` perplexities, ``lm_eval`` and ``command``.
         stats: the method's :class:`Stats` (e.g. learned mask logits), saved as
             ``stats.safetensors`` when it holds tensors: for transfer and resuming.
         dense_copy: also write the compressed layers' dense weights into ``model.safetensors``
             so that plain ``transformers`` loads the directory. ``False`` writes only the
             parameters of the layers that are not compressed (plus ``config.json``): a smaller
-            directory that only :func:`load_compressed` reads.
+            directory that :func:`load_compressed` reads, and ``from_pretrained`` too once
+            ``lmcompress`` is imported (:mod:`lmcompress.compressor.hf_quantizer`).
     """
     out_dir = Path(out_dir)
     check_output_dir(out_dir, overwrite)
@@ -150,6 +162,10 @@ def save_compressed(
                 str(tmp / COMPRESSED_TENSORS),
                 metadata={"format_version": str(FORMAT_VERSION)},
             )
+        if not dense_copy and tensors:  # from_pretrained builds the runtime (import lmcompress)
+            from lmcompress.compressor.hf_quantizer import write_loading_entry
+
+            write_loading_entry(tmp, layouts, transforms, sorted(tensors))
         manifest = {
             "format_version": FORMAT_VERSION,
             "method": report.method,
@@ -166,6 +182,10 @@ def save_compressed(
             "report": report.to_dict(),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        # for a person: the card and the plots, from the manifest alone
+        title = out_dir.resolve().name
+        (tmp / MODEL_CARD).write_text(model_card(manifest, title), encoding="utf-8")
+        write_report_png(manifest, tmp / REPORT_PNG)
         if stats is not None and stats.tensors:
             stats.save(tmp / STATS)
     logger.info("saved compressed model to %s", out_dir)

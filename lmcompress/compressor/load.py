@@ -55,7 +55,17 @@ def read_manifest(out_dir: str | Path) -> dict[str, Any]:
             f"{path}: unsupported format_version {version!r} (this lmcompress reads "
             f"{', '.join(map(str, READABLE_VERSIONS))})"
         )
-    layers = manifest.get("compressed_layers", {})
+    manifest["compressed_layers"] = check_layers(
+        manifest.get("compressed_layers", {}), version, str(path)
+    )
+    return manifest
+
+
+def check_layers(layers: Any, version: int, where: str) -> dict[str, dict[str, Any]]:
+    """``compressed_layers`` checked (each entry a ``format`` name, a ``meta`` dict and tensor
+    names), version-1 entries rewritten in today's form; a :class:`ModelLoadError` naming
+    ``where`` otherwise. Shared by the manifest and the ``quantization_config`` of a compact
+    export (:mod:`lmcompress.compressor.hf_quantizer`)."""
     try:
         if version == 1:
             layers = {name: _upgrade_v1(entry) for name, entry in layers.items()}
@@ -64,9 +74,8 @@ def read_manifest(out_dir: str | Path) -> dict[str, Any]:
                 raise TypeError(f"bad entry for {name}")
             entry["tensors"] = [str(key) for key in entry["tensors"]]
     except (AttributeError, KeyError, TypeError, ValueError) as err:
-        raise ModelLoadError(f"{path}: malformed compressed_layers ({err})") from None
-    manifest["compressed_layers"] = layers
-    return manifest
+        raise ModelLoadError(f"{where}: malformed compressed_layers ({err})") from None
+    return layers
 
 
 def _upgrade_v1(entry: dict[str, Any]) -> dict[str, Any]:
@@ -158,7 +167,9 @@ def build_model(
     if layers:
         with _open(out_dir / COMPRESSED_TENSORS, device) as packed:
             replace_modules(
-                model, layers, lambda name, old: _replay(name, old, layers[name], packed, dense)
+                model,
+                layers,
+                lambda name, old: replay_layer(name, old, layers[name], packed, dense),
             )
     # Every parameter and persistent buffer not under a replaced layer, and only those keys.
     skip = tuple(f"{name}." for name in layers)
@@ -181,10 +192,14 @@ def build_model(
     return model.to(device).eval()
 
 
-def _replay(
-    name: str, old: nn.Module, entry: dict[str, Any], packed, dense: _DenseTensors
+def replay_layer(
+    name: str, old: nn.Module, entry: dict[str, Any], packed, dense: _DenseTensors | None
 ) -> CompressedLinear:
-    """The compressed module that replaces the skeleton's layer ``name``."""
+    """The compressed module that replaces the skeleton's layer ``name``.
+
+    ``packed``: anything with ``get_tensor(key)`` (the open ``compressed.safetensors``, or
+    meta tensors of the stored shapes for transformers' loader to fill); ``dense``: the dense
+    tensors, read only for a version-1 layer's bias."""
     if not is_linear(old):
         raise ModelLoadError(f"compressed layer {name} is a {type(old).__name__}, not a linear")
     try:

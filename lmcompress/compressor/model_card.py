@@ -195,6 +195,18 @@ def _usage_section(manifest: dict[str, Any]) -> str:
             "`lm_eval --model hf --model_args pretrained=OUT --tasks TASKS`.",
             "",
         ]
+    else:
+        lines += [
+            "transformers, once lmcompress is imported (it registers the `lmcompress` "
+            "quantization method that builds the compressed modules):",
+            "",
+            "```python",
+            "import lmcompress  # noqa: F401",
+            "from transformers import AutoModelForCausalLM",
+            'model = AutoModelForCausalLM.from_pretrained("OUT")',
+            "```",
+            "",
+        ]
     lines += [
         "lmcompress, with the compressed layers as compressed modules (`compressed.safetensors`):",
         "",
