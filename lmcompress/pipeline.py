@@ -71,6 +71,23 @@ class RunOptions:
         default=False,
         metadata={"help": "start even if the memory estimate exceeds the available memory"},
     )
+    streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "models larger than memory: one decoder block in memory at a time, read "
+            "from the checkpoint's safetensors and written to -o as it is done (magnitude, "
+            "wanda, sparsegpt; a local checkpoint directory; no evaluation)"
+        },
+    )
+    offload_activations: str | None = field(
+        default=None,
+        metadata={
+            "help": "with --streaming: keep the calibration activations between blocks in "
+            "files under this directory instead of in memory",
+            "metavar": "DIR",
+            "default_text": "in memory",
+        },
+    )
 
     def __post_init__(self) -> None:
         check_types(self)  # a recipe's values can be of any type: names the key if one is wrong
@@ -82,6 +99,8 @@ class RunOptions:
         if self.eval_tokens < 0:
             raise ConfigError(f"eval_tokens must be >= 0 (0 = whole split), got {self.eval_tokens}")
         check_choices(self)
+        if self.offload_activations is not None and not self.streaming:
+            raise ConfigError("--offload-activations works with --streaming only")
 
 
 def evaluate(
@@ -104,6 +123,10 @@ def run(options: RunOptions, config: MethodConfig) -> dict[str, Any]:
     that a bad input fails in about a second: device, checkpoint, output path, lm-eval tasks,
     the method on a meta-device copy of the model, sequence length, memory, corpora."""
     method = get_method(config.method)(config)
+    if options.streaming:
+        from lmcompress.compressor.streaming import run_streaming
+
+        return run_streaming(options, method)
     preflight(options, method)
     needs_text = (*options.eval, *((options.calib,) if method.needs_calibration else ()))
     start = time.perf_counter()

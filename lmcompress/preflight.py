@@ -143,12 +143,15 @@ def estimate_job(skeleton: nn.Module, options: RunOptions, method: Method) -> Me
     """Peak bytes of the job: the weights and libraries throughout, plus the larger of the
     method's own peak and one evaluation batch's (they never overlap)."""
     itemsize = resolve_dtype(options.dtype).itemsize
-    estimate = MemoryEstimate(
-        {"model weights": param_bytes(skeleton, itemsize), "torch and libraries": RUNTIME_BYTES}
-    )
+    weights = param_bytes(skeleton, itemsize)
+    if options.streaming:  # one block (or the embeddings) at a time
+        from lmcompress.compressor.streaming import streaming_weight_bytes
+
+        weights = streaming_weight_bytes(skeleton, itemsize)
+    estimate = MemoryEstimate({"model weights": weights, "torch and libraries": RUNTIME_BYTES})
     nsamples = options.nsamples if method.needs_calibration else 0
     phases = [method.memory_estimate(skeleton, nsamples, options.seq_len, itemsize)]
-    if options.eval:
+    if options.eval and not options.streaming:
         phases.append(
             {
                 "evaluation batch": eval_bytes(

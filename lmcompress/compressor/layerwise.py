@@ -14,6 +14,13 @@ Wanda "catcher" pattern, done once for every family):
    over every calibration batch; the method then compresses the layers (in place); a second pass
    over the batches produces the *compressed* block's outputs, which become the next block's
    inputs (as SparseGPT and Wanda do). The block moves back to where it was.
+
+With a :class:`BlockSource` the model need never be whole in memory (``--streaming``,
+:mod:`lmcompress.compressor.streaming`): the skeleton sits on the meta device, the source
+materialises what the capture runs (embeddings) and frees it once the inputs are recorded, then
+materialises each block just before it is calibrated and writes and frees it just after.
+With ``offload_dir`` the hidden states between blocks live on disk, one file per batch, read
+back memory-mapped one batch at a time.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -55,6 +63,59 @@ class BlockCompressor(Protocol):
         accumulators: dict[str, Accumulator],
         batches: list[dict[str, Any]],
     ) -> list[LayerReport]: ...
+
+
+class BlockSource(Protocol):
+    """Where a skeleton's weights come from, block by block, and where they go when done."""
+
+    def load_embeddings(self, model: nn.Module) -> None:
+        """Materialise what runs before the first block (embeddings, rotary tables)."""
+
+    def free_embeddings(self, model: nn.Module) -> None:
+        """The first block's inputs are recorded: what ran before it may go."""
+
+    def load(self, index: int, block: nn.Module) -> None:
+        """Materialise block ``index``."""
+
+    def release(self, index: int, block: nn.Module, reports: list[LayerReport]) -> None:
+        """Block ``index`` is compressed (``reports``) and its outputs computed: write, free."""
+
+
+class _Activations:
+    """Each batch's block inputs (B, T, H), in RAM (``directory=None``) or one file per batch
+    on disk, read back memory-mapped (``torch.load(mmap=True)``) when that batch runs."""
+
+    def __init__(self, batches: list[dict[str, Any]], directory: Path | None) -> None:
+        self.batches, self.directory = batches, directory
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            for i, batch in enumerate(batches):
+                self[i] = batch.pop("hidden")
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.directory is None:
+            return self.batches[i]["hidden"]
+        return torch.load(self._file(i), mmap=True, weights_only=True)
+
+    def __setitem__(self, i: int, hidden: torch.Tensor) -> None:
+        if self.directory is None:
+            self.batches[i]["hidden"] = hidden
+        else:  # a fresh file: the old one may still be mapped by a tensor in use
+            path = self._file(i)
+            tmp = path.with_suffix(".tmp")
+            torch.save(hidden.detach().cpu().contiguous(), tmp)
+            tmp.replace(path)
+
+    def _file(self, i: int) -> Path:
+        return self.directory / f"hidden-{i:05d}.pt"
+
+    def resident_bytes(self) -> int:
+        if self.directory is None:
+            return _nbytes([b["hidden"] for b in self.batches])
+        return max((self[i].nbytes for i in range(min(len(self), 1))), default=0)
 
 
 @dataclass
@@ -100,6 +161,12 @@ def _nbytes(obj: Any) -> int:
     return sum(_nbytes(v) for v in vars(obj).values()) if hasattr(obj, "__dict__") else 0
 
 
+def _to_device(module: nn.Module, device: torch.device) -> None:
+    """``module.to(device)`` for its materialised tensors; meta ones (a streamed skeleton's
+    blocks and head) stay on meta."""
+    module._apply(lambda t: t if t.is_meta else t.to(device))
+
+
 def _first(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output
 
@@ -119,7 +186,7 @@ def capture_block_inputs(
     for i in range(len(blocks)):
         blocks[i] = _Recorder(i, i == len(blocks) - 1, store)
     try:
-        model.to(device)  # moves embeddings, rotary tables, norms: the blocks are recorders now
+        _to_device(model, device)  # embeddings, rotary tables, norms: the blocks are recorders
         for start in range(0, data.shape[0], batch_size):
             try:
                 model(input_ids=data[start : start + batch_size].to(device), use_cache=False)
@@ -142,6 +209,8 @@ def compress_layerwise(
     batch_size: int = 8,
     progress: bool = True,
     compress_block: BlockCompressor | None = None,
+    source: BlockSource | None = None,
+    offload_dir: str | Path | None = None,
 ) -> tuple[list[LayerReport], LayerwiseStats]:
     """Compress ``layers`` (selected linears, qualified names) block by block.
 
@@ -150,9 +219,16 @@ def compress_layerwise(
     reports. With ``compress_block``, that call replaces the per-layer one and gets the whole
     block, its batches and every accumulator (block-wise training, e.g. MaskLLM's block mode):
     give exactly one of the two. Layers outside the decoder blocks are not supported here.
+
+    ``source``: the model is a meta-device skeleton whose weights ``source`` materialises and
+    frees block by block (:class:`BlockSource`). ``offload_dir``: keep the hidden states between
+    blocks in files there instead of in RAM (with ``compress_layer`` only). Neither changes a
+    single operation on the numbers: the results are bit-identical to the in-memory loop's.
     """
     if (compress_layer is None) == (compress_block is None):
         raise ValueError("give exactly one of compress_layer and compress_block")
+    if offload_dir is not None and compress_block is not None:
+        raise ValueError("offload_dir works with compress_layer only")
     start = time.perf_counter()
     device = torch.device(device)
     prefix = family_of(model).blocks
@@ -160,9 +236,15 @@ def compress_layerwise(
     outside = [name for name in layers if not name.startswith(prefix + ".")]
     if outside:
         raise ValueError(f"layer-wise calibration covers decoder blocks only, not {outside}")
-    was_training, home_device = model.training, next(model.parameters()).device
+    was_training = model.training
+    home_device = next((p.device for p in model.parameters() if not p.is_meta), device)
     model.eval()
+    if source is not None:
+        source.load_embeddings(model)
     batches = capture_block_inputs(model, data, batch_size, device)
+    if source is not None:
+        source.free_embeddings(model)
+    hidden = _Activations(batches, None if offload_dir is None else Path(offload_dir))
     stats = LayerwiseStats(blocks=len(blocks))
     reports: list[LayerReport] = []
     for index in tqdm(
@@ -170,8 +252,11 @@ def compress_layerwise(
     ):
         block_start = time.perf_counter()
         block = blocks[index]
+        if source is not None:
+            source.load(index, block)
         home = next(block.parameters()).device
         block.to(device)
+        done = len(reports)
         names = [n for n in layers if n.startswith(f"{prefix}.{index}.")]
         accumulators = {n: make_accumulator(n, layers[n]) for n in names}
         if names:
@@ -182,30 +267,31 @@ def compress_layerwise(
                 for n in names
             ]
             try:
-                for batch in batches:
-                    block(batch["hidden"], *batch["args"][index], **batch["kwargs"][index])
+                for i, batch in enumerate(batches):
+                    block(hidden[i], *batch["args"][index], **batch["kwargs"][index])
             finally:
                 for handle in handles:
                     handle.remove()
-            if compress_block is not None:
-                reports.extend(compress_block(index, block, names, accumulators, batches))
-            else:
-                for n in names:
-                    reports.append(compress_layer(n, layers[n], accumulators[n]))
         held = (
-            _nbytes([b["hidden"] for b in batches])
+            hidden.resident_bytes()
             + _nbytes([b["kwargs"][index] for b in batches])
             + _nbytes([vars(a) for a in accumulators.values()])
         )
         stats.peak_state_bytes = max(stats.peak_state_bytes, held)
-        for batch in batches:  # the compressed block's outputs feed the next block
-            batch["hidden"] = _first(
-                block(batch["hidden"], *batch["args"][index], **batch["kwargs"][index])
-            )
+        if names:
+            if compress_block is not None:
+                reports.extend(compress_block(index, block, names, accumulators, batches))
+            else:
+                for n in names:  # each layer's statistics freed once it is compressed
+                    reports.append(compress_layer(n, layers[n], accumulators.pop(n)))
+        for i, batch in enumerate(batches):  # the compressed block's outputs feed the next
+            hidden[i] = _first(block(hidden[i], *batch["args"][index], **batch["kwargs"][index]))
         del accumulators
         block.to(home)
+        if source is not None:
+            source.release(index, block, reports[done:])
         stats.per_block_seconds.append(time.perf_counter() - block_start)
-    model.to(home_device)
+    _to_device(model, home_device)
     model.train(was_training)
     stats.seconds = time.perf_counter() - start
     return reports, stats
@@ -244,3 +330,23 @@ def layerwise_estimate(
             per_block[block] = per_block.get(block, 0) + nbytes(module)
         parts[part] = max(per_block.values(), default=0)
     return parts
+
+
+def stream_blocks(
+    model: nn.Module,
+    source: BlockSource,
+    compress: Callable[[int, nn.Module], list[LayerReport]],
+    progress: bool = True,
+) -> list[LayerReport]:
+    """For methods that read no calibration data (magnitude): materialise each block of a
+    meta-device skeleton from ``source``, ``compress(index, block)`` it, release it."""
+    blocks = model.get_submodule(family_of(model).blocks)
+    reports: list[LayerReport] = []
+    for index in tqdm(
+        range(len(blocks)), desc="blocks", unit="block", disable=bar_disabled(progress)
+    ):
+        source.load(index, blocks[index])
+        done = len(reports)
+        reports.extend(compress(index, blocks[index]))
+        source.release(index, blocks[index], reports[done:])
+    return reports

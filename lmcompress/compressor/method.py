@@ -71,6 +71,10 @@ class Method:
     # Whether an export keeps the stats (``stats.safetensors``): learned tensors that another
     # run reuses (MaskLLM's logits), not statistics as large as the model (Fisher factors).
     stats_in_output: ClassVar[bool] = True
+    # Whether the method compresses a model it never holds whole (``--streaming``): one block
+    # materialised at a time, through ``compress_streaming(model, data, source, offload_dir)``
+    # (:mod:`lmcompress.compressor.streaming`).
+    streams: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig, device: str | torch.device | None = None) -> None:
         """``device``: where calibration computes (``None``: where the model is). Layer-wise

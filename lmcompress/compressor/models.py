@@ -172,12 +172,24 @@ def model_skeleton(
     config: transformers.PretrainedConfig,
     dtype: torch.dtype | str = torch.float32,
     trust_remote_code: bool = False,
+    real_buffers: bool = False,
 ) -> PreTrainedModel:
     """The ``*ForCausalLM`` of ``config`` on the meta device: the loaded model's module names,
     shapes and dtypes, but no memory and no weights (~1 s for SmolLM2-135M, most of it importing
     its modeling code; ~30 ms after that). For checks that need the layers: layer selection,
-    N:M divisibility, per-layer overrides, memory estimates."""
-    with torch.device("meta"):
+    N:M divisibility, per-layer overrides, memory estimates.
+
+    ``real_buffers``: the buffers computed at init (rotary ``inv_freq``, causal masks) are real
+    CPU tensors, only the parameters on meta: a model to materialise parameter by parameter
+    (:mod:`lmcompress.compressor.streaming`), as ``from_pretrained`` does."""
+    import accelerate
+
+    context = (
+        accelerate.init_empty_weights(include_buffers=False)
+        if real_buffers
+        else torch.device("meta")
+    )
+    with context:
         model = transformers.AutoModelForCausalLM.from_config(
             config, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code
         )

@@ -7,13 +7,19 @@ import fnmatch
 import logging
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
 import torch
 from torch import nn
 
 from lmcompress.compressor.config import MethodConfig, Sparsity, parse_sparsity
-from lmcompress.compressor.layerwise import Accumulator, compress_layerwise, layerwise_estimate
+from lmcompress.compressor.layerwise import (
+    Accumulator,
+    BlockSource,
+    compress_layerwise,
+    layerwise_estimate,
+)
 from lmcompress.compressor.method import Method, Stats
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.compressor.sparsity import check_nm_shape
@@ -141,11 +147,21 @@ class LayerwisePruningMethod(PruningMethod):
     ) -> LayerReport:
         raise NotImplementedError
 
-    def calibrate(self, model: nn.Module, data: torch.Tensor | None) -> Stats:
+    streams = True
+
+    def calibrate(
+        self,
+        model: nn.Module,
+        data: torch.Tensor | None,
+        source: BlockSource | None = None,
+        offload_dir: str | Path | None = None,
+    ) -> Stats:
+        """``source`` / ``offload_dir``: see :func:`compress_layerwise` (``--streaming``)."""
         if data is None:
             raise ConfigError(f"method {self.name!r} needs calibration data")
         start = time.perf_counter()
         layers = self.validate(model)
+        home = next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
         reports, loop = compress_layerwise(
             model,
             data,
@@ -154,8 +170,10 @@ class LayerwisePruningMethod(PruningMethod):
             compress_layer=lambda n, m, acc: self.prune_layer(
                 n, m, acc, self.config.sparsity_of(n)
             ),
-            device=self.device or next(model.parameters()).device,
+            device=self.device or home,
             batch_size=self.config.calib_batch_size,
+            source=source,
+            offload_dir=offload_dir,
         )
         return Stats(
             meta={
@@ -167,12 +185,25 @@ class LayerwisePruningMethod(PruningMethod):
             }
         )
 
+    def compress_streaming(
+        self,
+        model: nn.Module,
+        data: torch.Tensor | None,
+        source: BlockSource,
+        offload_dir: str | Path | None = None,
+    ) -> CompressionReport:
+        """Compress a meta-device skeleton whose blocks ``source`` materialises and writes."""
+        return self._report(model, self.calibrate(model, data, source, offload_dir))
+
     def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:
         """The report of what :meth:`calibrate` did. The stats hold no weights, so ``model``
         must be the model that was calibrated: a layer with more nonzero weights than the
         stats say were kept is refused rather than reported as pruned."""
+        _check_pruned(model, [LayerReport.from_dict(x) for x in stats.meta["layers"]], self.name)
+        return self._report(model, stats)
+
+    def _report(self, model: nn.Module, stats: Stats) -> CompressionReport:
         layers = [LayerReport.from_dict(layer) for layer in stats.meta["layers"]]
-        _check_pruned(model, layers, self.name)
         return CompressionReport(
             self.name,
             self.config.to_dict(),
