@@ -22,6 +22,8 @@ holds its job table and ``render(payload)``:
   random subnetworks vs the trained network, with and without rescaling, 3 seeds);
 - ``subnet``: subnetwork extraction on SmolLM2 at 50 % and 2:4 next to SparseGPT, Wanda and
   MaskLLM;
+- ``recipes``: a two-stage recipe (SparseGPT 2:4 then int8, stored as packed 2:4 int8) beside
+  each stage alone: perplexity, stored bytes, wall time and peak RSS;
 - ``bad_inputs``: issue 10's bad and hostile inputs on the real model (exit code, time, message,
   what is left behind; kills while saving; file modes and output sizes).
 
@@ -45,4 +47,5 @@ BENCHMARKS = (
     "lowrank",
     "subnet_digits",
     "subnet",
+    "recipes",
 )

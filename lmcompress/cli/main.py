@@ -91,6 +91,8 @@ def add_job_arguments(
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
     recipe = _load_recipe(known.config) if known.config else {}
+    if "stages" in recipe and known.method:
+        raise ConfigError("--method does not go with a multi-stage recipe: its stages name them")
     method_name = known.method or recipe.get("method") or "magnitude"
     config_class = get_method(method_name).config_class
 
@@ -136,6 +138,10 @@ def run_job(args: dict[str, Any], flags: JobFlags) -> int:
 
     args = dict(args)
     _setup_logging(args.pop("quiet"))
+    if "stages" in flags.recipe:  # a multi-stage recipe (lmcompress.recipe)
+        from lmcompress.cli.recipe import run_stages_job
+
+        return run_stages_job(args, flags)
     recipe = dict(flags.recipe)
     for group in {o.path[0] for o in option_fields(flags.config_class) if len(o.path) > 1}:
         if isinstance(recipe.get(group), dict):  # an option group as a mapping: flatten it

@@ -32,6 +32,7 @@ def model_card(manifest: dict[str, Any], name: str) -> str:
         _front_matter(manifest, checkpoint),
         f"# {name}\n\n{_summary(manifest, checkpoint)}",
         _perplexity_section(results),
+        _stages_section(results),
         _lm_eval_section(results.get("lm_eval") or {}),
         f"![per-layer report and perplexity]({REPORT_PNG})\n\n"
         f"`{REPORT_PNG}`: {_plot_caption(report)}",
@@ -104,6 +105,46 @@ def _perplexity_section(results: dict[str, Any]) -> str:
     return "## Perplexity\n\n" + "\n".join(rows) + f"\n\n{protocol}."
 
 
+def _stages_section(results: dict[str, Any]) -> str:
+    """A multi-stage recipe's stages: each one's options, layers and perplexity after it, and
+    the recipe that runs the job again (:mod:`lmcompress.recipe`)."""
+    stages = results.get("stages") or []
+    if not stages:
+        return ""
+    corpora = list(results.get("compressed") or {})
+    rows = [
+        "| stage | method | options | layers | stored / dense bytes | "
+        + " | ".join(f"{Path(c).name} ppl" for c in corpora)
+        + " |",
+        "|---|---|---|---:|---:|" + "---:|" * len(corpora),
+    ]
+    written = (results.get("recipe") or {}).get("stages") or [s["config"] for s in stages]
+    for index, (stage, config) in enumerate(zip(stages, written, strict=False), 1):
+        options = ", ".join(f"{k}={_text(v)}" for k, v in config.items() if k != "method")
+        summary = stage["summary"]
+        size = summary["bytes_compressed"] / max(summary["bytes_dense"], 1)
+        ppl = [
+            f"{stage.get('compressed', {}).get(c, {}).get('perplexity', float('nan')):.3f}"
+            for c in corpora
+        ]
+        rows.append(
+            f"| {index} | {stage['method']} | `{options or 'defaults'}` | {summary['layers']} | "
+            f"{size:.1%} | " + " | ".join(ppl) + " |"
+        )
+    text = (
+        "## Stages\n\nEach stage compressed the model as the earlier ones left it; a layer an "
+        "earlier stage compressed is left alone unless the formats compose (int8 codes of a "
+        "2:4-pruned layer, stored packed). Perplexity after each stage:\n\n" + "\n".join(rows)
+    )
+    if results.get("recipe"):
+        recipe = yaml.safe_dump(results["recipe"], sort_keys=False)
+        text += (
+            "\n\nThe recipe (`compress-model --config recipe.yaml -o OUT`):"
+            f"\n\n```yaml\n{recipe}```"
+        )
+    return text
+
+
 def _lm_eval_section(lm_eval: dict[str, dict[str, float]]) -> str:
     if not lm_eval:
         return ""
@@ -124,10 +165,12 @@ def _plot_caption(report: dict[str, Any]) -> str:
 
 
 def _options_section(manifest: dict[str, Any], results: dict[str, Any]) -> str:
-    config = {k: v for k, v in manifest["config"].items() if k != "method"}
+    config = {k: v for k, v in manifest["config"].items() if k not in ("method", "stages")}
     rows = ["| option | value |", "|---|---|"]
     rows += [f"| {key} | `{_text(value)}` |" for key, value in config.items()]
-    text = f"## Method: {manifest['method']}\n\n" + "\n".join(rows)
+    text = f"## Method: {manifest['method']}\n\n" + (
+        "\n".join(rows) if config else "Options: per stage (Stages, above)."
+    )
     options = results.get("options")
     if options:
         job = ["| option | value |", "|---|---|"]

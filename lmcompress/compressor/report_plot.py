@@ -94,26 +94,32 @@ def _perplexity_panel(ax: Any, results: dict[str, Any]) -> None:
         ax.set_yticks([])
         return
     corpora = list(compressed)
-    width = 0.38
-    for offset, (label, source, color) in enumerate(
-        (("dense", dense, "0.6"), ("compressed", compressed, "tab:red"))
-    ):
-        xs = [i + (offset - 0.5) * width for i, corpus in enumerate(corpora) if corpus in source]
+    stages = results.get("stages") or []  # a multi-stage recipe: a bar after each stage
+    sources = [("dense", dense, "0.6")]
+    sources += [
+        (f"after {s['method']}", s.get("compressed") or {}, f"C{i}")
+        for i, s in enumerate(stages[:-1])
+    ]
+    sources.append(("compressed", compressed, "tab:red"))
+    width = 0.76 / len(sources)
+    for offset, (label, source, color) in enumerate(sources):
+        shift = (offset - (len(sources) - 1) / 2) * width
+        xs = [i + shift for i, corpus in enumerate(corpora) if corpus in source]
         ys = [source[c]["perplexity"] for c in corpora if c in source]
         if not ys:
             continue
         bars = ax.bar(xs, ys, width, label=label, color=color)
         texts = [f"{y:.2f}" for y in ys]
-        if source is compressed:  # the change against dense, where dense was scored
+        if source is not dense:  # the change against dense, where dense was scored
             base = [dense.get(c, {}).get("perplexity") for c in corpora if c in source]
             texts = [
                 f"{t}\n({y / b - 1:+.1%})" if b else t
                 for t, y, b in zip(texts, ys, base, strict=True)
             ]
-        ax.bar_label(bars, labels=texts, fontsize=8)
+        ax.bar_label(bars, labels=texts, fontsize=8 if len(sources) < 3 else 6)
     ax.set_xticks(range(len(corpora)), [Path(c).name for c in corpora], fontsize=8)
     ax.set_xlim(-0.8, len(corpora) - 0.2)  # one corpus: bars of the same width as several
-    values = [r["perplexity"] for source in (dense, compressed) for r in source.values()]
+    values = [r["perplexity"] for _, source, _ in sources for r in source.values()]
     log = max(values) / max(min(values), 1e-9) > 20  # a 50x gap hides the dense bars
     if log:
         ax.set_yscale("log")

@@ -32,6 +32,32 @@ ACTIVATIONS = ("dynamic", "static")
 PATHS = ("int", "simulated")
 
 
+def int8_forward(
+    x: torch.Tensor,
+    weight_q: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    path: str = "int",
+) -> torch.Tensor:
+    """``Q(x) weight_qᵀ`` rescaled, plus ``bias``: the computation of every int8-coded layer
+    (:class:`QuantLinear`, and the composed formats that unpack their codes first).
+    ``input_scale`` ``None``: per-token dynamic activation scales."""
+    out_features, in_features = weight_q.shape
+    x_2d = x.reshape(-1, in_features)  # (tokens, in)
+    if input_scale is None:
+        x_scale = quant.per_token_scale(x_2d)  # (tokens, 1)
+    else:
+        x_scale = input_scale  # (1,)
+    x_q = quant.quantize(x_2d, x_scale)
+    args = (x_q, x_scale, weight_q, weight_scale, bias, x.dtype)
+    if path == "int":
+        y = torch.ops.lmcompress.int8_linear(*args)
+    else:
+        y = quant.simulated_int8_linear(*args)
+    return y.reshape(*x.shape[:-1], out_features)
+
+
 @register_format
 class QuantLinear(CompressedLinear):
     """``y = Q(x) Q(W)ᵀ + b`` for an ``nn.Linear`` or GPT-2 ``Conv1D``.
@@ -207,18 +233,9 @@ class QuantLinear(CompressedLinear):
         return quant.dequantize(self.weight_q, self.weight_scale).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_2d = x.reshape(-1, self.in_features)  # (tokens, in)
-        if self.input_scale is None:
-            x_scale = quant.per_token_scale(x_2d)  # (tokens, 1)
-        else:
-            x_scale = self.input_scale  # (1,)
-        x_q = quant.quantize(x_2d, x_scale)
-        args = (x_q, x_scale, self.weight_q, self.weight_scale, self.bias, x.dtype)
-        if self.path == "int":
-            y = torch.ops.lmcompress.int8_linear(*args)
-        else:
-            y = quant.simulated_int8_linear(*args)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return int8_forward(
+            x, self.weight_q, self.weight_scale, self.input_scale, self.bias, self.path
+        )
 
     def extra_repr(self) -> str:
         groups = "channel" if self.group_size is None else f"group of {self.group_size}"

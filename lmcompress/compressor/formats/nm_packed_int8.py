@@ -1,0 +1,202 @@
+"""``nm_packed_int8``: int8 codes that are N:M sparse, stored packed (a 2:4 layer, then int8).
+
+Quantizing an N:M-sparse weight rounds its zeros to zero codes, so an int8 layer made from a
+pruned one is N:M sparse too. Stored the ``nm_packed`` way — the kept int8 codes ``values``
+(out, in·n/m) and their positions ``indices`` (2 bits each for 2:4) — with the int8 layer's
+scales. For 2:4 a group of 4 weights takes 2 codes × 8 bits + 2 positions × 2 bits = 20 bits
+instead of 32: 62.5 % of the int8 codes' bytes (the fp32 scales, one per row, are the same in
+both).
+
+The computation is the int8 layer's: unpack the codes (the packed format's reference unpack)
+and run :func:`~lmcompress.compressor.formats.int8.int8_forward`, so the module's outputs are
+those of the :class:`~lmcompress.compressor.formats.int8.QuantLinear` it was packed from, bit
+for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmcompress.compressor import quant
+from lmcompress.compressor.formats.int8 import PATHS, QuantLinear, int8_forward
+from lmcompress.compressor.runtime import CompressedLinear, register_format
+from lmcompress.errors import ConfigError, ModelLoadError
+from lmcompress.kernels.reference import index_bits, pack_nm, unpack_nm
+
+
+@register_format
+class PackedNMInt8Linear(CompressedLinear):
+    """An N:M-sparse :class:`QuantLinear`, its codes packed.
+
+    Buffers: ``values`` int8 (out, in·n/m), ``indices`` uint8 (packed positions),
+    ``weight_scale`` fp32 (out, groups), ``input_scale`` fp32 (1,) or ``None`` (dynamic
+    activations), ``bias`` or ``None``. ``dtype`` and ``path`` as in :class:`QuantLinear`.
+    """
+
+    format = "nm_packed_int8"
+    exact_tensors = frozenset({"weight_scale", "input_scale"})
+
+    def __init__(
+        self,
+        values: torch.Tensor,
+        indices: torch.Tensor,
+        n: int,
+        m: int,
+        in_features: int,
+        weight_scale: torch.Tensor,
+        input_scale: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        conv1d: bool = False,
+        path: str = "int",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__(in_features, values.shape[0], conv1d=conv1d)
+        if path not in PATHS:
+            raise ConfigError(f"unknown int8 path {path!r}; choose from {', '.join(PATHS)}")
+        self.n, self.m, self.path, self.dtype = n, m, path, dtype
+        groups = weight_scale.shape[-1]
+        self.group_size = None if groups == 1 else in_features // groups
+        self.register_buffer("values", values)
+        self.register_buffer("indices", indices)
+        self.register_buffer("weight_scale", weight_scale.float())
+        self.register_buffer(
+            "input_scale", None if input_scale is None else input_scale.float().reshape(1)
+        )
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    @torch.no_grad()
+    def from_quant(cls, layer: QuantLinear, n: int, m: int) -> PackedNMInt8Linear:
+        """Pack ``layer``'s codes, which must be N:M sparse (a :class:`ConfigError` otherwise:
+        packing drops nothing silently)."""
+        values, indices = pack_nm(layer.weight_q, n, m)
+        return cls(
+            values,
+            indices,
+            n,
+            m,
+            layer.in_features,
+            layer.weight_scale,
+            layer.input_scale,
+            layer.bias,
+            conv1d=layer.conv1d,
+            path=layer.path,
+            dtype=layer.dtype,
+        )
+
+    @classmethod
+    def compose(cls, later: QuantLinear, n: int, m: int) -> PackedNMInt8Linear:
+        """The composed form of an N:M stage followed by int8 (``stages.compose_``)."""
+        return cls.from_quant(later, n, m)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, n: int, m: int, **int8_options: Any):
+        """Quantize an N:M-sparse ``linear`` (:meth:`QuantLinear.from_linear`'s options), then
+        pack the codes."""
+        return cls.from_quant(QuantLinear.from_linear(linear, **int8_options), n, m)
+
+    @property
+    def activations(self) -> str:
+        return "dynamic" if self.input_scale is None else "static"
+
+    def weight_codes(self) -> torch.Tensor:
+        """The int8 codes (out, in), zeros where pruned."""
+        return unpack_nm(self.values, self.indices, self.n, self.m, self.in_features)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        tensors = {
+            "values": self.values,
+            "indices": self.indices,
+            "weight_scale": self.weight_scale,
+        }
+        if self.input_scale is not None:
+            tensors["input_scale"] = self.input_scale
+        if self.bias is not None:
+            tensors["bias"] = self.bias
+        return tensors
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            **super().meta(),
+            "n": self.n,
+            "m": self.m,
+            "bits": 8,
+            "group_size": self.group_size,
+            "activations": self.activations,
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+    @classmethod
+    def from_state(
+        cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+    ) -> PackedNMInt8Linear:
+        """Rebuild from :meth:`state_tensors` and :meth:`meta`. The int8 half is checked by
+        :meth:`QuantLinear.from_state` on a stand-in of the unpacked codes' shape, the packed
+        half here (a mismatched file is a :class:`ModelLoadError`)."""
+        try:
+            n, m = int(meta["n"]), int(meta["m"])
+            in_features, out_features = int(meta["in_features"]), int(meta["out_features"])
+            values, indices = tensors["values"], tensors["indices"]
+        except (KeyError, TypeError, ValueError) as err:
+            raise ModelLoadError(f"nm_packed_int8 layer is missing {err}") from None
+        if not 0 < n < m or in_features % m:
+            raise ModelLoadError(
+                f"nm_packed_int8 layer: invalid {n}:{m} for in_features={in_features}"
+            )
+        kept = in_features // m * n
+        expected = {
+            "values": ((out_features, kept), values.shape),
+            "indices": ((out_features, -(-kept * index_bits(m) // 8)), indices.shape),
+        }
+        for key, (want, got) in expected.items():
+            if tuple(got) != want:
+                raise ModelLoadError(
+                    f"nm_packed_int8 {key} has shape {list(got)}, expected {list(want)}"
+                )
+        if values.dtype != torch.int8 or indices.dtype != torch.uint8:
+            raise ModelLoadError(
+                f"nm_packed_int8: values {values.dtype} / indices {indices.dtype}, expected "
+                "int8 / uint8"
+            )
+        codes = torch.empty(out_features, in_features, dtype=torch.int8, device="meta")
+        quant_meta = {k: v for k, v in meta.items() if k not in ("n", "m")}
+        checked = QuantLinear.from_state({**tensors, "weight_q": codes}, quant_meta)
+        return cls(
+            values,
+            indices,
+            n,
+            m,
+            in_features,
+            checked.weight_scale,
+            checked.input_scale,
+            checked.bias,
+            conv1d=checked.conv1d,
+            dtype=checked.dtype,
+        )
+
+    def _apply(self, fn, recurse=True):
+        """Scales stay float32 whatever the model is cast to, as in :class:`QuantLinear`."""
+        scales = {"weight_scale": self.weight_scale, "input_scale": self.input_scale}
+        super()._apply(fn, recurse)
+        for name, scale in scales.items():
+            if scale is not None:
+                setattr(self, name, scale.to(fn(scale).device))
+        return self
+
+    def dense_weight(self) -> torch.Tensor:
+        """The dequantized weight (out, in) in :attr:`dtype`, zeros where pruned."""
+        return quant.dequantize(self.weight_codes(), self.weight_scale).to(self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_forward(
+            x, self.weight_codes(), self.weight_scale, self.input_scale, self.bias, self.path
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, n={self.n}, m={self.m}, int8 codes, "
+            f"activations={self.activations}, path={self.path}"
+        )
