@@ -188,9 +188,11 @@ def _options_section(manifest: dict[str, Any], results: dict[str, Any]) -> str:
 
 
 def _text(value: Any) -> str:
+    """An option's value as the card shows it; unset (``None`` / empty) reads "default", since
+    e.g. ``include: None`` means every decoder linear, not none of them."""
     if isinstance(value, (list, tuple)):
-        return " ".join(map(str, value)) if value else "none"
-    return "none" if value is None else str(value)
+        return " ".join(map(str, value)) if value else "default"
+    return "default" if value is None else str(value)
 
 
 def _layers_section(report: dict[str, Any]) -> str:
