@@ -24,6 +24,8 @@ holds its job table and ``render(payload)``:
   MaskLLM;
 - ``recipes``: a two-stage recipe (SparseGPT 2:4 then int8, stored as packed 2:4 int8) beside
   each stage alone: perplexity, stored bytes, wall time and peak RSS;
+- ``streaming``: SparseGPT 2:4 on a random 6.6 GB Llama, streamed block by block against in
+  memory: peak RSS over the weight bytes, wall time, bit-for-bit equality of the outputs;
 - ``bad_inputs``: issue 10's bad and hostile inputs on the real model (exit code, time, message,
   what is left behind; kills while saving; file modes and output sizes).
 
@@ -48,4 +50,5 @@ BENCHMARKS = (
     "subnet_digits",
     "subnet",
     "recipes",
+    "streaming",
 )
