@@ -113,6 +113,16 @@ def test_compact_streamed_output_loads_by_replay(tmp_path):
     got, want = load_compressed(tmp_path / "s")[0], load_compressed(tmp_path / "m")[0]
     for (name, a), (_, b) in zip(got.state_dict().items(), want.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+    # and, like a compact in-memory export, through plain from_pretrained (import lmcompress)
+    import lmcompress  # noqa: F401
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "s")
+    assert {type(m).__name__ for n, m in hf.named_modules() if n.endswith("proj")} == {
+        "PackedNMLinear"
+    }
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, got(ids).logits)
 
 
 @pytest.mark.parametrize(
