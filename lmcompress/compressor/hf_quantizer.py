@@ -39,6 +39,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 # lmcompress.compressor.* is imported in the functions: register() can run while one of those
 # modules is half imported (it imported transformers, whose import registers the quantizer).
+from lmcompress.compressor.shards import SAFETENSORS_DTYPES  # torch and safetensors only
 from lmcompress.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -46,20 +47,6 @@ logger = logging.getLogger(__name__)
 QUANT_METHOD = "lmcompress"
 WEIGHTS_INDEX = "lmcompress.safetensors.index.json"  # what config.json's transformers_weights names
 _TRANSFORMS = "transforms."  # key prefix of the transforms' tensors in compressed.safetensors
-
-# safetensors header dtypes -> torch (those lmcompress writes)
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 class LmcompressConfig(QuantizationConfigMixin):
@@ -174,9 +161,9 @@ class _StoredTensors:
                     for key in f.keys():
                         piece = f.get_slice(key)
                         stored = piece.get_dtype()
-                        if stored not in _DTYPES:
+                        if stored not in SAFETENSORS_DTYPES:
                             raise ModelLoadError(f"{path}: {key} has unsupported dtype {stored}")
-                        self.where[key] = (str(path), piece.get_shape(), _DTYPES[stored])
+                        self.where[key] = (str(path), piece.get_shape(), SAFETENSORS_DTYPES[stored])
             except (SafetensorError, OSError) as err:
                 raise ModelLoadError(f"cannot read {path}: {err}") from None
 

@@ -2,14 +2,14 @@
 
 The model is a skeleton on the meta device (module names, shapes, no memory). The layer-wise
 loop (:func:`~lmcompress.compressor.layerwise.compress_layerwise`) asks a :class:`Streamer` for
-weights: the embeddings are read from the checkpoint's safetensors shards (each tensor read
-straight into its destination: :func:`read_tensors`) for the capture and freed once the first
-block's inputs are recorded; each block is read just before it is calibrated, and once
-compressed it is written to its own output shard and returned to the meta device. The head is
-never materialised (calibration stops before it, and evaluation is left to ``compress-model
-eval`` on a machine that holds the model): its tensor is copied from the checkpoint into the
-output. Peak memory is one block, its statistics and the
-calibration activations (which ``--offload-activations DIR`` moves to disk), whatever the depth.
+weights: the embeddings are read from the checkpoint's safetensors shards (each tensor read straight
+into its destination: :func:`~lmcompress.compressor.shards.read_tensors`) for the capture and freed
+once the first block's inputs are recorded; each block is read just before it is calibrated, and
+once compressed it is written to its own output shard and returned to the meta device. The head is
+never materialised (calibration stops before it, and evaluation is left to ``compress-model eval``
+on a machine that holds the model): its tensor is copied from the checkpoint into the output. Peak
+memory is one block, its statistics and the calibration activations (which ``--offload-activations
+DIR`` moves to disk), whatever the depth.
 
 The output is the directory :func:`~lmcompress.compressor.export.save_compressed` writes, with
 the dense copy sharded (``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``,
@@ -30,23 +30,22 @@ import contextlib
 import json
 import logging
 import shutil
-import struct
 import tempfile
 import time
-from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from lmcompress.compressor.export import cast_tensor
 from lmcompress.compressor.families import family_of
 from lmcompress.compressor.load import COMPRESSED_TENSORS, DENSE_TENSORS, FORMAT_VERSION, MANIFEST
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.compressor.runtime import CompressedLinear, format_class
+from lmcompress.compressor.shards import merge_safetensors, read_tensors
 from lmcompress.compressor.surgery import replace_modules
 from lmcompress.errors import ConfigError, ModelLoadError
 from lmcompress.fsutil import atomic_dir
@@ -167,7 +166,7 @@ class Streamer:
             stored = {
                 key: t.detach().cpu().contiguous()
                 if key in module.exact_tensors
-                else _cast(t, self.save_dtype)
+                else cast_tensor(t, self.save_dtype)
                 for key, t in module.state_tensors().items()
             }
             tensors.update({f"{name}.{key}": t for key, t in stored.items()})
@@ -282,7 +281,7 @@ class Streamer:
 
     def _write_shard(self, index: int, state: dict[str, torch.Tensor]) -> None:
         name = SHARD.format(index=index, total=self.total)
-        tensors = {k: _cast(v, self.save_dtype) for k, v in state.items()}
+        tensors = {k: cast_tensor(v, self.save_dtype) for k, v in state.items()}
         save_file(tensors, str(self.out / name), metadata={"format": "pt"})
         self.weight_map.update(dict.fromkeys(tensors, name))
         self.total_size += sum(t.nbytes for t in tensors.values())
@@ -305,92 +304,6 @@ def _to_meta(model: nn.Module, key: str) -> None:
         module._parameters[name] = nn.Parameter(meta, requires_grad=tensor.requires_grad)
     else:
         module._buffers[name] = meta
-
-
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-def read_tensors(path: Path, keys: list[str]) -> dict[str, torch.Tensor]:
-    """``keys`` of one safetensors file, each read (``readinto``) straight into its tensor.
-
-    Not through a memory map: the pages of a mapped shard that a tensor is copied from count
-    in the process's RSS until the map closes, doubling a block's footprint while it loads;
-    read this way they stay in the kernel's page cache, which RSS does not count."""
-    try:
-        with path.open("rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-            tensors = {}
-            for key in keys:
-                entry = header[key]
-                begin, end = entry["data_offsets"]
-                tensor = torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]])
-                view = tensor.reshape(-1).view(torch.uint8).numpy()
-                if view.nbytes != end - begin:
-                    raise ValueError(f"{key}: {end - begin} bytes for {view.nbytes}")
-                f.seek(8 + length + begin)
-                if f.readinto(memoryview(view)) != view.nbytes:
-                    raise ValueError(f"{key} is truncated")
-                tensors[key] = tensor
-    except (OSError, ValueError, KeyError, struct.error, UnicodeDecodeError) as err:
-        raise ModelLoadError(f"cannot read {path}: {err}") from None
-    return tensors
-
-
-def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    target = dtype if tensor.is_floating_point() else tensor.dtype
-    return tensor.detach().to(device="cpu", dtype=target).contiguous()
-
-
-def merge_safetensors(
-    parts: Iterable[Path], out: Path, metadata: dict[str, str] | None = None
-) -> None:
-    """Concatenate safetensors files into one without loading a tensor: the headers are
-    merged (offsets shifted) and the data sections copied in order. Keys must be distinct."""
-    parts = list(parts)
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    sections: list[tuple[Path, int, int]] = []  # (file, data start, data length)
-    offset = 0
-    for part in parts:
-        with part.open("rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            entries = json.loads(f.read(length))
-        entries.pop("__metadata__", None)
-        size = max((e["data_offsets"][1] for e in entries.values()), default=0)
-        for key, entry in sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            if key in header:
-                raise ValueError(f"{key} is in more than one part")
-            begin, end = entry["data_offsets"]
-            header[key] = {**entry, "data_offsets": [begin + offset, end + offset]}
-        sections.append((part, 8 + length, size))
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    with out.open("wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for part, start, size in sections:
-            with part.open("rb") as src:
-                src.seek(start)
-                while size:
-                    chunk = src.read(min(size, 16 * 2**20))
-                    if not chunk:
-                        raise ValueError(f"{part} is truncated")
-                    f.write(chunk)
-                    size -= len(chunk)
-    with safe_open(str(out), framework="pt"):  # the merged header parses
-        pass
 
 
 def run_streaming(options: RunOptions, method: Method) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lmcompress.compressor.load import load_compressed
-from lmcompress.compressor.streaming import merge_safetensors
+from lmcompress.compressor.shards import merge_safetensors
 from lmcompress.errors import ConfigError
 from lmcompress.methods.magnitude import MagnitudeConfig
 from lmcompress.methods.sparsegpt import SparseGPTConfig
