@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -25,6 +25,12 @@ from lmcompress.evaluation.corpora import calibration_windows, tokenize
 from lmcompress.evaluation.perplexity import perplexity
 from lmcompress.methods import get_method
 from lmcompress.preflight import preflight
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from lmcompress.compressor.method import Stats
+    from lmcompress.compressor.report import CompressionReport
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +171,24 @@ def run(options: RunOptions, config: MethodConfig) -> dict[str, Any]:
         results.update(report=report, compressed={}, seconds=time.perf_counter() - start)
         return results
     results["compressed"] = evaluate(model, tokenizer, corpora, options)
+    # learned tensors (MaskLLM's logits): for --prior-from and inspection
+    return finish_run(
+        model, tokenizer, options, report, results, stats if method.stats_in_output else None, start
+    )
+
+
+def finish_run(
+    model: nn.Module,
+    tokenizer: Any,
+    options: RunOptions,
+    report: CompressionReport,
+    results: dict[str, Any],
+    stats: Stats | None,
+    start: float,
+) -> dict[str, Any]:
+    """The end of a job on the main process, once ``results["compressed"]`` is scored: lm-eval
+    tasks, summary, timing, the export (``stats`` saved with it), and ``results["report"]``.
+    Shared by :func:`run` and multi-stage recipes (:mod:`lmcompress.recipe`)."""
     if options.lm_eval_tasks:
         from lmcompress.evaluation.lm_eval_adapter import run_lm_eval
 
@@ -181,8 +205,7 @@ def run(options: RunOptions, config: MethodConfig) -> dict[str, Any]:
             dtype=save_dtype,
             overwrite=options.overwrite,
             extra=results,
-            # learned tensors (MaskLLM's logits): for --prior-from and inspection
-            stats=stats if method.stats_in_output else None,
+            stats=stats,
             dense_copy=options.dense_copy,
         )
         results["output"] = options.output

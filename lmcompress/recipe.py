@@ -33,13 +33,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-import torch
 from torch import nn
 
 from lmcompress.api import run_method
 from lmcompress.compressor import distributed
 from lmcompress.compressor.config import MethodConfig, option_fields, option_value, recipe_value
-from lmcompress.compressor.export import save_compressed
 from lmcompress.compressor.families import family_of
 from lmcompress.compressor.method import Method
 from lmcompress.compressor.models import load_model
@@ -50,7 +48,7 @@ from lmcompress.compressor.surgery import is_linear
 from lmcompress.errors import ConfigError, LmcompressError
 from lmcompress.evaluation.corpora import calibration_windows, tokenize
 from lmcompress.methods import get_method
-from lmcompress.pipeline import RunOptions, evaluate
+from lmcompress.pipeline import RunOptions, evaluate, finish_run
 from lmcompress.preflight import preflight
 
 logger = logging.getLogger(__name__)
@@ -254,25 +252,4 @@ def run_recipe(options: RunOptions, configs: Sequence[MethodConfig]) -> dict[str
         results.update(report=combined, compressed={}, seconds=time.perf_counter() - start)
         return results
     results["compressed"] = results["stages"][-1]["compressed"]
-    if options.lm_eval_tasks:
-        from lmcompress.evaluation.lm_eval_adapter import run_lm_eval
-
-        results["lm_eval"] = run_lm_eval(model, tokenizer, list(options.lm_eval_tasks))
-    results["summary"] = combined.summary()
-    results["seconds"] = time.perf_counter() - start
-    if options.output:
-        save_dtype = None if options.save_dtype == "auto" else getattr(torch, options.save_dtype)
-        save_compressed(
-            model,
-            options.output,
-            combined,
-            tokenizer=tokenizer,
-            dtype=save_dtype,
-            overwrite=options.overwrite,
-            extra=results,
-            stats=kept_stats,
-            dense_copy=options.dense_copy,
-        )
-        results["output"] = options.output
-    results["report"] = combined
-    return results
+    return finish_run(model, tokenizer, options, combined, results, kept_stats, start)
