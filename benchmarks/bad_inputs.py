@@ -79,7 +79,7 @@ ORDER = [*PROBES, *KILLS, MODES]
 
 
 def _cache() -> Path:
-    from lmcompress.cache import cache_dir
+    from lmcompress.compressor.util.cache import cache_dir
 
     return cache_dir() / "smollm2-135m"
 

@@ -10,7 +10,7 @@ the first row also scores the dense fp32 model. The ``interop`` row reloads the 
 output in a fresh process with plain ``AutoModelForCausalLM.from_pretrained`` (its
 ``model.safetensors`` is in the compressed-tensors int-quantized layout) and scores it beside
 our simulation of the same scheme (compressed-tensors' activation rounding: absmax/127.5,
-``lmcompress.compressor.formats.compressed_tensors.simulated_linear``). Writes
+``lmcompress.compressor.io.compressed_tensors.simulated_linear``). Writes
 ``benchmarks/results/int8.{json,md}`` and ``int8_curves.png`` (perplexities, and the per-head
 softmax bias β of the head-corrected row, layer × head).
 """
@@ -117,10 +117,10 @@ def child_interop(out: str, eval_tokens: int) -> int:
     import torch
     import transformers
 
-    from lmcompress.compressor.families import family_of
-    from lmcompress.compressor.formats.compressed_tensors import simulated_linear
     from lmcompress.compressor.formats.int8 import QuantLinear
-    from lmcompress.compressor.load import load_compressed
+    from lmcompress.compressor.io.compressed_tensors import simulated_linear
+    from lmcompress.compressor.io.load import load_compressed
+    from lmcompress.compressor.model.families import family_of
     from lmcompress.evaluation.corpora import tokenize
     from lmcompress.evaluation.perplexity import perplexity
 

@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = [n for n in ROWS if args.compile or not n.endswith(" + compile")]
     names = ["fp32", *(n for n in wanted if n != "fp32" and (not args.only or n in args.only))]
 
-    from lmcompress.compressor.models import load_model
+    from lmcompress.compressor.model.loading import load_model
     from lmcompress.evaluation.corpora import tokenize
 
     torch.set_num_threads(args.threads)

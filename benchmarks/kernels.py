@@ -232,8 +232,8 @@ def end_to_end(args, device) -> dict[str, Any]:
     import transformers
 
     from lmcompress.api import compress
-    from lmcompress.compressor.export import save_compressed
-    from lmcompress.compressor.load import load_compressed
+    from lmcompress.compressor.io.load import load_compressed
+    from lmcompress.compressor.io.save import save_compressed
     from lmcompress.methods.magnitude.config import MagnitudeConfig
 
     shape = SMOKE_E2E if args.smoke else E2E

@@ -101,7 +101,7 @@ def _stats_needed(row: dict[str, Any]) -> str | None:
 def _setup(eval_tokens: int | None = None):
     import torch
 
-    from lmcompress.compressor.models import load_model
+    from lmcompress.compressor.model.loading import load_model
     from lmcompress.evaluation.corpora import calibration_windows, tokenize
 
     torch.set_grad_enabled(False)
@@ -112,7 +112,7 @@ def _setup(eval_tokens: int | None = None):
 
 
 def _score(model, tokenizer, corpora) -> dict[str, float]:
-    from lmcompress.compressor.families import family_of
+    from lmcompress.compressor.model.families import family_of
     from lmcompress.evaluation.perplexity import perplexity
 
     bos = tokenizer.bos_token_id if family_of(model).needs_bos else None
@@ -151,8 +151,8 @@ def child_stats(job: str, stats_dir: Path) -> dict[str, Any]:
             tensors = {f"{n}.{method.key}": method.read(o[index]) for n, o in observers.items()}
             Stats(tensors=tensors).save(stats_dir / f"{method.name}.safetensors")
         return {"pass_seconds": round(time.perf_counter() - start, 1)}
-    from lmcompress.compressor.gradients import gradient_statistics
-    from lmcompress.compressor.surgery import LayerSelection
+    from lmcompress.compressor.calibration.gradients import gradient_statistics
+    from lmcompress.compressor.model.surgery import LayerSelection
 
     layers = LayerSelection().select(model)
     samples = SampleStore(layers, sample_count(NSAMPLES, 8))

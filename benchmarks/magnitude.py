@@ -46,7 +46,7 @@ JOBS = [  # name, method (None: the dense model), sparsity
 def child(job: dict[str, Any]) -> dict[str, Any]:
     """One row, in its own process: load, compress (unless dense), score every corpus."""
     from lmcompress import compress
-    from lmcompress.compressor.models import load_model
+    from lmcompress.compressor.model.loading import load_model
     from lmcompress.evaluation.corpora import tokenize
     from lmcompress.evaluation.perplexity import perplexity
     from lmcompress.methods import get_method

@@ -58,7 +58,7 @@ def child(job: dict, out: Path) -> None:
     import torch
 
     from lmcompress import MaskLLMConfig, compress
-    from lmcompress.compressor.models import load_model
+    from lmcompress.compressor.model.loading import load_model
     from lmcompress.evaluation.corpora import calibration_windows, tokenize
 
     model, tokenizer = load_model(job["checkpoint"])

@@ -8,7 +8,7 @@ from typing import Any
 
 from benchmarks.maskllm_results import GOAL, REFERENCE, reference_ppl
 from benchmarks.render import read_json
-from lmcompress.fsutil import atomic_file
+from lmcompress.compressor.util.fsutil import atomic_file
 
 CURVES = "maskllm_curves.json"
 

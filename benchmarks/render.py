@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lmcompress.fsutil import atomic_file
+from lmcompress.compressor.util.fsutil import atomic_file
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ memory the allocator keeps but nobody uses).
 A diagnostic, not a benchmark, and deliberately outside the benchmark harness: it prints to
 stderr, writes no results file, and must run the CLI in its own process (the sampler thread
 reads this process's RSS and the main thread's stack; the tensor census needs this process's
-objects). For the same reason it wraps ``lmcompress.pipeline.evaluate`` to take the census at
+objects). For the same reason it wraps ``lmcompress.jobs.run.evaluate`` to take the census at
 the start of the evaluation: an instrument of this script only, never used by a benchmark. It
-produced the numbers in ``lmcompress/compressor/memory.py``'s docstring (3-step MaskLLM,
+produced the numbers in ``lmcompress/compressor/util/memory.py``'s docstring (3-step MaskLLM,
 magnitude prior).
 """
 
@@ -26,7 +26,7 @@ import traceback
 import psutil
 import torch
 
-import lmcompress.pipeline as pipeline
+import lmcompress.jobs.run as pipeline
 from lmcompress.cli.main import main as cli_main
 
 

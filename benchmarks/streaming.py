@@ -55,8 +55,8 @@ def write_checkpoint(path: Path, seed: int = 0) -> int:
     import transformers
     from safetensors.torch import save_file
 
-    from lmcompress.cache import cache_dir
-    from lmcompress.compressor.models import model_skeleton
+    from lmcompress.compressor.model.loading import model_skeleton
+    from lmcompress.compressor.util.cache import cache_dir
 
     config = transformers.LlamaConfig(**MODEL, bos_token_id=1, eos_token_id=2)
     skeleton = model_skeleton(config)

@@ -41,7 +41,7 @@ from torch import nn
 from benchmarks.render import RESULTS_DIR, render_files, write_results
 from benchmarks.runner import machine
 from benchmarks.subnet_digits_plot import plot, render
-from lmcompress.compressor.trainer import TrainConfig, Trainer
+from lmcompress.compressor.training.trainer import TrainConfig, Trainer
 from lmcompress.methods.subnet.config import SubnetConfig
 from lmcompress.methods.subnet.learning import extract_layer, learnable, new_mask
 

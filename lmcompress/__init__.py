@@ -14,7 +14,7 @@ and importing ``lmcompress.errors`` does not pull in transformers.
 ``import lmcompress`` also registers the ``lmcompress`` quantizer with transformers (as soon as
 transformers' quantizer registry is imported, never importing it itself): afterwards
 ``AutoModelForCausalLM.from_pretrained(out)`` on an export written with ``dense_copy=False``
-builds the compressed runtime modules (:mod:`lmcompress.compressor.hf_quantizer`).
+builds the compressed runtime modules (:mod:`lmcompress.compressor.io.hf_quantizer`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from lmcompress.compressor import hf_registration as _hf_registration
+from lmcompress.compressor.io import hf_registration as _hf_registration
 
 __version__ = "0.1.0"
 
@@ -31,9 +31,9 @@ _EXPORTS = {
     "CompressionReport": "lmcompress.compressor.report",
     "MethodConfig": "lmcompress.compressor.config",
     "parse_sparsity": "lmcompress.compressor.config",
-    "load_compressed": "lmcompress.compressor.export",
-    "save_compressed": "lmcompress.compressor.export",
-    "load_model": "lmcompress.compressor.models",
+    "load_compressed": "lmcompress.compressor.io.save",
+    "save_compressed": "lmcompress.compressor.io.save",
+    "load_model": "lmcompress.compressor.model.loading",
     "perplexity": "lmcompress.evaluation.perplexity",
     "METHODS": "lmcompress.methods",
     "MagnitudeConfig": "lmcompress.methods.magnitude",

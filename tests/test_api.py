@@ -12,8 +12,8 @@ from conftest import VOCAB, make_tiny_model
 import lmcompress
 from lmcompress import compress
 from lmcompress.compressor.method import Stats
+from lmcompress.compressor.model.surgery import LayerSelection, weight_matrix
 from lmcompress.compressor.report import CompressionReport
-from lmcompress.compressor.surgery import LayerSelection, weight_matrix
 from lmcompress.errors import ConfigError
 
 CONFIGS = {

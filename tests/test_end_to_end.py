@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from lmcompress.cli.main import main
-from lmcompress.compressor.export import (
+from lmcompress.compressor.io.save import (
     COMPRESSED_TENSORS,
     MANIFEST,
     load_compressed,

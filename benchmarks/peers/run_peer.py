@@ -26,7 +26,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from benchmarks.runner import STDOUT, Job, run_job
-from lmcompress.compressor import models
+from lmcompress.compressor.model import loading as models
 from lmcompress.evaluation.corpora import calibration_windows, tokenize
 
 logger = logging.getLogger(__name__)

@@ -82,8 +82,8 @@ def add_job_arguments(
     take the same options. Raises ``ConfigError`` for an unknown method or unreadable recipe.
     """
     from lmcompress.cli.flags import add_dataclass_flags
+    from lmcompress.jobs.run import RunOptions
     from lmcompress.methods import METHODS, get_method
-    from lmcompress.pipeline import RunOptions
 
     # First pass: which method (from the flag or the recipe) decides which flags exist.
     pre = _Parser(add_help=False)
@@ -132,13 +132,13 @@ def add_job_arguments(
 def run_job(args: dict[str, Any], flags: JobFlags) -> int:
     """Run the job that ``args`` (the flags :func:`add_job_arguments` defined, as a dict)
     describe, and print its summary."""
-    from lmcompress.compressor import distributed
     from lmcompress.compressor.config import option_fields
-    from lmcompress.pipeline import RunOptions, run
+    from lmcompress.compressor.training import distributed
+    from lmcompress.jobs.run import RunOptions, run
 
     args = dict(args)
     _setup_logging(args.pop("quiet"))
-    if "stages" in flags.recipe:  # a multi-stage recipe (lmcompress.recipe)
+    if "stages" in flags.recipe:  # a multi-stage recipe (lmcompress.jobs.recipe)
         from lmcompress.cli.recipe import run_stages_job
 
         return run_stages_job(args, flags)
@@ -213,7 +213,7 @@ def _changed_options(report: Any) -> str:
 
 def _output_sizes(out: Path) -> str:
     """``"730.1 MB in all: compressed form 190.2 MB, dense copy 540.0 MB ..."``."""
-    from lmcompress.compressor.export import COMPRESSED_TENSORS
+    from lmcompress.compressor.io.save import COMPRESSED_TENSORS
 
     def size(paths: list[Path]) -> float:
         return sum(p.stat().st_size for p in paths if p.is_file()) / 1e6
@@ -252,7 +252,7 @@ def _methods(argv: Sequence[str]) -> int:
 
 
 def _eval(argv: Sequence[str]) -> int:
-    from lmcompress.pipeline import RunOptions, evaluate
+    from lmcompress.jobs.run import RunOptions, evaluate
 
     parser = _Parser(prog=f"{PROG} eval", description="Perplexity of a checkpoint or output dir.")
     parser.add_argument("checkpoint", help="checkpoint, or a directory written by compress-model")
@@ -280,16 +280,16 @@ def _eval(argv: Sequence[str]) -> int:
         eval_batch_size=args.eval_batch_size,
         device=args.device,
     )
-    from lmcompress.preflight import check_eval
+    from lmcompress.jobs.preflight import check_eval
 
     check_eval(args.checkpoint, args.device, args.seq_len, args.lm_eval_tasks, options.eval)
-    from lmcompress.compressor.export import (
+    from lmcompress.compressor.io.save import (
         MANIFEST,
         load_compressed,
         read_manifest,
         runtime_bytes,
     )
-    from lmcompress.compressor.models import load_model
+    from lmcompress.compressor.model.loading import load_model
     from lmcompress.evaluation.corpora import tokenize
 
     start = time.perf_counter()

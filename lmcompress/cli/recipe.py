@@ -1,4 +1,5 @@
-"""``compress-model --config recipe.yaml`` for a recipe with ``stages:`` (:mod:`lmcompress.recipe`):
+"""``compress-model --config recipe.yaml`` for a recipe with ``stages:``
+(:mod:`lmcompress.jobs.recipe`):
 flags override the recipe's job options; each method's options live in its stage."""
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ def run_stages_job(args: dict[str, Any], flags: Any) -> int:
     """Run the multi-stage recipe ``flags.recipe`` with the job flags in ``args`` (the parsed
     flags of :func:`lmcompress.cli.main.add_job_arguments`); print its summary."""
     from lmcompress.cli.flags import flag_name
-    from lmcompress.compressor import distributed
-    from lmcompress.pipeline import RunOptions
-    from lmcompress.recipe import parse_recipe, run_recipe
+    from lmcompress.compressor.training import distributed
+    from lmcompress.jobs.recipe import parse_recipe, run_recipe
+    from lmcompress.jobs.run import RunOptions
 
     shared, configs = parse_recipe(flags.recipe, flags.run_fields)
     method_flags = sorted(set(args) & set(flags.method_fields) - set(flags.run_fields))

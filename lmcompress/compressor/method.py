@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lmcompress.compressor.config import MethodConfig
+from lmcompress.compressor.model.surgery import LayerSelection
 from lmcompress.compressor.report import CompressionReport
-from lmcompress.compressor.surgery import LayerSelection
 
 
 @dataclass
@@ -73,7 +73,7 @@ class Method:
     stats_in_output: ClassVar[bool] = True
     # Whether the method compresses a model it never holds whole (``--streaming``): one block
     # materialised at a time, through ``compress_streaming(model, data, source, offload_dir)``
-    # (:mod:`lmcompress.compressor.streaming`).
+    # (:mod:`lmcompress.jobs.streaming`).
     streams: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig, device: str | torch.device | None = None) -> None:
@@ -107,7 +107,8 @@ class Method:
         (``{"calibration activations": ..., "hessians": ...}``), for ``nsamples`` windows of
         ``seq_len`` tokens at ``itemsize`` bytes per value. ``model`` may be a meta-device
         skeleton: use shapes only. The job refuses to start when the sum exceeds the machine's
-        memory (see :mod:`lmcompress.compressor.budget`). Default: nothing beyond the weights."""
+        memory (see :mod:`lmcompress.compressor.model.budget`). Default: nothing beyond the
+        weights."""
         return {}
 
     def calibrate(self, model: nn.Module, data: torch.Tensor | None) -> Stats:  # noqa: ARG002

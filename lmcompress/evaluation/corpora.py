@@ -36,10 +36,10 @@ from pathlib import Path
 import mwparserfromhell
 import torch
 
-from lmcompress.cache import cache_dir
+from lmcompress.compressor.util.cache import cache_dir
+from lmcompress.compressor.util.fsutil import atomic_file
 from lmcompress.errors import ConfigError, DataError
 from lmcompress.evaluation.wikitext import parse_wiki_dump
-from lmcompress.fsutil import atomic_file
 
 logger = logging.getLogger(__name__)
 

@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from lmcompress.compressor.util.progress import bar_disabled
 from lmcompress.errors import ConfigError, DataError, LmcompressError
-from lmcompress.progress import bar_disabled
 
 logger = logging.getLogger(__name__)
 
@@ -295,9 +295,9 @@ def window_logprobs(
 
     Windows are right-padded to the longest (a causal model's earlier positions do not see the
     padding). Only the positions that predict a target reach the head, a chunk of rows at a
-    time (:mod:`lmcompress.compressor.lm_loss`): never the batch's ``B x T x V`` logits.
+    time (:mod:`lmcompress.compressor.model.loss`): never the batch's ``B x T x V`` logits.
     """
-    from lmcompress.compressor.lm_loss import default_chunk_tokens, final_hidden, head_logits
+    from lmcompress.compressor.model.loss import default_chunk_tokens, final_hidden, head_logits
 
     width = max(len(inputs) for inputs, _ in windows)
     ids = torch.tensor(
@@ -323,7 +323,7 @@ def _hflm_class():
     from lm_eval.models.huggingface import HFLM
     from tqdm.auto import tqdm
 
-    from lmcompress.compressor.families import FAMILIES
+    from lmcompress.compressor.model.families import FAMILIES
 
     class _HFLM(HFLM):
         """HFLM (built on the in-memory model: ``HFLM(pretrained=model)``) whose rolling

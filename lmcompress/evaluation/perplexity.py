@@ -8,7 +8,7 @@ Hugging Face sliding-window recipe). Families that need BOS (Gemma) get it at th
 window, in place of the window's first token slot.
 
 The NLL is computed from the final hidden states a chunk of positions at a time
-(:func:`lmcompress.compressor.lm_loss.chunked_nll`): with a 262k-token vocabulary the whole
+(:func:`lmcompress.compressor.model.loss.chunked_nll`): with a 262k-token vocabulary the whole
 batch's logits would be 2.1 GB at batch 4 x 512, and the peak now follows the chunk instead.
 """
 
@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from lmcompress.compressor.lm_loss import IGNORE_INDEX, chunked_nll
+from lmcompress.compressor.model.loss import IGNORE_INDEX, chunked_nll
+from lmcompress.compressor.util.progress import bar_disabled
 from lmcompress.errors import ConfigError, DataError
-from lmcompress.progress import bar_disabled
 
 
 @dataclass
@@ -70,7 +70,7 @@ def perplexity(
         bos_token_id: prepend this token to every window (families that need it).
         max_tokens: use only the first ``max_tokens`` tokens of the corpus (0/None = all).
         chunk_tokens: positions whose logits exist at once (default: ~64 MB of them, see
-            :func:`lmcompress.compressor.lm_loss.default_chunk_tokens`).
+            :func:`lmcompress.compressor.model.loss.default_chunk_tokens`).
     """
     if seq_len < 2:
         raise ConfigError(f"seq_len must be at least 2, got {seq_len}")

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from lmcompress.compressor.config import Sparsity
+from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.compressor.report import LayerReport
-from lmcompress.compressor.surgery import weight_matrix
 from lmcompress.kernels.reference import packed_nm_nbytes
 
 

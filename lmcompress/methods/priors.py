@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmcompress.compressor.calibration.layerwise import Accumulator, compress_layerwise
 from lmcompress.compressor.config import Sparsity
-from lmcompress.compressor.layerwise import Accumulator, compress_layerwise
-from lmcompress.compressor.surgery import weight_matrix
+from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.errors import ConfigError
 from lmcompress.methods.common import prune_layer_
 from lmcompress.methods.magnitude.prior import magnitude_mask

@@ -13,17 +13,17 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from lmcompress.compressor.config import MethodConfig, Sparsity, parse_sparsity
-from lmcompress.compressor.layerwise import (
+from lmcompress.compressor.calibration.layerwise import (
     Accumulator,
     BlockSource,
     compress_layerwise,
     layerwise_estimate,
 )
+from lmcompress.compressor.config import MethodConfig, Sparsity, parse_sparsity
 from lmcompress.compressor.method import Method, Stats
+from lmcompress.compressor.model.surgery import is_linear, weight_matrix
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.compressor.sparsity import check_nm_shape
-from lmcompress.compressor.surgery import is_linear, weight_matrix
 from lmcompress.errors import ConfigError
 from lmcompress.methods.common import count_params
 

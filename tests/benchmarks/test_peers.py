@@ -8,7 +8,7 @@ skipped without it; the rest runs anywhere.
 import pytest
 
 from benchmarks.peers import run_peer
-from lmcompress.compressor.models import load_model
+from lmcompress.compressor.model.loading import load_model
 
 
 @pytest.mark.parametrize(("method", "sparsity"), [("magnitude", "2:4"), ("wanda", "0.7")])

@@ -15,7 +15,7 @@ import torch
 import transformers
 from conftest import make_odd_llama
 
-import lmcompress.pipeline as pipeline
+import lmcompress.jobs.run as pipeline
 from lmcompress.cli.main import main
 
 TEXT = "\n\n".join(f"Document {i}. The quick brown fox jumps over the lazy dog." for i in range(60))
@@ -334,7 +334,7 @@ EVAL_CASES = {
 def test_eval_bad_input_is_one_line_before_loading(
     case, tiny_checkpoint, tmp_path, monkeypatch, capsys
 ):
-    import lmcompress.compressor.models as models
+    import lmcompress.compressor.model.loading as models
 
     argv, message = EVAL_CASES[case]
     argv = [a.format(tmp=tmp_path, ckpt=tiny_checkpoint) for a in argv]

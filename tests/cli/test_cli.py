@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lmcompress.cli.main import main
-from lmcompress.compressor.export import MANIFEST
+from lmcompress.compressor.io.save import MANIFEST
 
 TEXT = "\n\n".join(
     f"Document {i}. The quick brown fox jumps over the lazy dog {i} times, then rests."
@@ -156,7 +156,7 @@ def test_a_non_main_process_compresses_but_neither_evaluates_nor_writes(
     tiny_checkpoint, corpus, tmp_path, monkeypatch, capsys
 ):
     """Under ``accelerate launch`` only rank 0 evaluates, prints and writes the outputs."""
-    import lmcompress.pipeline as pipeline
+    import lmcompress.jobs.run as pipeline
 
     def no_evaluation(*_args, **_kwargs):
         raise AssertionError("a non-main process evaluated")

@@ -21,7 +21,7 @@ TEXT = "\n\n".join(
 # Runs the job with the save stopped half-way: the weights are written, then it waits.
 SCRIPT = """
 import pathlib, sys, time
-import lmcompress.compressor.export as export
+import lmcompress.compressor.io.save as export
 from lmcompress.cli.main import main
 
 write_weights = export._write_weights

@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("optimum.commands.optimum_cli")
 
-from lmcompress.compressor.export import MANIFEST  # noqa: E402
-from lmcompress.compressor.model_card import MODEL_CARD, REPORT_PNG  # noqa: E402
+from lmcompress.compressor.io.model_card import MODEL_CARD, REPORT_PNG  # noqa: E402
+from lmcompress.compressor.io.save import MANIFEST  # noqa: E402
 
 OPTIMUM_CLI = shutil.which("optimum-cli", path=str(Path(sys.executable).parent))
 REGISTER = Path(__file__).parents[2] / "optimum" / "commands" / "register"
@@ -93,7 +93,7 @@ def _optimum_main(monkeypatch, *args):
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path, args, message):
-    import lmcompress.pipeline as pipeline
+    import lmcompress.jobs.run as pipeline
 
     def never(*_args, **_kwargs):
         raise AssertionError("the model was loaded")

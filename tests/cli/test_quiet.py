@@ -1,12 +1,13 @@
 """``-q``: warnings only, no progress bars, in a real process (tqdm reads TQDM_DISABLE once, at
-import, and a bar given ``disable=False`` ignores it: ``lmcompress.progress`` handles both)."""
+import, and a bar given ``disable=False`` ignores it: ``lmcompress.compressor.util.progress``
+handles both)."""
 
 import subprocess
 import sys
 
 import matplotlib
 
-from lmcompress.progress import bar_disabled
+from lmcompress.compressor.util.progress import bar_disabled
 
 
 def test_bar_disabled_follows_the_caller_and_the_environment(monkeypatch):

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from lmcompress.compressor.config import MethodConfig, Sparsity, check_types
-from lmcompress.compressor.training import TrainingOptions
+from lmcompress.compressor.training.options import TrainingOptions
 from lmcompress.errors import ConfigError
 from lmcompress.methods.magnitude import MagnitudeConfig
 from lmcompress.methods.maskllm import MaskLLMConfig

@@ -8,11 +8,11 @@ from lmcompress.compressor import config as config_module
 from lmcompress.compressor.config import Sparsity, option_fields
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.errors import ConfigError
+from lmcompress.jobs.run import RunOptions, SaveDtype
 from lmcompress.methods import METHODS, get_method, pruning
 from lmcompress.methods.magnitude import MagnitudeConfig
 from lmcompress.methods.sparsegpt import SparseGPTConfig
 from lmcompress.methods.sparsegpt.config import HessianDtype
-from lmcompress.pipeline import RunOptions, SaveDtype
 
 
 def test_report_json_round_trip():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lmcompress import MagnitudeConfig, SparseGPTConfig, WandaConfig, compress
-from lmcompress.compressor.surgery import LayerSelection, weight_matrix
+from lmcompress.compressor.model.surgery import LayerSelection, weight_matrix
 from lmcompress.errors import ConfigError
 
 CONFIGS = {"magnitude": MagnitudeConfig, "wanda": WandaConfig, "sparsegpt": SparseGPTConfig}

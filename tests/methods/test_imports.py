@@ -97,7 +97,7 @@ def test_the_check_catches_each_form(source):
         "from lmcompress.methods.wanda.scores import wanda_mask",
         "from lmcompress.methods.common import prune_layer_",
         "import lmcompress.methods.sparsegpt.solver",
-        "from lmcompress.compressor.layerwise import compress_layerwise",
+        "from lmcompress.compressor.calibration.layerwise import compress_layerwise",
         "from .masks import hard_mask",
         "from .. import common",
     ],

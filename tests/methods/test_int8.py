@@ -11,10 +11,10 @@ from conftest import make_tiny_model
 
 from lmcompress.api import compress
 from lmcompress.cli.main import main
-from lmcompress.compressor.attention import IMPLEMENTATION
-from lmcompress.compressor.export import MANIFEST, load_compressed, save_compressed
+from lmcompress.compressor.formats.base import installed
 from lmcompress.compressor.formats.int8 import QuantLinear
-from lmcompress.compressor.runtime import installed
+from lmcompress.compressor.io.save import MANIFEST, load_compressed, save_compressed
+from lmcompress.compressor.model.attention import IMPLEMENTATION
 from lmcompress.errors import ConfigError
 from lmcompress.methods.int8 import Int8Config
 from lmcompress.methods.int8.transform import Int8Softmax
@@ -149,7 +149,7 @@ def test_cli_end_to_end_and_eval(tiny_checkpoint, tmp_path, capsys):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 @torch.no_grad()
 def test_smoothing_keeps_the_float_model_and_flattens_its_inputs(family):
-    from lmcompress.compressor.observers import AbsMaxObserver, observe
+    from lmcompress.compressor.calibration.observers import AbsMaxObserver, observe
     from lmcompress.methods.int8.smooth import smooth_, smoothing_groups
 
     model = make_tiny_model(family)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import VOCAB, make_tiny_model
 
-from lmcompress.compressor.attention import attention_hook
+from lmcompress.compressor.model.attention import attention_hook
 from lmcompress.errors import ConfigError
 from lmcompress.methods.int8.bias_plot import bias_magnitudes, plot_bias_heatmap
 from lmcompress.methods.int8.softmax import (

@@ -12,9 +12,9 @@ from torch import nn
 
 from lmcompress import compress, load_compressed, save_compressed
 from lmcompress.cli.main import main
-from lmcompress.compressor.export import COMPRESSED_TENSORS, MANIFEST
 from lmcompress.compressor.formats.low_rank import LowRankLinear
-from lmcompress.compressor.surgery import LayerSelection, weight_matrix
+from lmcompress.compressor.io.save import COMPRESSED_TENSORS, MANIFEST
+from lmcompress.compressor.model.surgery import LayerSelection, weight_matrix
 from lmcompress.errors import ConfigError
 from lmcompress.methods import get_method
 from lmcompress.methods.svd import (

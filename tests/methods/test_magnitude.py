@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from lmcompress import compress
-from lmcompress.compressor.surgery import LayerSelection, weight_matrix
+from lmcompress.compressor.model.surgery import LayerSelection, weight_matrix
 from lmcompress.errors import ConfigError
 from lmcompress.methods.magnitude import MagnitudeConfig
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from lmcompress import MaskLLMConfig, SparseGPTConfig, compress, load_compressed, save_compressed
-from lmcompress.compressor.surgery import LayerSelection, weight_matrix
-from lmcompress.compressor.trainer import Trainer
+from lmcompress.compressor.model.surgery import LayerSelection, weight_matrix
+from lmcompress.compressor.training.trainer import Trainer
 from lmcompress.errors import ConfigError
 
 

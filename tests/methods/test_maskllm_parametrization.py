@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch.nn.utils import parametrize
 
-from lmcompress.compressor.surgery import add_parametrization, bake, weight_matrix
+from lmcompress.compressor.model.surgery import add_parametrization, bake, weight_matrix
 from lmcompress.methods.maskllm.masks import init_logits
 from lmcompress.methods.maskllm.parametrization import LearnableNMMask
 

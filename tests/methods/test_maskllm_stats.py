@@ -7,7 +7,7 @@ import torch
 
 from lmcompress import MaskLLMConfig, compress
 from lmcompress.compressor.method import Stats
-from lmcompress.compressor.surgery import LayerSelection, weight_matrix
+from lmcompress.compressor.model.surgery import LayerSelection, weight_matrix
 from lmcompress.methods.maskllm.method import MaskLLM
 
 

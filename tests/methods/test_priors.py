@@ -8,7 +8,7 @@ import torch
 
 from lmcompress import MagnitudeConfig, SparseGPTConfig, WandaConfig, compress
 from lmcompress.compressor.config import Sparsity
-from lmcompress.compressor.surgery import LayerSelection, weight_matrix
+from lmcompress.compressor.model.surgery import LayerSelection, weight_matrix
 from lmcompress.methods.magnitude.prior import magnitude_mask
 from lmcompress.methods.maskllm.config import Prior
 from lmcompress.methods.priors import ONE_SHOT_PRIORS, one_shot_prior_masks

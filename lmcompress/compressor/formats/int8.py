@@ -1,6 +1,6 @@
 """``int8``: a W8A8 linear layer (int8 weights and activations, symmetric, zero-point 0).
 
-Weights are quantized once (:func:`~lmcompress.compressor.quant.int8_weight`), per output
+Weights are quantized once (:func:`~lmcompress.compressor.formats.quant.int8_weight`), per output
 channel or per group of input channels. Activations are quantized in ``forward``: per token
 from each row's absmax (``dynamic``), or with one per-tensor scale from calibration
 (``static``). Two forward paths compute the same function:
@@ -8,7 +8,7 @@ from each row's absmax (``dynamic``), or with one per-tensor scale from calibrat
 - ``path="int"``: ``torch.ops.lmcompress.int8_linear`` — int8 × int8 → int32 with
   ``torch._int_mm`` (exact), then the float32 rescale. The fast path on CPUs with VNNI/AMX.
 - ``path="simulated"``: dequantize, matmul in float64, cast
-  (:func:`~lmcompress.compressor.quant.simulated_int8_linear`): the reference, runs anywhere
+  (:func:`~lmcompress.compressor.formats.quant.simulated_int8_linear`): the reference, runs anywhere
   float64 does.
 
 With per-channel scales they agree to the rounding of the final float32 rescale (a few ulps).
@@ -23,9 +23,9 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 import lmcompress.kernels.int8_ops  # noqa: F401  (registers torch.ops.lmcompress.int8_linear)
-from lmcompress.compressor import quant
-from lmcompress.compressor.runtime import CompressedLinear, register_format
-from lmcompress.compressor.surgery import weight_matrix
+from lmcompress.compressor.formats import quant
+from lmcompress.compressor.formats.base import CompressedLinear, register_format
+from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.errors import ConfigError, LmcompressError, ModelLoadError
 
 ACTIVATIONS = ("dynamic", "static")

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmcompress.compressor import quant
+from lmcompress.compressor.formats import quant
+from lmcompress.compressor.formats.base import CompressedLinear, register_format
 from lmcompress.compressor.formats.int8 import PATHS, QuantLinear, int8_forward
-from lmcompress.compressor.runtime import CompressedLinear, register_format
 from lmcompress.errors import ConfigError, ModelLoadError
 from lmcompress.kernels.reference import index_bits, pack_nm, unpack_nm
 

@@ -18,13 +18,14 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from lmcompress.compressor.attention import attention_hook
+from lmcompress.compressor.calibration.observers import AbsMaxObserver, observe
 from lmcompress.compressor.formats.int8 import QuantLinear
+from lmcompress.compressor.formats.quant import absmax_scale
 from lmcompress.compressor.method import Method, Stats
-from lmcompress.compressor.observers import AbsMaxObserver, observe
-from lmcompress.compressor.quant import absmax_scale
+from lmcompress.compressor.model.attention import attention_hook
+from lmcompress.compressor.model.surgery import replace_modules, weight_matrix
 from lmcompress.compressor.report import CompressionReport, LayerReport
-from lmcompress.compressor.surgery import replace_modules, weight_matrix
+from lmcompress.compressor.util.progress import bar_disabled
 from lmcompress.errors import ConfigError
 from lmcompress.methods.common import count_params
 from lmcompress.methods.int8.bias_plot import bias_magnitudes
@@ -32,7 +33,6 @@ from lmcompress.methods.int8.config import Int8Config
 from lmcompress.methods.int8.smooth import check_smoothable, smooth_
 from lmcompress.methods.int8.softmax import SoftmaxBiasAccumulator, SoftmaxQuantizer
 from lmcompress.methods.int8.transform import Int8Softmax
-from lmcompress.progress import bar_disabled
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmcompress.compressor.families import decoder_blocks, family_of
+from lmcompress.compressor.model.families import decoder_blocks, family_of
 from lmcompress.errors import ConfigError
 
 SMOOTHABLE = ("llama", "mistral", "qwen2")

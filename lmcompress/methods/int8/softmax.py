@@ -42,9 +42,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from lmcompress.compressor.attention import AttentionHook, attention_hook
+from lmcompress.compressor.model.attention import AttentionHook, attention_hook
+from lmcompress.compressor.util.progress import bar_disabled
 from lmcompress.errors import ConfigError
-from lmcompress.progress import bar_disabled
 
 logger = logging.getLogger(__name__)
 

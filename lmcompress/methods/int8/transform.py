@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmcompress.compressor.attention import close_hook, open_hook
-from lmcompress.compressor.runtime import ModelTransform, register_transform
+from lmcompress.compressor.formats.base import ModelTransform, register_transform
+from lmcompress.compressor.model.attention import close_hook, open_hook
 from lmcompress.methods.int8.softmax import SoftmaxQuantizer
 
 

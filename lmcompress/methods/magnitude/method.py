@@ -9,11 +9,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from lmcompress.compressor.families import family_of
-from lmcompress.compressor.layerwise import BlockSource, stream_blocks
+from lmcompress.compressor.calibration.layerwise import BlockSource, stream_blocks
 from lmcompress.compressor.method import Stats
+from lmcompress.compressor.model.families import family_of
+from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.compressor.report import CompressionReport, LayerReport
-from lmcompress.compressor.surgery import weight_matrix
 from lmcompress.errors import ConfigError
 from lmcompress.methods.common import count_params, prune_layer_
 from lmcompress.methods.magnitude.config import MagnitudeConfig

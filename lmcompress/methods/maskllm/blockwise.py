@@ -14,11 +14,11 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from lmcompress.compressor.learned import Learnable, hard_perplexity, learn_blockwise
 from lmcompress.compressor.method import Stats
+from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.compressor.report import LayerReport
-from lmcompress.compressor.surgery import weight_matrix
-from lmcompress.compressor.trainer import TrainConfig
+from lmcompress.compressor.training.drivers import Learnable, hard_perplexity, learn_blockwise
+from lmcompress.compressor.training.trainer import TrainConfig
 from lmcompress.methods.common import prune_layer_
 from lmcompress.methods.maskllm import learning
 from lmcompress.methods.maskllm.config import MaskLLMConfig

@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, get_args
 
-from lmcompress.compressor.training import TrainingOptions, flat_training_options
+from lmcompress.compressor.training.options import TrainingOptions, flat_training_options
 from lmcompress.errors import ConfigError
 from lmcompress.methods.maskllm.masks import Noise
 from lmcompress.methods.pruning import PruningConfig

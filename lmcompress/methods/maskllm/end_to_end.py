@@ -17,12 +17,13 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from lmcompress.compressor import distributed, memory
-from lmcompress.compressor.learned import hard_perplexity
-from lmcompress.compressor.lm_loss import distillation_losses, final_hidden, nll_from_hidden
 from lmcompress.compressor.method import Stats
-from lmcompress.compressor.surgery import weight_matrix
-from lmcompress.compressor.trainer import TrainConfig, Trainer
+from lmcompress.compressor.model.loss import distillation_losses, final_hidden, nll_from_hidden
+from lmcompress.compressor.model.surgery import weight_matrix
+from lmcompress.compressor.training import distributed
+from lmcompress.compressor.training.drivers import hard_perplexity
+from lmcompress.compressor.training.trainer import TrainConfig, Trainer
+from lmcompress.compressor.util import memory
 from lmcompress.errors import LmcompressError
 from lmcompress.methods.maskllm import learning
 from lmcompress.methods.maskllm.config import MaskLLMConfig

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from lmcompress.compressor import distributed
-from lmcompress.compressor.surgery import add_parametrization, weight_matrix
+from lmcompress.compressor.model.surgery import add_parametrization, weight_matrix
+from lmcompress.compressor.training import distributed
 from lmcompress.methods.maskllm.config import MaskLLMConfig
 from lmcompress.methods.maskllm.masks import (
     candidate_patterns,

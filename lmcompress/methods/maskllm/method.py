@@ -17,17 +17,18 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from lmcompress.compressor.calibration.layerwise import layerwise_estimate
+from lmcompress.compressor.io.save import STATS
+from lmcompress.compressor.method import Stats
+from lmcompress.compressor.model.budget import backward_bytes
+from lmcompress.compressor.model.surgery import weight_matrix
+from lmcompress.compressor.report import CompressionReport
+
 # ``distributed`` is reached as ``maskllm.method.distributed`` by tests that spy on the
 # sharding of the logits (``shard_modules``)
-from lmcompress.compressor import distributed  # noqa: F401
-from lmcompress.compressor.budget import backward_bytes
-from lmcompress.compressor.export import STATS
-from lmcompress.compressor.layerwise import layerwise_estimate
-from lmcompress.compressor.learned import training_extra
-from lmcompress.compressor.method import Stats
-from lmcompress.compressor.report import CompressionReport
-from lmcompress.compressor.surgery import weight_matrix
-from lmcompress.compressor.trainer import CHECKPOINT
+from lmcompress.compressor.training import distributed  # noqa: F401
+from lmcompress.compressor.training.drivers import training_extra
+from lmcompress.compressor.training.trainer import CHECKPOINT
 from lmcompress.errors import ConfigError
 from lmcompress.methods.common import count_params, prune_layer_
 from lmcompress.methods.maskllm.blockwise import calibrate_blockwise

@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from lmcompress.compressor.config import Sparsity
-from lmcompress.compressor.export import STATS
-from lmcompress.compressor.surgery import weight_matrix
+from lmcompress.compressor.io.save import STATS
+from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.errors import ConfigError
 from lmcompress.methods.maskllm.masks import candidate_patterns, hard_mask
 

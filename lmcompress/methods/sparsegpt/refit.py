@@ -8,9 +8,9 @@ import time
 import torch
 from torch import nn
 
-from lmcompress.compressor.layerwise import compress_layerwise
+from lmcompress.compressor.calibration.layerwise import compress_layerwise
+from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.compressor.report import LayerReport
-from lmcompress.compressor.surgery import weight_matrix
 from lmcompress.methods.common import prune_layer_
 from lmcompress.methods.pruning import PruningConfig
 from lmcompress.methods.sparsegpt.method import output_error

@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, get_args
 
-from lmcompress.compressor.training import TrainingOptions, flat_training_options
+from lmcompress.compressor.training.options import TrainingOptions, flat_training_options
 from lmcompress.errors import ConfigError
 from lmcompress.methods.pruning import PruningConfig
 from lmcompress.methods.subnet.parametrization import Scale

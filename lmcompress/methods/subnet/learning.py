@@ -23,9 +23,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 from transformers.pytorch_utils import Conv1D
 
-from lmcompress.compressor.learned import Learnable
+from lmcompress.compressor.model.surgery import add_parametrization, weight_matrix
 from lmcompress.compressor.report import LayerReport
-from lmcompress.compressor.surgery import add_parametrization, weight_matrix
+from lmcompress.compressor.training.drivers import Learnable
 from lmcompress.methods.common import prune_layer_
 from lmcompress.methods.subnet.config import SubnetConfig
 from lmcompress.methods.subnet.parametrization import KeepLogitMask

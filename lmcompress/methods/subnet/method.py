@@ -12,20 +12,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lmcompress.compressor import distributed, memory
-from lmcompress.compressor.budget import backward_bytes
-from lmcompress.compressor.layerwise import layerwise_estimate
-from lmcompress.compressor.learned import (
+from lmcompress.compressor.calibration.layerwise import layerwise_estimate
+from lmcompress.compressor.method import Stats
+from lmcompress.compressor.model.budget import backward_bytes
+from lmcompress.compressor.model.surgery import weight_matrix
+from lmcompress.compressor.report import CompressionReport, LayerReport
+from lmcompress.compressor.training import distributed
+from lmcompress.compressor.training.drivers import (
     Learnable,
     hard_perplexity,
     learn_blockwise,
     learn_end_to_end,
     training_extra,
 )
-from lmcompress.compressor.method import Stats
-from lmcompress.compressor.report import CompressionReport, LayerReport
-from lmcompress.compressor.surgery import weight_matrix
-from lmcompress.compressor.trainer import CHECKPOINT, TrainConfig
+from lmcompress.compressor.training.trainer import CHECKPOINT, TrainConfig
+from lmcompress.compressor.util import memory
 from lmcompress.errors import ConfigError, LmcompressError
 from lmcompress.methods.common import count_params, prune_layer_
 from lmcompress.methods.priors import (

@@ -10,14 +10,19 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from lmcompress.compressor.calibration.observers import (
+    GramObserver,
+    MeanAbsObserver,
+    Observer,
+    observe,
+)
 from lmcompress.compressor.method import Stats
-from lmcompress.compressor.observers import GramObserver, MeanAbsObserver, Observer, observe
-from lmcompress.compressor.surgery import weight_matrix
+from lmcompress.compressor.model.surgery import weight_matrix
+from lmcompress.compressor.util.progress import bar_disabled
 from lmcompress.errors import ConfigError
 from lmcompress.methods.svd.config import ASVDConfig, SVDLLMConfig
 from lmcompress.methods.svd.method import LowRankMethod, Weights, stat
 from lmcompress.methods.svd.weighted import guard_diagonal, regularised_cholesky
-from lmcompress.progress import bar_disabled
 
 logger = logging.getLogger(__name__)
 

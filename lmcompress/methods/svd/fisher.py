@@ -1,6 +1,7 @@
 """The Fisher-weighted low-rank methods: FWSVD (a diagonal Fisher, one importance per input
 feature) and GFWSVD (a Kronecker-factored Fisher, both sides). Both run the core's gradient
-pass (:func:`lmcompress.compressor.gradients.gradient_statistics`) over the calibration windows
+pass (:func:`lmcompress.compressor.calibration.gradients.gradient_statistics`) over the calibration
+windows
 of the dense model."""
 
 from __future__ import annotations
@@ -12,16 +13,16 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from lmcompress.compressor.budget import backward_bytes
-from lmcompress.compressor.gradients import GradientStats, gradient_statistics
+from lmcompress.compressor.calibration.gradients import GradientStats, gradient_statistics
 from lmcompress.compressor.method import Stats
-from lmcompress.compressor.surgery import weight_matrix
+from lmcompress.compressor.model.budget import backward_bytes
+from lmcompress.compressor.model.surgery import weight_matrix
+from lmcompress.compressor.util.progress import bar_disabled
 from lmcompress.errors import ConfigError
 from lmcompress.methods.svd.config import FWSVDConfig, GFWSVDConfig
 from lmcompress.methods.svd.kronecker import nearest_kronecker
 from lmcompress.methods.svd.method import LowRankMethod, Weights, stat
 from lmcompress.methods.svd.weighted import guard_diagonal, regularised_cholesky
-from lmcompress.progress import bar_disabled
 
 logger = logging.getLogger(__name__)
 

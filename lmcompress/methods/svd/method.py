@@ -27,8 +27,9 @@ from transformers.pytorch_utils import Conv1D
 
 from lmcompress.compressor.formats.low_rank import LowRankLinear
 from lmcompress.compressor.method import Method, Stats
+from lmcompress.compressor.model.surgery import replace_modules, weight_matrix
 from lmcompress.compressor.report import CompressionReport, LayerReport
-from lmcompress.compressor.surgery import replace_modules, weight_matrix
+from lmcompress.compressor.util.progress import bar_disabled
 from lmcompress.errors import ConfigError
 from lmcompress.methods.common import count_params
 from lmcompress.methods.svd.config import LowRankConfig, SVDConfig
@@ -39,7 +40,6 @@ from lmcompress.methods.svd.weighted import (
     weighted_factors,
     weighted_spectrum,
 )
-from lmcompress.progress import bar_disabled
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,218 @@
+"""Observers: running statistics of the tensors entering or leaving any module.
+
+Methods calibrate on statistics of activations: int8 needs ranges (absmax, min/max per channel
+or per tensor), Wanda needs mean |x| per input channel, SparseGPT and the Fisher factors need
+Σ xxᵀ. Each observer is a small accumulator: ``update(x)`` folds one batch in (no autograd,
+float32 accumulators, every leading dimension treated as tokens, the last one as channels) and
+a property reads the result. ``add_batch`` is the same call, so an observer serves as a
+layer-wise accumulator (``compressor/layerwise.py``) too.
+
+:func:`observe` attaches observers to modules by qualified name, on their input or output, for
+the length of a ``with`` block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from lmcompress.compressor.model.surgery import forward_hooks
+from lmcompress.errors import ConfigError
+
+Side = Literal["input", "output"]
+
+
+def _tokens(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as float32 (tokens, channels): every leading dimension is a token dimension."""
+    x = x.detach()
+    if x.dim() == 0:
+        x = x.reshape(1)
+    return x.reshape(-1, x.shape[-1]).float()  # (N, C)
+
+
+class Observer:
+    """Base class: ``update(x)`` accumulates, ``tokens`` counts the rows seen so far."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor) -> None:
+        rows = _tokens(x)
+        if rows.shape[0] == 0:
+            return
+        self._update(rows)
+        self.tokens += rows.shape[0]
+
+    def add_batch(self, x: torch.Tensor) -> None:
+        """Alias of :meth:`update` (the layer-wise loop's accumulator protocol)."""
+        self.update(x)
+
+    def _update(self, rows: torch.Tensor) -> None:  # rows: (N, C) float32
+        raise NotImplementedError
+
+    def _require_data(self) -> None:
+        if self.tokens == 0:
+            raise ValueError(f"{type(self).__name__} has observed nothing yet")
+
+
+def _fold(acc: torch.Tensor | None, new: torch.Tensor, op: Any, name: str) -> torch.Tensor:
+    if acc is None:
+        return new
+    if acc.shape != new.shape:
+        raise ValueError(f"{name}: channels changed from {tuple(acc.shape)} to {tuple(new.shape)}")
+    return op(acc, new.to(acc.device))
+
+
+class AbsMaxObserver(Observer):
+    """Running max |x|: a scalar, or one value per channel (last dim) with ``per_channel``."""
+
+    def __init__(self, per_channel: bool = False) -> None:
+        super().__init__()
+        self.per_channel = per_channel
+        self._absmax: torch.Tensor | None = None
+
+    def _update(self, rows: torch.Tensor) -> None:
+        new = rows.abs().amax(dim=0) if self.per_channel else rows.abs().amax()
+        self._absmax = _fold(self._absmax, new, torch.maximum, "AbsMaxObserver")
+
+    @property
+    def absmax(self) -> torch.Tensor:  # () or (C,)
+        self._require_data()
+        return self._absmax
+
+
+class MinMaxObserver(Observer):
+    """Running min and max: scalars, or one per channel (last dim) with ``per_channel``."""
+
+    def __init__(self, per_channel: bool = False) -> None:
+        super().__init__()
+        self.per_channel = per_channel
+        self._min: torch.Tensor | None = None
+        self._max: torch.Tensor | None = None
+
+    def _update(self, rows: torch.Tensor) -> None:
+        dims = {"dim": 0} if self.per_channel else {}
+        self._min = _fold(self._min, rows.amin(**dims), torch.minimum, "MinMaxObserver")
+        self._max = _fold(self._max, rows.amax(**dims), torch.maximum, "MinMaxObserver")
+
+    @property
+    def min(self) -> torch.Tensor:  # () or (C,)
+        self._require_data()
+        return self._min
+
+    @property
+    def max(self) -> torch.Tensor:  # () or (C,)
+        self._require_data()
+        return self._max
+
+
+class MeanAbsObserver(Observer):
+    """Mean |x| per channel (last dim) over every token seen (Σ|x| kept in float32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sum: torch.Tensor | None = None
+
+    def _update(self, rows: torch.Tensor) -> None:
+        self._sum = _fold(self._sum, rows.abs().sum(dim=0), torch.add, "MeanAbsObserver")
+
+    @property
+    def mean_abs(self) -> torch.Tensor:  # (C,)
+        self._require_data()
+        return self._sum / self.tokens
+
+
+class GramObserver(Observer):
+    """Σ xxᵀ over tokens, (C, C) in float32, with the token count.
+
+    SparseGPT's Hessian of the layer-wise squared error is ``2/n · Σ xxᵀ`` (:meth:`hessian`);
+    the Kronecker-factored Fisher uses the same sum of input outer products.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sum: torch.Tensor | None = None
+
+    def _update(self, rows: torch.Tensor) -> None:
+        self._sum = _fold(self._sum, rows.T @ rows, torch.add, "GramObserver")  # (C, C)
+
+    @property
+    def gram(self) -> torch.Tensor:  # (C, C): Σ xxᵀ
+        self._require_data()
+        return self._sum
+
+    def hessian(self) -> torch.Tensor:
+        """``2/n · Σ xxᵀ`` (n = tokens), the Hessian of ``‖WX − ŴX‖²`` averaged over tokens."""
+        return self.gram * (2.0 / self.tokens)
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    """The tensor a module's input or output stands for: tuple/list/ModelOutput → first item."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, Mapping):
+        value = tuple(value.values())
+    if isinstance(value, (tuple, list)) and value:
+        return _first_tensor(value[0])
+    return None
+
+
+@contextlib.contextmanager
+def observe(
+    model: nn.Module,
+    observers: Mapping[str, Observer | Sequence[Observer]],
+    on: Side = "input",
+) -> Iterator[None]:
+    """Feed ``observers[name]`` (one observer or several) with the input or output of the module
+    called ``name`` in ``model`` at every forward inside the ``with`` block.
+
+    ``input``: the first positional argument (or the first tensor keyword argument when the
+    module is called with keywords only). ``output``: the output, or its first element when it
+    is a tuple or a ``ModelOutput`` (decoder blocks return ``(hidden, ...)``). Any module
+    works: linears, norms, whole blocks. Hooks are removed on exit, also when the block raises;
+    observe inputs and outputs at once by nesting two blocks.
+    """
+    if on not in ("input", "output"):
+        raise ConfigError(f"observe(on={on!r}): expected 'input' or 'output'")
+    named = dict(model.named_modules())
+    missing = [name for name in observers if name not in named]
+    if missing:
+        raise ConfigError(f"no module named {missing[0]!r} in {type(model).__name__}")
+    groups = {
+        name: [obs] if isinstance(obs, Observer) else list(obs) for name, obs in observers.items()
+    }
+
+    def feed(name: str, value: Any) -> None:
+        x = _first_tensor(value)
+        if x is None:
+            raise ValueError(f"observe: {name} has no tensor {on} to observe")
+        for obs in groups[name]:
+            obs.update(x)
+
+    if on == "output":
+        modules = {name: named[name] for name in groups}
+        with forward_hooks(modules, lambda name, _mod, _inputs, output: feed(name, output)):
+            yield
+        return
+
+    def feed_input(name: str, args: tuple, kwargs: dict[str, Any]) -> None:
+        keyword = [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+        feed(name, args[0] if args else keyword[:1])
+
+    handles = [
+        named[name].register_forward_pre_hook(
+            lambda _mod, args, kwargs, _name=name: feed_input(_name, args, kwargs),
+            with_kwargs=True,
+        )
+        for name in groups
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,248 @@
+"""The drivers every learned-mask method shares (subnetwork extraction; MaskLLM's own drivers
+predate them): a method supplies the parametrizations and the terms of its loss, the driver
+trains them with the shared trainer and gives back the history.
+
+- :func:`learn_end_to_end`: the whole model on the LM loss (plus the method's extra terms).
+- :func:`learn_blockwise`: inside the layer-wise loop, block i's parameters are trained so that
+  its output matches the dense model's hidden states after block i, from the compressed model's
+  hidden states entering it. A dense stream runs alongside (earlier blocks' errors are
+  compensated, not accumulated); ``steps`` are per block.
+
+A method's per-block (or whole-model) state is a :class:`Learnable`: the trained parameters,
+their per-parameter optimiser options, the extra loss terms (evaluated inside the same
+``parametrize.cached()`` context as the forward, so they see the same sample), a hook run before
+every step, and ``finish`` (blockwise: extract and report the block's layers).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from lmcompress.compressor.calibration.layerwise import (
+    Accumulator,
+    LayerwiseStats,
+    compress_layerwise,
+)
+from lmcompress.compressor.model.loss import final_hidden, nll_from_hidden
+from lmcompress.compressor.report import LayerReport
+from lmcompress.compressor.training.trainer import TrainConfig, Trainer, TrainState
+from lmcompress.evaluation.perplexity import perplexity
+
+ExtraLoss = Callable[[int], tuple[torch.Tensor, dict[str, float]]]
+
+
+def no_extra_loss(_step: int) -> tuple[torch.Tensor, dict[str, float]]:
+    return torch.zeros(()), {}
+
+
+@dataclass
+class Learnable:
+    """What a method trains in one run of a driver (one block, or the whole model)."""
+
+    params: dict[str, nn.Parameter]
+    extra_loss: ExtraLoss = no_extra_loss
+    param_options: dict[str, dict[str, float]] = field(default_factory=dict)
+    before_step: Callable[[int], dict[str, float]] | None = None
+    # blockwise: extract the block's layers (the parametrizations removed) and report them
+    finish: Callable[[], list[LayerReport]] | None = None
+    # modules with a ``hard`` flag (the deterministic mask): the block-wise driver measures
+    # the hard block error before and after training with them switched on
+    masks: list[nn.Module] = field(default_factory=list)
+
+
+def hard_perplexity(
+    model: nn.Module, eval_data: torch.Tensor | None, masks: Iterable[nn.Module] = ()
+) -> dict[str, float]:
+    """Perplexity on the held-out windows with every mask in ``masks`` switched to its
+    deterministic (``hard``) form; ``{}`` without held-out windows."""
+    if eval_data is None:
+        return {}
+    masks = list(masks)
+    for mask in masks:
+        mask.hard = True
+    try:
+        result = perplexity(model, eval_data.flatten(), eval_data.shape[1], progress=False)
+    finally:
+        for mask in masks:
+            mask.hard = False
+    return {"hard_ppl": result.perplexity}
+
+
+def training_extra(meta: dict[str, Any], curve_keys: tuple[str, ...]) -> dict[str, Any]:
+    """The report's ``extra`` of a learned-mask run from its stats ``meta``: the loss curve
+    (``curve_keys`` of each step), the hard-mask perplexities (step 0 = the prior), the steps
+    and, block-wise, each block's curve and hard block error before/after training."""
+
+    def curve(history: list[dict]) -> list[dict]:
+        return [{k: h[k] for k in curve_keys if k in h} for h in history]
+
+    history, blocks = meta.get("history", []), meta.get("block_history", [])
+    step0 = meta.get("step0")
+    extra: dict[str, Any] = {
+        "loss_curve": curve(history),
+        "hard_ppl": ([{"step": 0, **step0}] if step0 else []) + meta.get("evals", []),
+        "steps": len(history) or max((len(b["history"]) for b in blocks), default=0),
+    }
+    if blocks:
+        extra["block_curves"] = [
+            {
+                "block": b["block"],
+                "curve": curve(b["history"]),
+                "hard_before": b.get("hard_before"),
+                "hard_after": b.get("hard_after"),
+            }
+            for b in blocks
+        ]
+    return extra
+
+
+def learn_end_to_end(
+    model: nn.Module,
+    train_data: torch.Tensor,
+    learnable: Learnable,
+    config: TrainConfig,
+    evaluate: Callable[[int], dict[str, float]] | None = None,
+    checkpoint_dir: str | None = None,
+    resume: bool = False,
+    accelerator: Any = None,
+) -> TrainState:
+    """Train ``learnable`` on the LM loss of ``model`` over (N, L) token windows, plus its
+    extra terms; the vocabulary-sized logits never exist whole (``compressor.lm_loss``)."""
+
+    def loss_fn(model: nn.Module, ids: torch.Tensor, step: int):
+        with parametrize.cached():  # one sample per layer for the forward and the extra terms
+            hidden = final_hidden(model, ids)
+            lm_loss = nll_from_hidden(model, hidden, ids, reduction="mean")
+            extra, logs = learnable.extra_loss(step)
+        return lm_loss + extra, {"lm_loss": float(lm_loss.detach()), **logs}
+
+    trainer = Trainer(
+        model,
+        learnable.params,
+        config,
+        loss_fn,
+        before_step=learnable.before_step,
+        evaluate=evaluate,
+        checkpoint_dir=checkpoint_dir,
+        accelerator=accelerator,
+        param_options=learnable.param_options,
+    )
+    model.train(False)  # no dropout: the masks are what is learned
+    return trainer.fit(train_data, resume=resume)
+
+
+def _run(block: nn.Module, index: int, x: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+    out = block(x, *batch["args"][index], **batch["kwargs"][index])
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _hard_error(learnable: Learnable, block, index, examples, count: int) -> float | None:
+    """The mean relative block-output error of the hard masks on the first ``count`` batches."""
+    if not learnable.masks or count == 0:
+        return None
+    for mask in learnable.masks:
+        mask.hard = True
+    try:
+        with torch.no_grad():
+            errors = [
+                float((_run(block, index, b["hidden"], b).float() - y.float()).square().mean() / s)
+                for b, y, s in examples[:count]
+            ]
+    finally:
+        for mask in learnable.masks:
+            mask.hard = False
+    return sum(errors) / len(errors)
+
+
+@dataclass
+class BlockwiseResult:
+    reports: list[LayerReport]
+    loop: LayerwiseStats
+    histories: list[dict[str, Any]]  # {"block": i, "history": [...]} per block
+    seconds: float
+
+
+def learn_blockwise(
+    model: nn.Module,
+    data: torch.Tensor,
+    layers: dict[str, nn.Module],
+    start_block: Callable[[int, list[str], dict[str, Accumulator]], Learnable],
+    config: Callable[[int], TrainConfig],
+    make_accumulator: Callable[[str, nn.Module], Accumulator],
+    device: torch.device,
+    batch_size: int,
+    hard_batches: int = 2,
+) -> BlockwiseResult:
+    """Train each decoder block's ``Learnable`` in turn on the relative block-output error.
+
+    ``start_block(index, names, accumulators)`` parametrizes the block's layers (the
+    accumulators hold their statistics on the compressed inputs, e.g. a prior's Hessian) and
+    returns what to train; ``config(index)`` the block's trainer options (one example is one
+    captured batch of ``batch_size`` windows); after training, the learnable's ``finish``
+    extracts the layers and reports them, then the compressed block's outputs feed the next.
+    The history of each block also holds the hard masks' block error on the first
+    ``hard_batches`` batches before and after training (``hard_before``, ``hard_after``).
+    """
+    start = time.perf_counter()
+    dense: list[torch.Tensor] = []  # the dense model's hidden states entering the block
+    histories: list[dict[str, Any]] = []
+
+    def compress_block(index, block, names, accumulators, batches) -> list[LayerReport]:
+        if not dense:
+            dense.extend(b["hidden"] for b in batches)
+        with torch.no_grad():  # the dense block on the dense inputs: what to reproduce
+            targets = [_run(block, index, x, b) for x, b in zip(dense, batches, strict=True)]
+        scales = [
+            (y - x).square().mean().clamp_min(1e-12) for x, y in zip(dense, targets, strict=True)
+        ]
+        learnable = start_block(index, names, accumulators)
+        examples = list(zip(batches, targets, scales, strict=True))
+
+        def loss_fn(_block: nn.Module, example: tuple, step: int):
+            batch, target, scale = example
+            with parametrize.cached():
+                out = _run(block, index, batch["hidden"], batch)
+                extra, logs = learnable.extra_loss(step)
+            err = (out.float() - target.float()).square().mean() / scale
+            return err + extra, {"rel_err": float(err.detach()), **logs}
+
+        trainer = Trainer(
+            block,
+            learnable.params,
+            config(index),
+            loss_fn,
+            before_step=learnable.before_step,
+            desc=f"block {index}",
+            leave=False,
+            collate=lambda items, idx: items[int(idx[0])],
+            param_options=learnable.param_options,
+        )
+        before = _hard_error(learnable, block, index, examples, hard_batches)
+        with torch.enable_grad():
+            state = trainer.fit(examples)
+        after = _hard_error(learnable, block, index, examples, hard_batches)
+        histories.append(
+            {"block": index, "history": state.history, "hard_before": before, "hard_after": after}
+        )
+        reports = learnable.finish() if learnable.finish else []
+        dense[:] = targets
+        return reports
+
+    reports, loop = compress_layerwise(
+        model,
+        data,
+        layers,
+        make_accumulator=make_accumulator,
+        device=device,
+        batch_size=batch_size,
+        compress_block=compress_block,
+    )
+    model.train(False)
+    return BlockwiseResult(reports, loop, histories, time.perf_counter() - start)

