@@ -23,15 +23,14 @@ import importlib
 from typing import Any
 
 from lmcompress.compressor.io import hf_registration as _hf_registration
-
-__version__ = "0.1.0"
+from lmcompress.version import __version__ as __version__
 
 _EXPORTS = {
     "compress": "lmcompress.api",
     "CompressionReport": "lmcompress.compressor.report",
     "MethodConfig": "lmcompress.compressor.config",
     "parse_sparsity": "lmcompress.compressor.config",
-    "load_compressed": "lmcompress.compressor.io.save",
+    "load_compressed": "lmcompress.compressor.io.load",
     "save_compressed": "lmcompress.compressor.io.save",
     "load_model": "lmcompress.compressor.model.loading",
     "perplexity": "lmcompress.evaluation.perplexity",

@@ -15,3 +15,10 @@ class ModelLoadError(LmcompressError):
 
 class DataError(LmcompressError):
     """A corpus or calibration source that is missing, empty or unreadable."""
+
+
+def first_line(err: BaseException) -> str:
+    """An exception's message as one line (its type's name when it has none): what a one-line
+    error quotes of the exception underneath."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

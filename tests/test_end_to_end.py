@@ -7,12 +7,9 @@ import torch
 import transformers
 
 from lmcompress.cli.main import main
-from lmcompress.compressor.io.save import (
-    COMPRESSED_TENSORS,
-    MANIFEST,
-    load_compressed,
-    save_compressed,
-)
+from lmcompress.compressor.io.layout import COMPRESSED_TENSORS, MANIFEST
+from lmcompress.compressor.io.load import load_compressed
+from lmcompress.compressor.io.save import save_compressed
 from lmcompress.evaluation.corpora import tokenize
 from lmcompress.evaluation.perplexity import perplexity
 

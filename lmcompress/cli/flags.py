@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shlex
 import typing
 from typing import Any
 
-from lmcompress.compressor.config import (
+from lmcompress.compressor.options import (
     OptionField,
+    flag_name,
     is_value_type,
     literal_choices,
     option_fields,
-    option_value,
     recipe_value,
 )
 
@@ -45,10 +44,6 @@ def _field_kwargs(hint: Any) -> dict[str, Any]:
     if hint in (int, float, str) or is_value_type(hint):
         return {"type": str if is_value_type(hint) else hint}
     raise TypeError(f"no CLI flag for a field of type {hint!r}")
-
-
-def flag_name(field_name: str) -> str:
-    return "--" + field_name.replace("_", "-")
 
 
 class _BooleanFlag(argparse.BooleanOptionalAction):
@@ -124,34 +119,3 @@ def describe(cls: type) -> list[tuple[str, str, str]]:
             help_text = f"{help_text} [{'|'.join(map(str, choices))}]".strip()
         rows.append((flag_name(option.name), shown, help_text))
     return rows
-
-
-def changed_flags(config: Any, skip: tuple[str, ...] = ()) -> list[str]:
-    """The flags that rebuild ``config`` (a config dataclass) from its defaults: one per option
-    whose value differs from the default (``--sparsity 2:4``, ``--no-dense-copy``, ``--eval a
-    b``), the inverse of :func:`add_dataclass_flags`. A required option is always given."""
-    argv: list[str] = []
-    for option in option_fields(type(config)):
-        if option.name in skip:
-            continue
-        value = recipe_value(option_value(config, option))
-        default = option.default
-        if default is not dataclasses.MISSING and value == recipe_value(default):
-            continue
-        flag = flag_name(option.name)
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(value, list):
-            argv += [flag, *map(str, value)]
-        elif value is not None:  # None differing from a default: no flag spells it
-            argv += [flag, str(value)]
-    return argv
-
-
-def command_line(prog: str, checkpoint: str, method: str, *configs: Any) -> str:
-    """The shell command that runs ``configs`` again: ``prog CHECKPOINT --method M`` plus
-    :func:`changed_flags` of each config (``-o`` written short, ``--overwrite`` left out)."""
-    argv = [prog, checkpoint, "--method", method]
-    for config in configs:
-        argv += changed_flags(config, skip=("checkpoint", "overwrite"))
-    return shlex.join(["-o" if arg == "--output" else arg for arg in argv])

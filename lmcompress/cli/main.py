@@ -132,7 +132,7 @@ def add_job_arguments(
 def run_job(args: dict[str, Any], flags: JobFlags) -> int:
     """Run the job that ``args`` (the flags :func:`add_job_arguments` defined, as a dict)
     describe, and print its summary."""
-    from lmcompress.compressor.config import option_fields
+    from lmcompress.compressor.options import option_fields
     from lmcompress.compressor.training import distributed
     from lmcompress.jobs.run import RunOptions, run
 
@@ -213,7 +213,7 @@ def _changed_options(report: Any) -> str:
 
 def _output_sizes(out: Path) -> str:
     """``"730.1 MB in all: compressed form 190.2 MB, dense copy 540.0 MB ..."``."""
-    from lmcompress.compressor.io.save import COMPRESSED_TENSORS
+    from lmcompress.compressor.io.layout import COMPRESSED_TENSORS
 
     def size(paths: list[Path]) -> float:
         return sum(p.stat().st_size for p in paths if p.is_file()) / 1e6
@@ -283,12 +283,8 @@ def _eval(argv: Sequence[str]) -> int:
     from lmcompress.jobs.preflight import check_eval
 
     check_eval(args.checkpoint, args.device, args.seq_len, args.lm_eval_tasks, options.eval)
-    from lmcompress.compressor.io.save import (
-        MANIFEST,
-        load_compressed,
-        read_manifest,
-        runtime_bytes,
-    )
+    from lmcompress.compressor.io.layout import MANIFEST
+    from lmcompress.compressor.io.load import load_compressed, read_manifest, runtime_bytes
     from lmcompress.compressor.model.loading import load_model
     from lmcompress.evaluation.corpora import tokenize
 

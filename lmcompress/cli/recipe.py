@@ -13,7 +13,7 @@ from lmcompress.errors import ConfigError
 def run_stages_job(args: dict[str, Any], flags: Any) -> int:
     """Run the multi-stage recipe ``flags.recipe`` with the job flags in ``args`` (the parsed
     flags of :func:`lmcompress.cli.main.add_job_arguments`); print its summary."""
-    from lmcompress.cli.flags import flag_name
+    from lmcompress.compressor.options import flag_name
     from lmcompress.compressor.training import distributed
     from lmcompress.jobs.recipe import parse_recipe, run_recipe
     from lmcompress.jobs.run import RunOptions

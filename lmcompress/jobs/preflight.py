@@ -28,14 +28,8 @@ from lmcompress.compressor.model.budget import (
     eval_bytes,
     param_bytes,
 )
-from lmcompress.compressor.model.loading import (
-    check_checkpoint,
-    check_device,
-    max_positions,
-    model_config,
-    model_skeleton,
-    resolve_dtype,
-)
+from lmcompress.compressor.model.checkpoint import check_checkpoint, max_positions, model_config
+from lmcompress.compressor.model.loading import check_device, model_skeleton, resolve_dtype
 from lmcompress.compressor.util.fsutil import sweep_stale
 from lmcompress.errors import ConfigError, LmcompressError
 from lmcompress.evaluation.corpora import load_documents
@@ -178,7 +172,8 @@ def check_eval(checkpoint: str, device: str, seq_len: int, tasks: list[str], cor
 def checkpoint_paths(checkpoint: str) -> list[Path]:
     """The local files a checkpoint is read from: its directory or GGUF file; for an alias, the
     cached safetensors copy and the packaged GGUF."""
-    from lmcompress.compressor.model.loading import _ALIASES, _alias_gguf
+    from lmcompress.compressor.model.checkpoint import ALIASES as _ALIASES
+    from lmcompress.compressor.model.checkpoint import alias_gguf as _alias_gguf
     from lmcompress.compressor.util.cache import cache_dir
 
     if checkpoint in _ALIASES:

@@ -37,13 +37,14 @@ from typing import Any
 from torch import nn
 
 from lmcompress.api import run_method
-from lmcompress.compressor.config import MethodConfig, option_fields, option_value, recipe_value
+from lmcompress.compressor.config import MethodConfig
 from lmcompress.compressor.formats.base import CompressedLinear
 from lmcompress.compressor.formats.compose import compose_, layers_to_skip
 from lmcompress.compressor.method import Method
 from lmcompress.compressor.model.families import family_of
 from lmcompress.compressor.model.loading import load_model
 from lmcompress.compressor.model.surgery import is_linear
+from lmcompress.compressor.options import option_fields, option_value, recipe_value
 from lmcompress.compressor.report import CompressionReport
 from lmcompress.compressor.training import distributed
 from lmcompress.errors import ConfigError, LmcompressError

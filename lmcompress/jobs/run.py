@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from lmcompress.api import run_method
-from lmcompress.cli.flags import command_line
-from lmcompress.compressor.config import MethodConfig, check_choices, check_types
+from lmcompress.compressor.config import MethodConfig
 from lmcompress.compressor.io.save import save_compressed
+from lmcompress.compressor.model.checkpoint import DEFAULT_CHECKPOINT
 from lmcompress.compressor.model.families import family_of
-from lmcompress.compressor.model.loading import DEFAULT_CHECKPOINT, load_model
+from lmcompress.compressor.model.loading import load_model
+from lmcompress.compressor.options import check_choices, check_types, command_line
 from lmcompress.compressor.training import distributed
 from lmcompress.errors import ConfigError, LmcompressError
 from lmcompress.evaluation.corpora import calibration_windows, tokenize

@@ -4,7 +4,7 @@ The model is a skeleton on the meta device (module names, shapes, no memory). Th
 loop (:func:`~lmcompress.compressor.calibration.layerwise.compress_layerwise`) asks a
 :class:`Streamer` for
 weights: the embeddings are read from the checkpoint's safetensors shards (each tensor read straight
-into its destination: :func:`~lmcompress.compressor.io.shards.read_tensors`) for the capture and
+into its destination: :func:`~lmcompress.compressor.io.shards.read_unmapped`) for the capture and
 freed
 once the first block's inputs are recorded; each block is read just before it is calibrated, and
 once compressed it is written to its own output shard and returned to the meta device. The head is
@@ -42,15 +42,16 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from lmcompress.compressor.formats.base import CompressedLinear, format_class
-from lmcompress.compressor.io.load import (
+from lmcompress.compressor.formats.base import CompressedLinear
+from lmcompress.compressor.formats.catalog import format_class
+from lmcompress.compressor.io.layout import (
     COMPRESSED_TENSORS,
     DENSE_TENSORS,
     FORMAT_VERSION,
     MANIFEST,
 )
-from lmcompress.compressor.io.save import cast_tensor
-from lmcompress.compressor.io.shards import merge_safetensors, read_tensors
+from lmcompress.compressor.io.load import key_renaming
+from lmcompress.compressor.io.shards import TensorFiles, cast_tensor, merge_safetensors
 from lmcompress.compressor.model.families import family_of
 from lmcompress.compressor.model.surgery import replace_modules
 from lmcompress.compressor.report import CompressionReport, LayerReport
@@ -124,12 +125,10 @@ class Streamer:
         save_dtype: torch.dtype,
         dense_copy: bool = True,
     ) -> None:
-        from lmcompress.compressor.io.load import _DenseTensors
-
         self.model, self.out, self.dtype, self.save_dtype = model, out, dtype, save_dtype
         self.dense_copy = dense_copy
         model.tie_weights()  # a skeleton from the config is not tied yet
-        self.source = _DenseTensors(checkpoint, torch.device("cpu"), model)
+        self.source = TensorFiles.of_checkpoint(checkpoint, "cpu", key_renaming(model))
         family = family_of(model)
         self.prefix = family.blocks + "."
         self.blocks = model.get_submodule(family.blocks)
@@ -240,16 +239,8 @@ class Streamer:
         )
 
     def _read(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        """``keys`` (model names) from the checkpoint, each shard opened once."""
-        by_file: dict[Path, list[tuple[str, str]]] = {}
-        for key in keys:
-            path, stored = self.source.files[key]
-            by_file.setdefault(path, []).append((key, stored))
-        tensors = {}
-        for path, pairs in by_file.items():
-            found = read_tensors(path, [stored for _, stored in pairs])
-            tensors.update({key: found[stored] for key, stored in pairs})
-        return tensors
+        """``keys`` (model names) from the checkpoint, each shard opened once, unmapped."""
+        return self.source.read(keys, mmap=False)
 
     def _block_keys(self, index: int) -> list[str]:
         prefix = f"{self.prefix}{index}."
@@ -318,16 +309,14 @@ def run_streaming(options: RunOptions, method: Method) -> dict[str, Any]:
     """:func:`lmcompress.jobs.run.run` with the model never whole in memory: checks, tokenizer
     and calibration windows, the skeleton, the method's streamed pass, and the output directory
     written block by block (atomically: renamed into place at the end). No evaluation."""
-    from lmcompress.cli.flags import command_line
-    from lmcompress.compressor.io.model_card import MODEL_CARD, REPORT_PNG, model_card
+    from lmcompress.compressor.io.layout import MODEL_CARD, REPORT_PNG
+    from lmcompress.compressor.io.model_card import model_card
     from lmcompress.compressor.io.report_plot import write_report_png
-    from lmcompress.compressor.io.save import _versions
-    from lmcompress.compressor.model.loading import (
-        _load_tokenizer,
-        model_config,
-        model_skeleton,
-        resolve_dtype,
-    )
+    from lmcompress.compressor.io.save import versions as _versions
+    from lmcompress.compressor.model.checkpoint import model_config
+    from lmcompress.compressor.model.loading import load_tokenizer as _load_tokenizer
+    from lmcompress.compressor.model.loading import model_skeleton, resolve_dtype
+    from lmcompress.compressor.options import command_line
     from lmcompress.compressor.util.memory import set_mmap_threshold
     from lmcompress.evaluation.corpora import calibration_windows, tokenize
     from lmcompress.jobs.preflight import preflight
@@ -384,7 +373,7 @@ def run_streaming(options: RunOptions, method: Method) -> dict[str, Any]:
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if not options.dense_copy and layouts:
-            from lmcompress.compressor.io.hf_quantizer import write_loading_entry
+            from lmcompress.compressor.io.save import write_loading_entry
 
             keys = [f"{n}.{k}" for n, entry in layouts.items() for k in entry["tensors"]]
             write_loading_entry(tmp, layouts, [], sorted(keys))

@@ -12,7 +12,7 @@ equals the torch reference bit for bit.
 import triton
 import triton.language as tl
 
-from lmcompress.kernels.int8_softmax import BLOCK, EXP2_COEFFS, LOG2E, MASKED_AT, MIN_EXP_ARG
+from lmcompress.kernels.softmax_constants import BLOCK, EXP2_COEFFS, LOG2E, MASKED_AT, MIN_EXP_ARG
 
 _LOG2E = tl.constexpr(LOG2E)
 _MIN_X = tl.constexpr(MIN_EXP_ARG)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lmcompress.cli.main import main
-from lmcompress.compressor.io.save import MANIFEST
+from lmcompress.compressor.io.layout import MANIFEST
 
 TEXT = "\n\n".join(
     f"Document {i}. The quick brown fox jumps over the lazy dog {i} times, then rests."

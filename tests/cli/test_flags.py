@@ -10,8 +10,9 @@ from typing import ClassVar, Literal
 
 import pytest
 
-from lmcompress.cli.flags import add_dataclass_flags, describe, flag_name
-from lmcompress.compressor.config import MethodConfig, Sparsity, option_fields
+from lmcompress.cli.flags import add_dataclass_flags, describe
+from lmcompress.compressor.config import MethodConfig, Sparsity
+from lmcompress.compressor.options import flag_name, option_fields
 from lmcompress.errors import ConfigError
 
 Noise = Literal["exact", "pool"]

@@ -24,14 +24,11 @@ import pathlib, sys, time
 import lmcompress.compressor.io.save as export
 from lmcompress.cli.main import main
 
-write_weights = export._write_weights
-
-def stalled(model, tmp, *args, **kwargs):
-    write_weights(model, tmp, *args, **kwargs)
+def stalled(self, *args, **kwargs):  # the weights are written; the manifest is next
     pathlib.Path(sys.argv[1]).touch()
     time.sleep(120)
 
-export._write_weights = stalled
+export.Export.finish = stalled
 sys.exit(main(sys.argv[2:]))
 """
 

@@ -11,8 +11,11 @@ import pytest
 
 pytest.importorskip("optimum.commands.optimum_cli")
 
-from lmcompress.compressor.io.model_card import MODEL_CARD, REPORT_PNG  # noqa: E402
-from lmcompress.compressor.io.save import MANIFEST  # noqa: E402
+from lmcompress.compressor.io.layout import (  # noqa: E402
+    MANIFEST,  # noqa: E402
+    MODEL_CARD,
+    REPORT_PNG,
+)
 
 OPTIMUM_CLI = shutil.which("optimum-cli", path=str(Path(sys.executable).parent))
 REGISTER = Path(__file__).parents[2] / "optimum" / "commands" / "register"

@@ -9,7 +9,8 @@ from typing import ClassVar, Literal
 import pytest
 import yaml
 
-from lmcompress.compressor.config import MethodConfig, Sparsity, check_types
+from lmcompress.compressor.config import MethodConfig, Sparsity
+from lmcompress.compressor.options import check_types
 from lmcompress.compressor.training.options import TrainingOptions
 from lmcompress.errors import ConfigError
 from lmcompress.methods.magnitude import MagnitudeConfig

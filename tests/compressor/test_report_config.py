@@ -5,7 +5,8 @@ import typing
 import pytest
 
 from lmcompress.compressor import config as config_module
-from lmcompress.compressor.config import Sparsity, option_fields
+from lmcompress.compressor.config import Sparsity
+from lmcompress.compressor.options import option_fields
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.errors import ConfigError
 from lmcompress.jobs.run import RunOptions, SaveDtype

@@ -15,16 +15,14 @@ import torch
 import transformers
 from conftest import FAMILY_NAMES, TINY_CONFIGS, make_tiny_model
 
-from lmcompress.compressor.model import loading as models
-from lmcompress.compressor.model.loading import (
+from lmcompress.compressor.model import checkpoint
+from lmcompress.compressor.model.checkpoint import (
     DEFAULT_CHECKPOINT,
     check_checkpoint,
-    check_device,
-    load_model,
     max_positions,
     model_config,
-    model_skeleton,
 )
+from lmcompress.compressor.model.loading import check_device, load_model, model_skeleton
 from lmcompress.errors import ConfigError, ModelLoadError
 from tests.compressor.model.test_loading import _write_tiny_llama_gguf
 
@@ -135,7 +133,7 @@ def test_config_of_a_gguf_file(tmp_path):
 def test_config_of_an_alias_prefers_the_cache(tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("LMCOMPRESS_CACHE", str(tmp_path / "cache"))
     _write_tiny_llama_gguf(tmp_path / "tiny.gguf")
-    monkeypatch.setattr(models, "_alias_gguf", lambda _name: tmp_path / "tiny.gguf")
+    monkeypatch.setattr(checkpoint, "alias_gguf", lambda _name: tmp_path / "tiny.gguf")
     before = model_config(DEFAULT_CHECKPOINT)  # no cache yet: the GGUF's metadata
     assert before.num_hidden_layers == 2
     cached = tmp_path / "cache" / DEFAULT_CHECKPOINT

@@ -10,8 +10,7 @@ import pytest
 import yaml
 
 from lmcompress.cli.main import main
-from lmcompress.compressor.io.model_card import MODEL_CARD
-from lmcompress.compressor.io.save import MANIFEST
+from lmcompress.compressor.io.layout import MANIFEST, MODEL_CARD
 from lmcompress.jobs import recipe as recipe_module
 from lmcompress.jobs.recipe import parse_recipe
 from lmcompress.jobs.run import RunOptions

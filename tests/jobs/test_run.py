@@ -9,7 +9,7 @@ import pytest
 
 import lmcompress.jobs.preflight as preflight
 import lmcompress.jobs.run as pipeline
-from lmcompress.compressor.io.save import MANIFEST
+from lmcompress.compressor.io.layout import MANIFEST
 from lmcompress.compressor.report import CompressionReport
 from lmcompress.errors import DataError, LmcompressError, ModelLoadError
 from lmcompress.jobs.run import RunOptions, run
@@ -99,7 +99,7 @@ def test_check_checkpoint_reads_no_weights(tiny_checkpoint, tmp_path, monkeypatc
 
     import transformers
 
-    from lmcompress.compressor.model.loading import DEFAULT_CHECKPOINT, check_checkpoint
+    from lmcompress.compressor.model.checkpoint import DEFAULT_CHECKPOINT, check_checkpoint
 
     def no_loading(*_args, **_kwargs):
         raise AssertionError("check_checkpoint loaded something")

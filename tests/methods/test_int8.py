@@ -13,11 +13,13 @@ from lmcompress.api import compress
 from lmcompress.cli.main import main
 from lmcompress.compressor.formats.base import installed
 from lmcompress.compressor.formats.int8 import QuantLinear
-from lmcompress.compressor.io.save import MANIFEST, load_compressed, save_compressed
+from lmcompress.compressor.formats.int8_softmax import Int8Softmax
+from lmcompress.compressor.io.layout import MANIFEST
+from lmcompress.compressor.io.load import load_compressed
+from lmcompress.compressor.io.save import save_compressed
 from lmcompress.compressor.model.attention import IMPLEMENTATION
 from lmcompress.errors import ConfigError
 from lmcompress.methods.int8 import Int8Config
-from lmcompress.methods.int8.transform import Int8Softmax
 
 TEXT = "\n\n".join(f"Document {i}. The quick brown fox jumps over the lazy dog." for i in range(60))
 

@@ -10,19 +10,17 @@ import pytest
 import torch
 from conftest import VOCAB, make_tiny_model
 
-from lmcompress.compressor.model.attention import attention_hook
-from lmcompress.errors import ConfigError
-from lmcompress.methods.int8.bias_plot import bias_magnitudes, plot_bias_heatmap
-from lmcompress.methods.int8.softmax import (
-    SoftmaxBiasAccumulator,
+from lmcompress.compressor.formats.int8_softmax import (
     SoftmaxQuantizer,
-    calibrate_softmax,
     dequantize_probs,
-    estimate_bias,
     fold_bias,
     quantize_probs,
     quantize_probs_int,
 )
+from lmcompress.compressor.model.attention import attention_hook
+from lmcompress.errors import ConfigError
+from lmcompress.methods.int8.bias_plot import bias_magnitudes, plot_bias_heatmap
+from lmcompress.methods.int8.softmax import SoftmaxBiasAccumulator, calibrate_softmax, estimate_bias
 
 
 def _reference_q(p: torch.Tensor, scale: float) -> list[int]:

@@ -13,7 +13,7 @@ from torch import nn
 from lmcompress import compress, load_compressed, save_compressed
 from lmcompress.cli.main import main
 from lmcompress.compressor.formats.low_rank import LowRankLinear
-from lmcompress.compressor.io.save import COMPRESSED_TENSORS, MANIFEST
+from lmcompress.compressor.io.layout import COMPRESSED_TENSORS, MANIFEST
 from lmcompress.compressor.model.surgery import LayerSelection, weight_matrix
 from lmcompress.errors import ConfigError
 from lmcompress.methods import get_method

@@ -1,9 +1,7 @@
-"""The compressed formats lmcompress ships; importing this package registers them all in
-``compressor.runtime.FORMATS``."""
+"""Compressed formats: how a compressed layer computes and is stored.
 
-from lmcompress.compressor.formats.int8 import QuantLinear
-from lmcompress.compressor.formats.low_rank import LowRankLinear
-from lmcompress.compressor.formats.nm_packed import PackedNMLinear
-from lmcompress.compressor.formats.nm_packed_int8 import PackedNMInt8Linear
-
-__all__ = ["LowRankLinear", "PackedNMInt8Linear", "PackedNMLinear", "QuantLinear"]
+``base`` (the ``CompressedLinear`` and ``ModelTransform`` protocols), ``registry`` (the name
+tables, a leaf), one module per format (``nm_packed``, ``low_rank``, ``int8``,
+``nm_packed_int8``, the ``int8_softmax`` transform), ``quant`` (int8 math), ``compose`` (formats
+of layers two stages compressed) and ``catalog`` (every built-in format, by name).
+"""

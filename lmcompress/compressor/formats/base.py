@@ -11,13 +11,14 @@ stood, and follows one small protocol:
   gives back a plain layer of the original kind (the copy that plain ``transformers`` loads);
 - ``forward``.
 
-:data:`FORMATS` maps ``format`` to the class; export and load look formats up there and
-nowhere else. A format registers itself with :func:`register_format` where it is defined.
+:mod:`~lmcompress.compressor.formats.registry` maps ``format`` to the class (a format registers
+itself with ``register_format`` where it is defined); export and load look formats up through
+:mod:`~lmcompress.compressor.formats.catalog` and nowhere else.
 
 Some compression is not a layer: an 8-bit softmax changes every attention module. A
 :class:`ModelTransform` is such a change, installed on a model (``install``) and stored and
-replayed like a format (``kind``, ``state_tensors``, ``meta``, ``from_state``); :data:`TRANSFORMS`
-holds the kinds. Export records the transforms installed on a model (:func:`installed`), and
+replayed like a format (``kind``, ``state_tensors``, ``meta``, ``from_state``), registered with
+``register_transform``. Export records the transforms installed on a model (:func:`installed`), and
 reloading installs them again.
 """
 
@@ -28,34 +29,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
-
-from lmcompress.errors import ModelLoadError
-
-FORMATS: dict[str, type[CompressedLinear]] = {}
-
-
-def register_format(cls: type[CompressedLinear]) -> type[CompressedLinear]:
-    """Class decorator: make ``cls`` loadable under ``cls.format``."""
-    if not cls.format:
-        raise TypeError(f"{cls.__name__} has no format name")
-    FORMATS[cls.format] = cls
-    return cls
-
-
-def format_class(name: str) -> type[CompressedLinear]:
-    """The class stored under ``name``; a one-line error for an unknown (foreign, newer)
-    format."""
-    _import_builtin_formats()
-    if name not in FORMATS:
-        raise ModelLoadError(
-            f"unknown compressed format {name!r}; known: {', '.join(sorted(FORMATS))}"
-        )
-    return FORMATS[name]
-
-
-def _import_builtin_formats() -> None:
-    """The formats lmcompress ships register on import; import them on first lookup."""
-    import lmcompress.compressor.formats  # noqa: F401
 
 
 class CompressedLinear(nn.Module):
@@ -135,28 +108,7 @@ class CompressedLinear(nn.Module):
 
 # --- model-level transforms -----------------------------------------------------------------
 
-TRANSFORMS: dict[str, type[ModelTransform]] = {}
 _INSTALLED = "_lmcompress_transforms"  # attribute of a model: its installed transforms
-
-
-def register_transform(cls: type[ModelTransform]) -> type[ModelTransform]:
-    """Class decorator: make ``cls`` loadable under ``cls.kind``."""
-    if not cls.kind:
-        raise TypeError(f"{cls.__name__} has no kind")
-    TRANSFORMS[cls.kind] = cls
-    return cls
-
-
-def transform_class(kind: str) -> type[ModelTransform]:
-    """The transform class stored under ``kind``; a one-line error for an unknown one. Kinds
-    register where they are defined (a method's package), which a stored kind names."""
-    import lmcompress.methods  # noqa: F401  (every method's transforms register on import)
-
-    if kind not in TRANSFORMS:
-        raise ModelLoadError(
-            f"unknown model transform {kind!r}; known: {', '.join(sorted(TRANSFORMS)) or 'none'}"
-        )
-    return TRANSFORMS[kind]
 
 
 class ModelTransform:

@@ -21,7 +21,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from lmcompress.compressor.formats.base import CompressedLinear, format_class
+from lmcompress.compressor.formats.base import CompressedLinear
+from lmcompress.compressor.formats.catalog import format_class
 from lmcompress.compressor.model.surgery import replace_module
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.errors import ConfigError

@@ -24,7 +24,8 @@ from transformers.pytorch_utils import Conv1D
 
 import lmcompress.kernels.int8_ops  # noqa: F401  (registers torch.ops.lmcompress.int8_linear)
 from lmcompress.compressor.formats import quant
-from lmcompress.compressor.formats.base import CompressedLinear, register_format
+from lmcompress.compressor.formats.base import CompressedLinear
+from lmcompress.compressor.formats.registry import register_format
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.errors import ConfigError, LmcompressError, ModelLoadError
 

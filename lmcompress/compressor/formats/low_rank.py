@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from lmcompress.compressor.formats.base import CompressedLinear, register_format
+from lmcompress.compressor.formats.base import CompressedLinear
+from lmcompress.compressor.formats.registry import register_format
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.errors import ConfigError, ModelLoadError
 

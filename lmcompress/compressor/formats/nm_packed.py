@@ -17,7 +17,8 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 import lmcompress.kernels.ops  # noqa: F401  (registers torch.ops.lmcompress.nm_linear)
-from lmcompress.compressor.formats.base import CompressedLinear, register_format
+from lmcompress.compressor.formats.base import CompressedLinear
+from lmcompress.compressor.formats.registry import register_format
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.errors import ModelLoadError
 from lmcompress.kernels.reference import index_bits, pack_nm, unpack_nm

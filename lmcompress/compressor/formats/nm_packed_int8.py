@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 from lmcompress.compressor.formats import quant
-from lmcompress.compressor.formats.base import CompressedLinear, register_format
+from lmcompress.compressor.formats.base import CompressedLinear
 from lmcompress.compressor.formats.int8 import PATHS, QuantLinear, int8_forward
+from lmcompress.compressor.formats.registry import register_format
 from lmcompress.errors import ConfigError, ModelLoadError
 from lmcompress.kernels.reference import index_bits, pack_nm, unpack_nm
 

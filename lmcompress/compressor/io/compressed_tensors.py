@@ -42,7 +42,8 @@ import torch
 from torch import nn
 
 from lmcompress.compressor.formats.base import CompressedLinear
-from lmcompress.compressor.io.save import cast_state, cast_tensor
+from lmcompress.compressor.io.layout import update_config_json
+from lmcompress.compressor.io.shards import cast_state, cast_tensor
 from lmcompress.compressor.model.surgery import is_linear
 from lmcompress.errors import LmcompressError
 
@@ -184,11 +185,7 @@ def write_compressed_tensors(
             state[f"{name}.{key}"] = cast_tensor(value, dtype) if key == "bias" else value.cpu()
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True, state_dict=state)
-    config_file = out_dir / "config.json"
-    model_config = json.loads(config_file.read_text())
-    model_config["dtype"] = str(dtype).removeprefix("torch.")
-    model_config["quantization_config"] = config
-    config_file.write_text(json.dumps(model_config, indent=2, sort_keys=True) + "\n")
+    update_config_json(out_dir, dtype=str(dtype).removeprefix("torch."), quantization_config=config)
     logger.info(
         "wrote %d int8 layers in the compressed-tensors layout to %s", len(quantized), out_dir
     )

@@ -22,31 +22,32 @@ transformers' own loader fills them. Afterwards the quantizer checks the loaded 
 result is the packed runtime of ``load_compressed(out, runtime="packed")``: same modules, same
 tensors, same logits.
 
-This module imports transformers' quantizer machinery (seconds): import it only to load or write.
+This module imports transformers' quantizer machinery (seconds): only the registration hook
+imports it.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-# lmcompress.compressor.* is imported in the functions: register() can run while one of those
-# modules is half imported (it imported transformers, whose import registers the quantizer).
-from lmcompress.compressor.io.shards import SAFETENSORS_DTYPES  # torch and safetensors only
+# The model code (replay, surgery, formats) is imported in the methods: register() runs right
+# after transformers' quantizer registry is first imported, which can happen while one of those
+# modules is half imported (lmcompress.compressor.util.optional lists this deferral).
+from lmcompress.compressor.io.layout import (
+    FORMAT_VERSION,
+    QUANT_METHOD,
+    READABLE_VERSIONS,
+    TRANSFORMS_PREFIX,
+)
+from lmcompress.compressor.io.shards import TensorFiles  # torch and safetensors only
 from lmcompress.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
-
-QUANT_METHOD = "lmcompress"
-WEIGHTS_INDEX = "lmcompress.safetensors.index.json"  # what config.json's transformers_weights names
-_TRANSFORMS = "transforms."  # key prefix of the transforms' tensors in compressed.safetensors
 
 
 class LmcompressConfig(QuantizationConfigMixin):
@@ -62,7 +63,7 @@ class LmcompressConfig(QuantizationConfigMixin):
         quant_method: str = QUANT_METHOD,
         **unknown: Any,
     ) -> None:
-        from lmcompress.compressor.io.load import FORMAT_VERSION, READABLE_VERSIONS, check_layers
+        from lmcompress.compressor.io.replay import check_layers
 
         where = f"quantization_config ({QUANT_METHOD})"
         format_version = FORMAT_VERSION if format_version is None else format_version
@@ -92,16 +93,16 @@ class LmcompressHfQuantizer(HfQuantizer):
 
     def __init__(self, quantization_config: LmcompressConfig, **kwargs: Any) -> None:
         super().__init__(quantization_config, **kwargs)
-        self.stored: _StoredTensors | None = None
+        self.stored: TensorFiles | None = None
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **_):
         """Replace every compressed layer of the meta skeleton by its runtime module."""
-        from lmcompress.compressor.io.load import replay_layer
+        from lmcompress.compressor.io.replay import replay_layer
         from lmcompress.compressor.model.surgery import replace_modules
 
         if not checkpoint_files:
             raise ModelLoadError(f"{QUANT_METHOD}: transformers named no checkpoint files")
-        self.stored = _StoredTensors(checkpoint_files)
+        self.stored = TensorFiles.of_files(checkpoint_files)
         layers = self.quantization_config.compressed_layers
         for name in layers:
             try:
@@ -121,12 +122,12 @@ class LmcompressHfQuantizer(HfQuantizer):
             model.get_submodule(name.rpartition(".")[0])._is_hf_initialized = True
         # the transforms' tensors are read below, not by transformers' loader
         ignored = set(model._keys_to_ignore_on_load_unexpected or ())
-        model._keys_to_ignore_on_load_unexpected = ignored | {rf"^{_TRANSFORMS}"}
+        model._keys_to_ignore_on_load_unexpected = ignored | {rf"^{TRANSFORMS_PREFIX}"}
         return model
 
     def _process_model_after_weight_loading(self, model, **_):
         """Check the loaded values as ``from_state`` does; install the transforms."""
-        from lmcompress.compressor.formats.base import format_class, transform_class
+        from lmcompress.compressor.formats.catalog import format_class, transform_class
 
         for name, entry in self.quantization_config.compressed_layers.items():
             module = model.get_submodule(name)
@@ -138,7 +139,9 @@ class LmcompressHfQuantizer(HfQuantizer):
                 kind, meta, keys = entry["kind"], entry["meta"], entry["tensors"]
             except (KeyError, TypeError):
                 raise ModelLoadError(f"{QUANT_METHOD}: malformed transform {index}") from None
-            tensors = {key: self.stored.read(f"{_TRANSFORMS}{index}.{key}", device) for key in keys}
+            tensors = {
+                key: self.stored.get(f"{TRANSFORMS_PREFIX}{index}.{key}", device) for key in keys
+            }
             transform_class(kind).from_state(tensors, meta).install(model)
         return model
 
@@ -150,42 +153,14 @@ class LmcompressHfQuantizer(HfQuantizer):
         return False
 
 
-class _StoredTensors:
-    """Where each tensor of the checkpoint files is, with its shape and dtype (headers only)."""
-
-    def __init__(self, files: list[str]) -> None:
-        self.where: dict[str, tuple[str, list[int], torch.dtype]] = {}
-        for path in files:
-            try:
-                with safe_open(str(path), framework="pt") as f:
-                    for key in f.keys():
-                        piece = f.get_slice(key)
-                        stored = piece.get_dtype()
-                        if stored not in SAFETENSORS_DTYPES:
-                            raise ModelLoadError(f"{path}: {key} has unsupported dtype {stored}")
-                        self.where[key] = (str(path), piece.get_shape(), SAFETENSORS_DTYPES[stored])
-            except (SafetensorError, OSError) as err:
-                raise ModelLoadError(f"cannot read {path}: {err}") from None
-
-    def header(self, key: str) -> tuple[list[int], torch.dtype]:
-        if key not in self.where:
-            raise ModelLoadError(f"{key} is stored in none of the checkpoint files")
-        return self.where[key][1:]
-
-    def read(self, key: str, device: torch.device) -> torch.Tensor:
-        self.header(key)
-        with safe_open(self.where[key][0], framework="pt", device=str(device)) as f:
-            return f.get_tensor(key)
-
-
 class _MetaTensors:
     """``get_tensor(key)``: an empty tensor on the meta device of the stored shape, for
     :func:`~lmcompress.compressor.io.load.replay_layer`. Floating tensors take the model's dtype
     (the
     loader casts them to it), except a format's ``exact_tensors`` (scales), which keep theirs."""
 
-    def __init__(self, stored: _StoredTensors, layers: dict[str, Any], dtype: torch.dtype) -> None:
-        from lmcompress.compressor.formats.base import format_class
+    def __init__(self, stored: TensorFiles, layers: dict[str, Any], dtype: torch.dtype) -> None:
+        from lmcompress.compressor.formats.catalog import format_class
 
         self.stored, self.dtype = stored, dtype
         self.exact = {
@@ -199,42 +174,6 @@ class _MetaTensors:
         if dtype.is_floating_point and key not in self.exact:
             dtype = self.dtype
         return torch.empty(shape, dtype=dtype, device="meta")
-
-
-def write_loading_entry(
-    out_dir: Path,
-    layers: dict[str, dict[str, Any]],
-    transforms: list[dict[str, Any]],
-    compressed_keys: list[str],
-) -> None:
-    """Make a compact export (``out_dir`` already holding ``config.json``, ``model.safetensors``
-    or its shards, and ``compressed.safetensors`` with ``compressed_keys``) loadable by
-    ``from_pretrained``: write :data:`WEIGHTS_INDEX` and point ``config.json`` at it, with the
-    ``quantization_config`` that selects :class:`LmcompressHfQuantizer`."""
-    from lmcompress.compressor.io.load import COMPRESSED_TENSORS, DENSE_TENSORS, FORMAT_VERSION
-
-    sharded = out_dir / f"{DENSE_TENSORS}.index.json"
-    if sharded.is_file():
-        weight_map = dict(json.loads(sharded.read_text())["weight_map"])
-    else:
-        with safe_open(str(out_dir / DENSE_TENSORS), framework="pt") as f:
-            weight_map = dict.fromkeys(f.keys(), DENSE_TENSORS)
-    weight_map.update(dict.fromkeys(compressed_keys, COMPRESSED_TENSORS))
-    index = {
-        "metadata": {},
-        "weight_map": dict(sorted(weight_map.items())),
-    }
-    (out_dir / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    config_file = out_dir / "config.json"
-    config = json.loads(config_file.read_text())
-    config["quantization_config"] = {
-        "quant_method": QUANT_METHOD,
-        "format_version": FORMAT_VERSION,
-        "compressed_layers": layers,
-        "transforms": transforms,
-    }
-    config["transformers_weights"] = WEIGHTS_INDEX
-    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def register() -> None:

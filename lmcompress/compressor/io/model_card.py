@@ -18,8 +18,8 @@ from typing import Any
 
 import yaml
 
-MODEL_CARD = "README.md"
-REPORT_PNG = "report.png"
+from lmcompress.compressor.io.layout import REPORT_PNG
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 

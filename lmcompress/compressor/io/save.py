@@ -15,7 +15,7 @@
   the run, versions) and ``report.png`` (per-layer sparsity / rank / error, perplexity dense vs
   compressed), both drawn from the manifest alone.
 
-The stored form of a layer is chosen by name from the registry (``runtime.FORMATS``): a layer
+The stored form of a layer is chosen by name from the format catalog: a layer
 the method already replaced by a compressed module is stored as that module's tensors; a layer
 whose report names a format (``LayerReport.format``) is encoded with that format's
 ``from_linear``. Everything is written into a temporary sibling directory that is renamed at
@@ -23,6 +23,11 @@ the end (``fsutil.atomic_dir``): a failed or interrupted save leaves no half-wri
 and the hidden ``.OUT.tmp-PID-HOST-*`` sibling a killed one (SIGKILL) leaves is removed by the
 next save next to it. Every file gets the modes of an ordinary new file (safetensors' own are
 0600).
+
+One save path: a model in memory (:func:`save_compressed`) and a model streamed block by block
+(:mod:`lmcompress.jobs.streaming`) both pack their compressed layers, describe the directory and
+write the card through :class:`Export`; only where the dense weights come from differs
+(``save_pretrained`` of the whole model, or one shard per block).
 """
 
 from __future__ import annotations
@@ -30,40 +35,50 @@ from __future__ import annotations
 import json
 import logging
 import platform
+import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import safetensors
 import torch
+import transformers
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from lmcompress.compressor.formats.base import CompressedLinear, format_class, installed
-from lmcompress.compressor.io.load import (  # noqa: F401  (the on-disk layout; re-exported)
+from lmcompress.compressor.formats.base import CompressedLinear, ModelTransform, installed
+from lmcompress.compressor.formats.catalog import format_class
+from lmcompress.compressor.io.compressed_tensors import write_compressed_tensors
+from lmcompress.compressor.io.layout import (
     COMPRESSED_TENSORS,
     DENSE_TENSORS,
     FORMAT_VERSION,
     MANIFEST,
+    MODEL_CARD,
+    QUANT_METHOD,
+    REPORT_PNG,
     STATS,
-    load_compressed,
-    read_manifest,
-    runtime_bytes,
+    TRANSFORMS_PREFIX,
+    WEIGHTS_INDEX,
+    update_config_json,
 )
-from lmcompress.compressor.io.model_card import MODEL_CARD, REPORT_PNG, model_card
+from lmcompress.compressor.io.model_card import model_card
 from lmcompress.compressor.io.report_plot import write_report_png
+from lmcompress.compressor.io.shards import cast_state, cast_tensor, merge_safetensors
 from lmcompress.compressor.model.surgery import replace_modules
-from lmcompress.compressor.report import CompressionReport
+from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.compressor.util.fsutil import atomic_dir
 from lmcompress.errors import LmcompressError
+from lmcompress.version import __version__
 
 logger = logging.getLogger(__name__)
 
+PARTS = ".compressed-parts"  # per-block compressed tensors of a streamed export, merged at the end
 
-def _versions() -> dict[str, str]:
-    import safetensors
-    import transformers
 
-    from lmcompress import __version__
-
+def versions() -> dict[str, str]:
+    """The versions an export records (and its model card shows)."""
     return {
         "python": platform.python_version(),
         "lmcompress": __version__,
@@ -100,7 +115,7 @@ def save_compressed(
             positions stay uint8); ``None`` = the model's. The model itself is not changed.
         overwrite: replace an existing non-empty ``out_dir`` (only once the new one is complete).
         extra: more JSON-serialisable results to record in ``compression.json`` and show in
-            the model card: the pipeline's ``checkpoint``, ``options``, ``dense`` /
+            the model card: the job's ``checkpoint``, ``options``, ``dense`` /
             ``compressed`` perplexities, ``lm_eval`` and ``command``.
         stats: the method's :class:`Stats` (e.g. learned mask logits), saved as
             ``stats.safetensors`` when it holds tensors: for transfer and resuming.
@@ -113,95 +128,55 @@ def save_compressed(
     out_dir = Path(out_dir)
     check_output_dir(out_dir, overwrite)
     dtype = dtype or next(model.parameters()).dtype
-    compressed = compressed_modules(model, report)
-    interop = {module.interop for module in compressed.values()}
-    interop = interop.pop() if len(interop) == 1 and dense_copy else None
+    compressed = compressed_modules(model, report.layers)
+    interop = interop_layout(compressed, dense_copy)
+    with atomic_dir(out_dir) as tmp:
+        export = Export(tmp, out_dir.resolve().name, dtype, dense_copy)
+        interop_config = None
+        if interop == "compressed-tensors":  # the dense copy in the layout other tools read
+            interop_config = write_compressed_tensors(model, tmp, compressed, dtype=dtype)
+        else:
+            state = dense_state(model, compressed, dense_copy)
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=cast_state(state, dtype))
+            update_config_json(tmp, dtype=export.dtype_name)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        export.add_layers(compressed)
+        export.add_transforms(installed(model))
+        interop_entry = {"layout": interop, "quantization_config": interop_config}
+        export.finish(report, extra or {}, interop_entry if interop else None, stats)
+    logger.info("saved compressed model to %s", out_dir)
+    return out_dir
+
+
+def interop_layout(compressed: dict[str, CompressedLinear], dense_copy: bool) -> str | None:
+    """The other tools' layout the dense copy is written in: the one every compressed layer
+    names (``"compressed-tensors"`` for int8), else ``None`` (plain dense weights)."""
+    layouts = {module.interop for module in compressed.values()}
+    interop = layouts.pop() if len(layouts) == 1 and dense_copy else None
     if interop == "compressed-tensors" and any(m.conv1d for m in compressed.values()):
         logger.warning(
             "GPT-2's Conv1D layers have no compressed-tensors form: the dense copy holds "
             "the dequantized weights instead"
         )
-        interop = None
-    with atomic_dir(out_dir) as tmp:
-        if interop == "compressed-tensors":  # the dense copy in the layout other tools read
-            from lmcompress.compressor.io.compressed_tensors import write_compressed_tensors
-
-            interop_config = write_compressed_tensors(model, tmp, compressed, dtype=dtype)
-        else:
-            interop, interop_config = None, None
-            _write_weights(model, tmp, compressed, dtype, dense_copy)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        tensors: dict[str, torch.Tensor] = {}
-        layouts: dict[str, dict[str, Any]] = {}
-        for name, module in compressed.items():
-            layer_tensors = {
-                key: t.detach().cpu().contiguous()
-                if key in module.exact_tensors
-                else cast_tensor(t, dtype)
-                for key, t in module.state_tensors().items()
-            }
-            tensors.update({f"{name}.{key}": value for key, value in layer_tensors.items()})
-            layouts[name] = {
-                "format": module.format,
-                "meta": module.meta(),
-                "tensors": sorted(layer_tensors),
-            }
-        transforms = []
-        for index, transform in enumerate(installed(model)):
-            stored = {
-                k: t.detach().cpu().contiguous() for k, t in transform.state_tensors().items()
-            }
-            tensors.update({f"transforms.{index}.{key}": t for key, t in stored.items()})
-            transforms.append(
-                {"kind": transform.kind, "meta": transform.meta(), "tensors": sorted(stored)}
-            )
-        if tensors:
-            save_file(
-                tensors,
-                str(tmp / COMPRESSED_TENSORS),
-                metadata={"format_version": str(FORMAT_VERSION)},
-            )
-        if not dense_copy and tensors:  # from_pretrained builds the runtime (import lmcompress)
-            from lmcompress.compressor.io.hf_quantizer import write_loading_entry
-
-            write_loading_entry(tmp, layouts, transforms, sorted(tensors))
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "method": report.method,
-            "config": report.config,
-            "dtype": str(dtype).removeprefix("torch."),
-            "dense_copy": dense_copy,
-            "interop": {"layout": interop, "quantization_config": interop_config}
-            if interop
-            else None,
-            "versions": _versions(),
-            "compressed_layers": layouts,
-            "transforms": transforms,
-            "results": extra or {},
-            "report": report.to_dict(),
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        # for a person: the card and the plots, from the manifest alone
-        title = out_dir.resolve().name
-        (tmp / MODEL_CARD).write_text(model_card(manifest, title), encoding="utf-8")
-        write_report_png(manifest, tmp / REPORT_PNG)
-        if stats is not None and stats.tensors:
-            stats.save(tmp / STATS)
-    logger.info("saved compressed model to %s", out_dir)
-    return out_dir
+        return None
+    return interop
 
 
-def compressed_modules(model: nn.Module, report: CompressionReport) -> dict[str, CompressedLinear]:
+def compressed_modules(
+    model: nn.Module, layers: Iterable[LayerReport], root: nn.Module | None = None, prefix: str = ""
+) -> dict[str, CompressedLinear]:
     """``{name: compressed module}`` of every layer to store in a compressed format: the
-    :class:`CompressedLinear` modules in the model (a method that replaced the layer), and the
-    layers whose report names a format, encoded with that format's ``from_linear``."""
+    :class:`CompressedLinear` modules in ``root`` (default: the whole model; a block named
+    ``prefix``), that is where a method replaced the layer, and the ``layers`` whose report
+    names a format, encoded with that format's ``from_linear``."""
+    root = model if root is None else root
     found = {
-        name: module
-        for name, module in model.named_modules()
+        prefix + name: module
+        for name, module in root.named_modules()
         if isinstance(module, CompressedLinear)
     }
-    for layer in report.layers:
+    for layer in layers:
         if layer.format is None or layer.name in found:
             continue
         module = model.get_submodule(layer.name)
@@ -209,53 +184,162 @@ def compressed_modules(model: nn.Module, report: CompressionReport) -> dict[str,
     return found
 
 
-def _write_weights(
+def dense_state(
     model: nn.Module,
-    tmp: Path,
     compressed: dict[str, CompressedLinear],
-    dtype: torch.dtype,
     dense_copy: bool,
-) -> None:
-    """``config.json`` and ``model.safetensors`` in ``dtype``, through ``save_pretrained``.
-
-    For the dense copy, compressed modules standing in the model are swapped for their
-    ``to_dense()`` layers while the state dict is taken, and swapped back even on error.
-    """
-    in_model = {
-        name: module for name, module in compressed.items() if model.get_submodule(name) is module
-    }
+    root: nn.Module | None = None,
+    prefix: str = "",
+) -> dict[str, torch.Tensor]:
+    """The state dict of ``root`` (default: the model; a block named ``prefix``) to store as
+    weights: each compressed layer as its ``to_dense()`` (``dense_copy``: compressed modules
+    standing in the model are swapped for their dense layers while the state is taken, and
+    swapped back even on error), or left out."""
+    root = model if root is None else root
+    in_model = {n: m for n, m in compressed.items() if model.get_submodule(n) is m}
     swapped = {}
+    skip: tuple[str, ...] = () if dense_copy else tuple(f"{name}." for name in compressed)
     try:
         if dense_copy:
             swapped = replace_modules(model, in_model, lambda _, module: module.to_dense())
-            state = model.state_dict()
-        else:
-            skip = tuple(f"{name}." for name in compressed)
-            state = {k: v for k, v in model.state_dict().items() if not k.startswith(skip)}
+        return {
+            prefix + k: v for k, v in root.state_dict().items() if not (prefix + k).startswith(skip)
+        }
     finally:
         replace_modules(model, swapped, lambda name, _: in_model[name])
-    model.save_pretrained(tmp, safe_serialization=True, state_dict=cast_state(state, dtype))
-    config_file = tmp / "config.json"  # save_pretrained records the model's dtype, not ours
-    config = json.loads(config_file.read_text())
-    config["dtype"] = str(dtype).removeprefix("torch.")
-    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """``state`` with every tensor through :func:`cast_tensor`; tied weights (one storage
-    under several keys) stay one tensor, so ``save_pretrained`` stores them once."""
-    cast: dict[tuple, torch.Tensor] = {}
-    out = {}
-    for key, value in state.items():
-        view = (value.untyped_storage().data_ptr(), value.storage_offset(), value.shape)
-        if view not in cast:
-            cast[view] = cast_tensor(value, dtype)
-        out[key] = cast[view]
-    return out
+class Export:
+    """The parts of an output directory (``tmp``, renamed into place by the caller) that every
+    export writes the same way: the compressed layers and transforms packed into
+    ``compressed.safetensors``, ``compression.json``, the model card and ``report.png``, the
+    entry through which ``from_pretrained`` loads a compact export, and the stats.
+
+    A streamed export writes each block's layers to a part (:meth:`flush`) as it goes; the
+    parts are concatenated at the end without loading them."""
+
+    def __init__(self, tmp: Path, title: str, dtype: torch.dtype, dense_copy: bool) -> None:
+        """``title``: the output directory's name, the model card's heading."""
+        self.tmp, self.title, self.dtype, self.dense_copy = tmp, title, dtype, dense_copy
+        self.layouts: dict[str, dict[str, Any]] = {}
+        self.transforms: list[dict[str, Any]] = []
+        self.keys: list[str] = []  # every key of compressed.safetensors
+        self.pending: dict[str, torch.Tensor] = {}
+        self.parts: list[Path] = []
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def add_layers(self, compressed: dict[str, CompressedLinear]) -> None:
+        """Pack each layer in its format's tensors (floating ones in the save dtype, except a
+        format's ``exact_tensors``) and record how to rebuild it."""
+        for name, module in compressed.items():
+            stored = {
+                key: t.detach().cpu().contiguous()
+                if key in module.exact_tensors
+                else cast_tensor(t, self.dtype)
+                for key, t in module.state_tensors().items()
+            }
+            self._add({f"{name}.{key}": t for key, t in stored.items()})
+            self.layouts[name] = {
+                "format": module.format,
+                "meta": module.meta(),
+                "tensors": sorted(stored),
+            }
+
+    def add_transforms(self, transforms: list[ModelTransform]) -> None:
+        for index, transform in enumerate(transforms):
+            stored = {
+                k: t.detach().cpu().contiguous() for k, t in transform.state_tensors().items()
+            }
+            self._add({f"{TRANSFORMS_PREFIX}{index}.{key}": t for key, t in stored.items()})
+            self.transforms.append(
+                {"kind": transform.kind, "meta": transform.meta(), "tensors": sorted(stored)}
+            )
+
+    def _add(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.pending.update(tensors)
+        self.keys += list(tensors)
+
+    def flush(self, name: str) -> None:
+        """Write the tensors packed so far to a part of ``compressed.safetensors``."""
+        if self.pending:
+            self.parts.append(self.tmp / PARTS / f"{name}.safetensors")
+            self.parts[-1].parent.mkdir(exist_ok=True)
+            save_file(self.pending, str(self.parts[-1]))
+        self.pending = {}
+
+    def finish(
+        self,
+        report: CompressionReport,
+        results: dict[str, Any],
+        interop: dict[str, Any] | None = None,
+        stats: Any = None,
+    ) -> dict[str, Any]:
+        """Write ``compressed.safetensors``, the loading entry of a compact export, the
+        manifest, the model card, ``report.png`` and the stats; return the manifest."""
+        metadata = {"format_version": str(FORMAT_VERSION)}
+        if self.parts:
+            self.flush("last")
+            merge_safetensors(self.parts, self.tmp / COMPRESSED_TENSORS, metadata=metadata)
+            shutil.rmtree(self.tmp / PARTS)
+        elif self.pending:
+            save_file(self.pending, str(self.tmp / COMPRESSED_TENSORS), metadata=metadata)
+        self.pending = {}
+        if not self.dense_copy and self.keys:  # from_pretrained builds the runtime
+            write_loading_entry(self.tmp, self.layouts, self.transforms, sorted(self.keys))
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "method": report.method,
+            "config": report.config,
+            "dtype": self.dtype_name,
+            "dense_copy": self.dense_copy,
+            "interop": interop,
+            "versions": versions(),
+            "compressed_layers": self.layouts,
+            "transforms": self.transforms,
+            "results": results,
+            "report": report.to_dict(),
+        }
+        (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        # for a person: the card and the plots, from the manifest alone
+        (self.tmp / MODEL_CARD).write_text(model_card(manifest, self.title), encoding="utf-8")
+        write_report_png(manifest, self.tmp / REPORT_PNG)
+        if stats is not None and stats.tensors:
+            stats.save(self.tmp / STATS)
+        return manifest
 
 
-def cast_tensor(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """On the CPU, in ``dtype`` if floating point (integer codes keep theirs); no copy when
-    nothing changes."""
-    target = dtype if tensor.is_floating_point() else tensor.dtype
-    return tensor.detach().to(device="cpu", dtype=target).contiguous()
+def write_loading_entry(
+    out_dir: Path,
+    layers: dict[str, dict[str, Any]],
+    transforms: list[dict[str, Any]],
+    compressed_keys: list[str],
+) -> None:
+    """Make a compact export (``out_dir`` already holding ``config.json``, ``model.safetensors``
+    or its shards, and ``compressed.safetensors`` with ``compressed_keys``) loadable by
+    ``from_pretrained``: write :data:`WEIGHTS_INDEX` and point ``config.json`` at it, with the
+    ``quantization_config`` that selects lmcompress's quantizer
+    (:mod:`~lmcompress.compressor.io.hf_quantizer`)."""
+    sharded = out_dir / f"{DENSE_TENSORS}.index.json"
+    if sharded.is_file():
+        weight_map = dict(json.loads(sharded.read_text())["weight_map"])
+    else:
+        with safe_open(str(out_dir / DENSE_TENSORS), framework="pt") as f:
+            weight_map = dict.fromkeys(f.keys(), DENSE_TENSORS)
+    weight_map.update(dict.fromkeys(compressed_keys, COMPRESSED_TENSORS))
+    index = {
+        "metadata": {},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    (out_dir / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    quantization_config = {
+        "quant_method": QUANT_METHOD,
+        "format_version": FORMAT_VERSION,
+        "compressed_layers": layers,
+        "transforms": transforms,
+    }
+    update_config_json(
+        out_dir, quantization_config=quantization_config, transformers_weights=WEIGHTS_INDEX
+    )

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lmcompress.compressor.config import check_types
+from lmcompress.compressor.options import check_types
 from lmcompress.errors import ConfigError
 
 

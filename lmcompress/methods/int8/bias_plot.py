@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
+from lmcompress.compressor.formats.int8_softmax import DEFAULT_SCALE, check_scale
 from lmcompress.errors import LmcompressError
-from lmcompress.methods.int8.softmax import DEFAULT_SCALE, check_scale
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ and optionally every attention softmax an 8-bit one with its offline bias correc
 Calibration (only when needed: static activation scales, or the softmax correction) runs the
 float model over the calibration windows once, observing each selected layer's input absmax and
 each attention module's ``p − Q(p)``; ``apply`` quantizes and installs the 8-bit softmax
-(:class:`~lmcompress.methods.int8.transform.Int8Softmax`), which export stores and
+(:class:`~lmcompress.compressor.formats.int8_softmax.Int8Softmax`), which export stores and
 ``load_compressed`` installs again. The softmax bias is estimated on the float model, before
 the weights are quantized.
 """
@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from lmcompress.compressor.calibration.observers import AbsMaxObserver, observe
 from lmcompress.compressor.formats.int8 import QuantLinear
+from lmcompress.compressor.formats.int8_softmax import Int8Softmax, SoftmaxQuantizer
 from lmcompress.compressor.formats.quant import absmax_scale
 from lmcompress.compressor.method import Method, Stats
 from lmcompress.compressor.model.attention import attention_hook
@@ -31,8 +32,7 @@ from lmcompress.methods.common import count_params
 from lmcompress.methods.int8.bias_plot import bias_magnitudes
 from lmcompress.methods.int8.config import Int8Config
 from lmcompress.methods.int8.smooth import check_smoothable, smooth_
-from lmcompress.methods.int8.softmax import SoftmaxBiasAccumulator, SoftmaxQuantizer
-from lmcompress.methods.int8.transform import Int8Softmax
+from lmcompress.methods.int8.softmax import SoftmaxBiasAccumulator
 
 logger = logging.getLogger(__name__)
 

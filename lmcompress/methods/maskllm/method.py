@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from lmcompress.compressor.calibration.layerwise import layerwise_estimate
-from lmcompress.compressor.io.save import STATS
+from lmcompress.compressor.io.layout import STATS
 from lmcompress.compressor.method import Stats
 from lmcompress.compressor.model.budget import backward_bytes
 from lmcompress.compressor.model.surgery import weight_matrix

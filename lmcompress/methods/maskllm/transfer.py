@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from lmcompress.compressor.config import Sparsity
-from lmcompress.compressor.io.save import STATS
+from lmcompress.compressor.io.layout import STATS
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.errors import ConfigError
 from lmcompress.methods.maskllm.masks import candidate_patterns, hard_mask

@@ -9,7 +9,8 @@ from lmcompress import compress
 from lmcompress.compressor.formats.compose import compose_, layers_to_skip
 from lmcompress.compressor.formats.int8 import QuantLinear
 from lmcompress.compressor.formats.nm_packed_int8 import PackedNMInt8Linear
-from lmcompress.compressor.io.save import load_compressed, read_manifest, save_compressed
+from lmcompress.compressor.io.load import load_compressed, read_manifest
+from lmcompress.compressor.io.save import save_compressed
 from lmcompress.methods.int8.config import Int8Config
 from lmcompress.methods.magnitude.config import MagnitudeConfig
 from lmcompress.methods.svd.config import SVDConfig

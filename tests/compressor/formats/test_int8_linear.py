@@ -13,7 +13,7 @@ from transformers.pytorch_utils import Conv1D
 
 from lmcompress import load_compressed, save_compressed
 from lmcompress.compressor.formats import quant
-from lmcompress.compressor.formats.base import format_class
+from lmcompress.compressor.formats.catalog import format_class
 from lmcompress.compressor.formats.int8 import QuantLinear
 from lmcompress.compressor.model.surgery import LayerSelection, replace_modules, weight_matrix
 from lmcompress.compressor.report import CompressionReport

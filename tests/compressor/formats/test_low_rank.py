@@ -8,7 +8,8 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from lmcompress.compressor.formats.base import CompressedLinear, format_class
+from lmcompress.compressor.formats.base import CompressedLinear
+from lmcompress.compressor.formats.catalog import format_class
 from lmcompress.compressor.formats.low_rank import LowRankLinear, truncated_svd
 from lmcompress.errors import ConfigError, ModelLoadError
 

@@ -11,11 +11,11 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from lmcompress import compress, load_compressed, save_compressed
-from lmcompress.compressor.formats.base import format_class
+from lmcompress.compressor.formats.catalog import format_class
 from lmcompress.compressor.formats.low_rank import LowRankLinear
 from lmcompress.compressor.formats.nm_packed import PackedNMLinear
+from lmcompress.compressor.io.layout import COMPRESSED_TENSORS, DENSE_TENSORS, MANIFEST
 from lmcompress.compressor.io.load import runtime_bytes
-from lmcompress.compressor.io.save import COMPRESSED_TENSORS, DENSE_TENSORS, MANIFEST
 from lmcompress.compressor.model.surgery import replace_modules, weight_matrix
 from lmcompress.compressor.sparsity import nm_mask
 from lmcompress.errors import ConfigError, ModelLoadError

@@ -5,7 +5,7 @@ import torch
 import transformers
 
 from lmcompress import compress, load_compressed, save_compressed
-from lmcompress.compressor.io.save import COMPRESSED_TENSORS, MANIFEST
+from lmcompress.compressor.io.layout import COMPRESSED_TENSORS, MANIFEST
 from lmcompress.errors import LmcompressError, ModelLoadError
 from lmcompress.methods.magnitude import MagnitudeConfig
 

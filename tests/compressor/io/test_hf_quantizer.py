@@ -16,15 +16,19 @@ from transformers.quantizers import auto
 from lmcompress import compress, load_compressed, save_compressed
 from lmcompress.compressor.formats.base import installed
 from lmcompress.compressor.formats.int8 import QuantLinear
+from lmcompress.compressor.formats.int8_softmax import Int8Softmax
 from lmcompress.compressor.formats.low_rank import LowRankLinear
 from lmcompress.compressor.formats.nm_packed import PackedNMLinear
 from lmcompress.compressor.io import hf_registration
-from lmcompress.compressor.io.hf_quantizer import QUANT_METHOD, WEIGHTS_INDEX
+from lmcompress.compressor.io.layout import (
+    COMPRESSED_TENSORS,
+    DENSE_TENSORS,
+    QUANT_METHOD,
+    WEIGHTS_INDEX,
+)
 from lmcompress.compressor.io.load import read_manifest
-from lmcompress.compressor.io.save import COMPRESSED_TENSORS, DENSE_TENSORS
 from lmcompress.errors import ModelLoadError
 from lmcompress.methods.int8 import Int8Config
-from lmcompress.methods.int8.transform import Int8Softmax
 from lmcompress.methods.magnitude import MagnitudeConfig
 from lmcompress.methods.svd import SVDConfig
 

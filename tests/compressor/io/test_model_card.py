@@ -13,9 +13,9 @@ from conftest import make_tiny_model, make_tiny_tokenizer
 from lmcompress import compress, save_compressed
 from lmcompress.cli.main import main
 from lmcompress.compressor.io import save as export
-from lmcompress.compressor.io.model_card import MODEL_CARD, REPORT_PNG, model_card
+from lmcompress.compressor.io.layout import MANIFEST, MODEL_CARD, REPORT_PNG
+from lmcompress.compressor.io.model_card import model_card
 from lmcompress.compressor.io.report_plot import _per_layer_panels
-from lmcompress.compressor.io.save import MANIFEST
 from lmcompress.methods.magnitude import MagnitudeConfig
 
 PNG = b"\x89PNG\r\n\x1a\n"

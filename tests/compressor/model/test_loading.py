@@ -17,8 +17,10 @@ from conftest import make_tiny_model, make_tiny_tokenizer
 from safetensors.torch import load_file, save_file
 from transformers.pytorch_utils import Conv1D
 
+from lmcompress.compressor.model import checkpoint
 from lmcompress.compressor.model import loading as models
-from lmcompress.compressor.model.loading import DEFAULT_CHECKPOINT, load_model
+from lmcompress.compressor.model.checkpoint import DEFAULT_CHECKPOINT
+from lmcompress.compressor.model.loading import load_model
 from lmcompress.compressor.util.cache import cache_dir
 from lmcompress.errors import ConfigError, ModelLoadError
 
@@ -328,7 +330,8 @@ def fake_alias(monkeypatch, tmp_path):
         conversions.append(path)
         return real_load_gguf(path, trust_remote_code)
 
-    monkeypatch.setattr(models, "_alias_gguf", lambda _name: tmp_path / "tiny.gguf")
+    for module in (checkpoint, models):  # checks read it in one, loading in the other
+        monkeypatch.setattr(module, "alias_gguf", lambda _name: tmp_path / "tiny.gguf")
     monkeypatch.setattr(models, "_load_gguf", counting_load_gguf)
     return conversions
 
