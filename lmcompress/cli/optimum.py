@@ -6,7 +6,7 @@ at start-up and registers the commands each lists in ``REGISTER_COMMANDS``; ours
 here, and only when its command is the one being run, so that ``optimum-cli export ...`` does
 not pay for importing torch and lmcompress.
 
-The flags are defined by :func:`lmcompress.cli.main.add_job_arguments`, as for
+The flags are defined by :func:`lmcompress.cli.compress.add_job_arguments`, as for
 ``compress-model``, on the parser optimum creates for the command. Which method's options exist
 depends on ``--method`` (or the recipe's), which optimum's parser cannot know before parsing:
 like ``compress-model``, we read it from the command line first (``sys.argv`` after the command
@@ -20,7 +20,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from lmcompress.cli.main import JobFlags, add_job_arguments, guarded, quiet_environment
+from lmcompress.cli.compress import JobFlags, add_job_arguments, run_job
+from lmcompress.cli.terminal import guarded, quiet_environment
 from lmcompress.errors import LmcompressError
 
 COMMAND = "lmcompress"
@@ -48,6 +49,4 @@ def run(args: argparse.Namespace) -> int:
     values = vars(args).copy()
     flags: JobFlags = values.pop(_FLAGS)
     values.pop("func", None)  # optimum's dispatch entry
-    from lmcompress.cli.main import run_job
-
     return guarded(PROG, run_job, values, flags)

@@ -1,23 +1,30 @@
 """The method protocol: ``calibrate(model, data) -> Stats`` then ``apply(model, stats) -> report``.
 
 Stats are plain tensors keyed by name, saveable with safetensors, so ``apply`` can be tested on
-synthetic stats and a run can resume after calibration.
+synthetic stats and a run can resume after calibration. What a method can do is declared on its
+class (:class:`Method`'s capabilities), and the job reads those, never a method's name.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from lmcompress.compressor.calibration.layerwise import BlockSource
 from lmcompress.compressor.config import MethodConfig
 from lmcompress.compressor.model.surgery import LayerSelection
 from lmcompress.compressor.report import CompressionReport
+from lmcompress.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,8 +59,6 @@ class Stats:
 
     @classmethod
     def load(cls, path: str | Path) -> Stats:
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="pt") as handle:
             meta = json.loads((handle.metadata() or {}).get("meta", "{}"))
         return cls(tensors=load_file(str(path)), meta=meta)
@@ -67,14 +72,22 @@ class Method:
     """
 
     config_class: ClassVar[type[MethodConfig]] = MethodConfig
+
+    # --- capabilities: declared here, read by the job and by recipes -------------------------
+    # Whether the method reads calibration text (a method whose options decide, int8, declares
+    # a property instead).
     needs_calibration: ClassVar[bool] = True
     # Whether an export keeps the stats (``stats.safetensors``): learned tensors that another
     # run reuses (MaskLLM's logits), not statistics as large as the model (Fisher factors).
     stats_in_output: ClassVar[bool] = True
     # Whether the method compresses a model it never holds whole (``--streaming``): one block
-    # materialised at a time, through ``compress_streaming(model, data, source, offload_dir)``
-    # (:mod:`lmcompress.jobs.streaming`).
+    # materialised at a time from a block source, through :meth:`compress_streaming`.
     streams: ClassVar[bool] = False
+    # The layer formats of an earlier recipe stage (None: unstructured zeros in the dense
+    # weight) whose layers this method compresses again, keeping what the earlier stage did
+    # (int8 after N:M pruning stores them ``nm_packed_int8``). Empty: a later stage leaves an
+    # earlier stage's layers alone.
+    composes_after: ClassVar[frozenset[str | None]] = frozenset()
 
     def __init__(self, config: MethodConfig, device: str | torch.device | None = None) -> None:
         """``device``: where calibration computes (``None``: where the model is). Layer-wise
@@ -121,3 +134,39 @@ class Method:
     def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:
         """Compress ``model`` in place using ``stats``; return what was done."""
         raise NotImplementedError
+
+    def compress_streaming(
+        self,
+        model: nn.Module,
+        data: torch.Tensor | None,
+        source: BlockSource,
+        offload_dir: str | Path | None = None,
+    ) -> CompressionReport:
+        """Compress a meta-device skeleton whose blocks ``source`` materialises and writes, one
+        at a time (``streams = True`` methods only); ``offload_dir``: where the calibration
+        activations wait between blocks (``None``: in memory)."""
+        raise NotImplementedError(f"{self.name} does not stream")
+
+    def compress(
+        self,
+        model: nn.Module,
+        data: torch.Tensor | None = None,
+        source: BlockSource | None = None,
+        offload_dir: str | Path | None = None,
+    ) -> tuple[CompressionReport, Stats]:
+        """Compress ``model`` in place: :meth:`calibrate` on ``data``, then :meth:`apply`.
+        With a block ``source`` (a model never whole in memory), :meth:`compress_streaming`."""
+        if self.needs_calibration and data is None:
+            raise ConfigError(f"method {self.name!r} needs calibration data")
+        model.eval()
+        if source is not None:
+            if not self.streams:
+                raise ConfigError(f"method {self.name!r} needs the whole model: it cannot stream")
+            report, stats = self.compress_streaming(model, data, source, offload_dir), Stats()
+        else:
+            stats = self.calibrate(model, data)
+            report = self.apply(model, stats)
+        logger.info(
+            "%s: %d layers compressed in %.1f s", self.name, len(report.layers), report.seconds
+        )
+        return report, stats

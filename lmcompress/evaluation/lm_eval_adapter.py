@@ -36,12 +36,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 import yaml
+from tqdm.auto import tqdm
 
+from lmcompress.compressor.model.families import FAMILIES
 from lmcompress.compressor.util.progress import bar_disabled
 from lmcompress.errors import ConfigError, DataError, LmcompressError
+from lmcompress.evaluation import corpora
+from lmcompress.evaluation.lm_eval_windows import rolling_windows, window_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +90,6 @@ def local_task_config(name: str, data_file: str | Path, cache_dir: str | Path) -
 
 def write_local_tasks(names: list[str], directory: Path) -> None:
     """Write ``<name>.jsonl`` and ``<name>.yaml`` for each local task into ``directory``."""
-    from lmcompress.evaluation import corpora
-
     for name in names:
         source = LOCAL_TASKS[name]
         docs = [doc for doc in corpora.load_documents(source) if doc.strip()]
@@ -269,61 +271,9 @@ def _registry_task_manager():
     return _task_manager_class()()
 
 
-def rolling_windows(
-    tokens: list[int], prefix_token: int, max_length: int
-) -> list[tuple[list[int], list[int]]]:
-    """``(inputs, targets)`` per window of a document, as lm-eval's rolling loglikelihood cuts
-    it: the first window is the prefix token and the first ``max_length - 1`` tokens and
-    predicts the first ``max_length``; each later one is the ``max_length`` tokens before its
-    last target and predicts only tokens no window predicted yet. The targets are the next-token
-    predictions of the last ``len(targets)`` positions of ``inputs``."""
-    if not tokens:
-        return []
-    end = min(max_length, len(tokens))
-    windows = [([prefix_token, *tokens[: end - 1]], tokens[:end])]
-    while end < len(tokens):
-        start, end = end, min(end + max_length, len(tokens))
-        windows.append((tokens[end - max_length - 1 : end - 1], tokens[start:end]))
-    return windows
-
-
-@torch.no_grad()
-def window_logprobs(
-    model: torch.nn.Module, windows: list[tuple[list[int], list[int]]], device: Any
-) -> list[float]:
-    """Summed log-probability of each window's targets, one forward for the batch.
-
-    Windows are right-padded to the longest (a causal model's earlier positions do not see the
-    padding). Only the positions that predict a target reach the head, a chunk of rows at a
-    time (:mod:`lmcompress.compressor.model.loss`): never the batch's ``B x T x V`` logits.
-    """
-    from lmcompress.compressor.model.loss import default_chunk_tokens, final_hidden, head_logits
-
-    width = max(len(inputs) for inputs, _ in windows)
-    ids = torch.tensor(
-        [inputs + [inputs[0]] * (width - len(inputs)) for inputs, _ in windows], device=device
-    )
-    hidden = final_hidden(model, ids)  # (B, T, H)
-    chunk = default_chunk_tokens(model.config.vocab_size)
-    sums = []
-    for row, (inputs, targets) in enumerate(windows):
-        rows = hidden[row, len(inputs) - len(targets) : len(inputs)]  # (k, H), k = len(targets)
-        labels = torch.tensor(targets, device=hidden.device)
-        total = 0.0
-        for at in range(0, len(targets), chunk):
-            logits = head_logits(model, rows[at : at + chunk]).float()  # (chunk, V)
-            nll = F.cross_entropy(logits, labels[at : at + chunk], reduction="sum")
-            total -= nll.item()
-        sums.append(total)
-    return sums
-
-
 @functools.cache
 def _hflm_class():
     from lm_eval.models.huggingface import HFLM
-    from tqdm.auto import tqdm
-
-    from lmcompress.compressor.model.families import FAMILIES
 
     class _HFLM(HFLM):
         """HFLM (built on the in-memory model: ``HFLM(pretrained=model)``) whose rolling
@@ -392,8 +342,6 @@ def _quiet_lm_eval():
 @contextlib.contextmanager
 def _preserved_rng(model: torch.nn.Module):
     """simple_evaluate seeds python, numpy and torch globally; undo that for the caller."""
-    import numpy as np
-
     device = next(model.parameters()).device
     devices = []  # fork_rng always saves the CPU generator; add the model's GPU
     if device.type == "cuda":

@@ -7,7 +7,8 @@ run; the lm-eval tasks resolve; the model, built from its config on the meta dev
 memory), accepts the method (layer selection, N:M divisibility, per-layer overrides, the
 method's files such as ``--resume``); ``seq_len`` fits the model's positions; the estimated
 peak memory fits the machine; and the corpora exist. :func:`lmcompress.jobs.run.run` calls
-:func:`preflight` first; ``compress-model eval`` calls the parts that apply to it.
+:func:`preflight` first (for every stage); ``compress-model eval`` calls the parts that apply to
+it (:func:`check_eval`).
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from torch import nn
 
+from lmcompress.compressor.io.save import check_output_dir
+from lmcompress.compressor.method import Method
 from lmcompress.compressor.model.budget import (
     RUNTIME_BYTES,
     MemoryEstimate,
@@ -28,15 +30,21 @@ from lmcompress.compressor.model.budget import (
     eval_bytes,
     param_bytes,
 )
-from lmcompress.compressor.model.checkpoint import check_checkpoint, max_positions, model_config
+from lmcompress.compressor.model.checkpoint import (
+    ALIASES,
+    alias_gguf,
+    check_checkpoint,
+    max_positions,
+    model_config,
+)
 from lmcompress.compressor.model.loading import check_device, model_skeleton, resolve_dtype
+from lmcompress.compressor.util.cache import cache_dir
 from lmcompress.compressor.util.fsutil import sweep_stale
 from lmcompress.errors import ConfigError, LmcompressError
 from lmcompress.evaluation.corpora import load_documents
-
-if TYPE_CHECKING:
-    from lmcompress.compressor.method import Method
-    from lmcompress.jobs.run import RunOptions
+from lmcompress.evaluation.lm_eval_adapter import check_tasks
+from lmcompress.jobs.options import RunOptions
+from lmcompress.jobs.streaming import check_streaming, streaming_weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +59,13 @@ class Plan:
 
 
 def preflight(options: RunOptions, method: Method) -> Plan:
+    if options.streaming:
+        check_streaming(options, method)
     device = check_device(options.device)
     check_checkpoint(options.checkpoint)
     if options.output is not None:
         check_output(options.output, options.overwrite, _inputs(options, method))
     if options.lm_eval_tasks:
-        from lmcompress.evaluation.lm_eval_adapter import check_tasks
-
         check_tasks(list(options.lm_eval_tasks))
     config = model_config(options.checkpoint, trust_remote_code=options.trust_remote_code)
     check_seq_len(options.seq_len, config)
@@ -90,8 +98,6 @@ def check_output(output: str | os.PathLike, overwrite: bool, inputs: list[Path])
     probe directory is created and removed in the nearest existing ancestor: this catches
     ``/proc``, read-only mounts and missing permissions without trusting ``os.access``).
     Debris of a killed run next to the output (``.OUT.tmp-*``) is removed here."""
-    from lmcompress.compressor.io.save import check_output_dir
-
     out = Path(output).expanduser().resolve()
     for path in inputs:
         source = path.expanduser().resolve()
@@ -139,8 +145,6 @@ def estimate_job(skeleton: nn.Module, options: RunOptions, method: Method) -> Me
     itemsize = resolve_dtype(options.dtype).itemsize
     weights = param_bytes(skeleton, itemsize)
     if options.streaming:  # one block (or the embeddings) at a time
-        from lmcompress.jobs.streaming import streaming_weight_bytes
-
         weights = streaming_weight_bytes(skeleton, itemsize)
     estimate = MemoryEstimate({"model weights": weights, "torch and libraries": RUNTIME_BYTES})
     nsamples = options.nsamples if method.needs_calibration else 0
@@ -161,8 +165,6 @@ def check_eval(checkpoint: str, device: str, seq_len: int, tasks: list[str], cor
     check_device(device)
     check_checkpoint(checkpoint)
     if tasks:
-        from lmcompress.evaluation.lm_eval_adapter import check_tasks
-
         check_tasks(tasks)
     check_seq_len(seq_len, model_config(checkpoint))
     for source in corpora:
@@ -172,14 +174,10 @@ def check_eval(checkpoint: str, device: str, seq_len: int, tasks: list[str], cor
 def checkpoint_paths(checkpoint: str) -> list[Path]:
     """The local files a checkpoint is read from: its directory or GGUF file; for an alias, the
     cached safetensors copy and the packaged GGUF."""
-    from lmcompress.compressor.model.checkpoint import ALIASES as _ALIASES
-    from lmcompress.compressor.model.checkpoint import alias_gguf as _alias_gguf
-    from lmcompress.compressor.util.cache import cache_dir
-
-    if checkpoint in _ALIASES:
+    if checkpoint in ALIASES:
         paths = [cache_dir() / checkpoint]
         try:
-            paths.append(_alias_gguf(checkpoint))
+            paths.append(alias_gguf(checkpoint))
         except LmcompressError:  # not installed: check_checkpoint said so already
             pass
         return paths

@@ -1,4 +1,6 @@
-"""Multi-stage recipes: several methods run one after another on one model, in one job.
+"""Recipes: the job a YAML/JSON file (and the flags that override it) describes, as
+``(RunOptions, [stage configs])``. A single-method recipe is a job of one stage; a recipe with
+``stages:`` runs several methods one after another on one model, in one job.
 
 A recipe with a ``stages:`` list (YAML or JSON) names a method and its options per stage; the
 other top-level keys are the job's options (:class:`~lmcompress.jobs.run.RunOptions`: checkpoint,
@@ -13,12 +15,11 @@ calibration, evaluation, output) and hold for every stage::
 
 Each stage calibrates on, and compresses, the model as the earlier stages left it, with its own
 ``include`` / ``exclude``. A layer an earlier stage compressed is left alone by a later stage
-unless the two compose (:mod:`lmcompress.compressor.formats.compose`): int8 after N:M or
-unstructured
-pruning keeps the zeros and is stored packed (``nm_packed_int8``); pruning after a low-rank
-stage prunes only the layers the low-rank stage did not factorise ("on the rest"). A stage left
-with no layer at all is an error, found before any weight is read where the model's skeleton
-tells.
+unless the two compose (:mod:`lmcompress.compressor.formats.compose`; a method declares what it
+composes after, ``Method.composes_after``): int8 after N:M or unstructured pruning keeps the
+zeros and is stored packed (``nm_packed_int8``); pruning after a low-rank stage prunes only the
+layers the low-rank stage did not factorise ("on the rest"). A stage left with no layer at all
+is an error, found before any weight is read where the model's skeleton tells.
 
 The job scores the dense model once, then the model after every stage (one report per stage,
 ``results["stages"]``), and writes one export whose ``report`` is the stages' combined report.
@@ -28,39 +29,79 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import logging
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
+import yaml
 from torch import nn
 
-from lmcompress.api import run_method
 from lmcompress.compressor.config import MethodConfig
 from lmcompress.compressor.formats.base import CompressedLinear
-from lmcompress.compressor.formats.compose import compose_, layers_to_skip
 from lmcompress.compressor.method import Method
 from lmcompress.compressor.model.families import family_of
-from lmcompress.compressor.model.loading import load_model
 from lmcompress.compressor.model.surgery import is_linear
 from lmcompress.compressor.options import option_fields, option_value, recipe_value
-from lmcompress.compressor.report import CompressionReport
-from lmcompress.compressor.training import distributed
-from lmcompress.errors import ConfigError, LmcompressError
-from lmcompress.evaluation.corpora import calibration_windows, tokenize
-from lmcompress.jobs.preflight import preflight
-from lmcompress.jobs.run import RunOptions, evaluate, finish_run
+from lmcompress.errors import ConfigError
+from lmcompress.jobs.options import RunOptions
+from lmcompress.jobs.preflight import Plan, preflight
 from lmcompress.methods import get_method
 
-logger = logging.getLogger(__name__)
-
-# The methods whose result keeps an earlier stage's zeros, and the earlier layer formats they
-# compose with (``None``: unstructured zeros in the dense weight). Keyed by method name because
-# the method protocol does not declare it (a ``Method`` class attribute would be its home).
-COMPOSES_AFTER: dict[str, frozenset[str | None]] = {"int8": frozenset({"nm_packed", None})}
 # Run options that make no sense per stage or across stages.
 _NOT_IN_RECIPES = ("streaming", "offload_activations")
+
+
+def load_recipe(path: str | Path) -> dict[str, Any]:
+    """A YAML/JSON recipe as a mapping with ``_``-spelt keys; one-line errors otherwise."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"recipe {path} not found")
+    try:
+        recipe = yaml.safe_load(file.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise ConfigError(
+            f"recipe {path} is not valid YAML/JSON: {str(err).splitlines()[0]}"
+        ) from None
+    if not isinstance(recipe, dict):
+        raise ConfigError(f"recipe {path} must be a mapping of option names to values")
+    return {str(k).replace("-", "_"): v for k, v in recipe.items()}
+
+
+def job_from(
+    recipe: Mapping[str, Any], given: Mapping[str, Any], method_class: type[Method]
+) -> tuple[RunOptions, list[MethodConfig]]:
+    """The job of ``recipe`` with the options ``given`` (flags) overriding it: its
+    :class:`RunOptions` and one config per stage. ``method_class`` is the method of a
+    single-method recipe (from ``--method`` or the recipe); a multi-stage recipe's stages name
+    theirs, and method options given outside the stages are refused."""
+    run_fields = [o.name for o in option_fields(RunOptions)]
+    run_keys = (*run_fields, "checkpoint")
+    if is_multi_stage(recipe):
+        shared, configs = parse_recipe(recipe, run_fields)
+        method_flags = sorted(set(given) - set(run_keys) - {"method"})
+        if method_flags:
+            raise ConfigError(
+                f"--{method_flags[0].replace('_', '-')}: a multi-stage recipe takes each "
+                "method's options in its stages, not as flags"
+            )
+        options = RunOptions(**{**shared, **{k: v for k, v in given.items() if k in run_keys}})
+        return options, configs
+    config_class = method_class.config_class
+    method_fields = [o.name for o in option_fields(config_class)]
+    recipe = dict(recipe)
+    for group in {o.path[0] for o in option_fields(config_class) if len(o.path) > 1}:
+        if isinstance(recipe.get(group), dict):  # an option group as a mapping: flatten it
+            recipe.update({str(k).replace("-", "_"): v for k, v in recipe.pop(group).items()})
+    unknown = set(recipe) - set(run_fields) - set(method_fields) - {"method", "checkpoint"}
+    if unknown:
+        method = given.get("method", config_class.method)
+        raise ConfigError(
+            f"recipe has unknown option(s) for method {method!r}: {', '.join(sorted(unknown))}"
+        )
+    merged = {**recipe, **given}
+    options = RunOptions(**{k: merged[k] for k in run_keys if k in merged})
+    config = config_class.from_dict({k: merged[k] for k in method_fields if k in merged})
+    return options, [config]
 
 
 def is_multi_stage(recipe: Mapping[str, Any]) -> bool:
@@ -126,7 +167,7 @@ def _changed(config: Any, skip: tuple[str, ...] = ()) -> dict[str, Any]:
     return changed
 
 
-def _matching(model: nn.Module, config: MethodConfig) -> dict[str, nn.Module]:
+def matching_layers(model: nn.Module, config: MethodConfig) -> dict[str, nn.Module]:
     """The layers ``config``'s own patterns name, linear or already compressed."""
     include = tuple(config.include) or (f"{family_of(model).blocks}.*",)
     return {
@@ -144,7 +185,7 @@ def stage_method(
     """Stage ``index`` (0-based) as a method that leaves the ``skip`` layers alone, and the
     layers its patterns name that it skips; a :class:`ConfigError` if none is left to it."""
     config = configs[index]
-    named = _matching(model, config)
+    named = matching_layers(model, config)
     skip_set = set(skip)
     skipped = [
         name
@@ -163,95 +204,18 @@ def stage_method(
     return get_method(config.method)(config), skipped
 
 
-def check_recipe(options: RunOptions, configs: Sequence[MethodConfig]) -> None:
+def check_stages(options: RunOptions, configs: Sequence[MethodConfig]) -> Plan:
     """:func:`~lmcompress.jobs.preflight.preflight` for every stage, before any weight is read.
 
     On the model's skeleton a later stage skips the layers an earlier one selects, unless it
-    composes after some formats (:data:`COMPOSES_AFTER`): which format an earlier stage will
+    composes after some formats (``Method.composes_after``): which format an earlier stage will
     store is known only once it ran, so such a stage is checked on all its layers here and
-    again, exactly, when it starts."""
+    again, exactly, when it starts. Returns the first stage's plan."""
     plan = preflight(options, get_method(configs[0].method)(configs[0]))
-    selected: list[str] = list(_matching(plan.skeleton, configs[0]))
+    selected: list[str] = list(matching_layers(plan.skeleton, configs[0]))
     for index in range(1, len(configs)):
-        skip = [] if configs[index].method in COMPOSES_AFTER else selected
+        skip = [] if get_method(configs[index].method).composes_after else selected
         method, _ = stage_method(plan.skeleton, configs, index, skip)
         preflight(options, method)
         selected += list(method.validate(plan.skeleton))
-
-
-def run_recipe(options: RunOptions, configs: Sequence[MethodConfig]) -> dict[str, Any]:
-    """Run the stages ``configs`` in order on ``options.checkpoint``; returns the results that
-    ``compression.json`` records (``results["stages"]``: one entry per stage, with its report
-    and perplexities) plus ``report``, the combined :class:`CompressionReport`."""
-    if not configs:
-        raise ConfigError("a recipe needs at least one stage")
-    if options.streaming:
-        raise ConfigError("--streaming runs one method: it is not for a multi-stage recipe")
-    check_recipe(options, configs)
-    start = time.perf_counter()
-    model, tokenizer = load_model(
-        options.checkpoint,
-        dtype=options.dtype,
-        device=options.device,
-        trust_remote_code=options.trust_remote_code,
-    )
-    if tokenizer is None:
-        raise LmcompressError(f"{options.checkpoint} has no tokenizer: cannot read text")
-    corpora = {
-        name: tokenize(tokenizer, name, options.eval_tokens or None) for name in options.eval
-    }
-    calib = None  # tokenized when a stage first needs it
-    results: dict[str, Any] = {
-        "options": asdict(options),
-        "checkpoint": options.checkpoint,
-        "recipe": recipe_of(options, configs),
-        "command": "compress-model --config recipe.yaml"
-        + (f" -o {options.output}" if options.output else ""),
-        "stages": [],
-    }
-    main = distributed.is_main_process()
-    if not options.skip_dense and main:
-        results["dense"] = evaluate(model, tokenizer, corpora, options)
-    reports: list[CompressionReport] = []
-    kept_stats = None
-    for index, config in enumerate(configs):
-        keeps = COMPOSES_AFTER.get(config.method, frozenset())
-        method, skipped = stage_method(model, configs, index, layers_to_skip(reports, keeps))
-        method.validate(model)
-        stage_start = time.perf_counter()
-        if method.needs_calibration and calib is None:
-            calib = calibration_windows(
-                tokenize(tokenizer, options.calib), options.nsamples, options.seq_len, options.seed
-            )
-        data = calib if method.needs_calibration else None
-        report, stats = run_method(method, model, data, return_stats=True)
-        report.config = config.to_dict()  # the stage as written, not with its skipped layers
-        report.extra["skipped_layers"] = skipped
-        reports.append(report)
-        if method.stats_in_output and stats.tensors:
-            kept_stats = stats
-        stage = {
-            "method": config.method,
-            "config": report.config,
-            "skipped_layers": len(skipped),
-            "seconds": time.perf_counter() - stage_start,
-            "summary": report.summary(),
-            "report": report.to_dict(),
-        }
-        if main:
-            stage["compressed"] = evaluate(model, tokenizer, corpora, options)
-        results["stages"].append(stage)
-        logger.info(
-            "stage %d/%d (%s): %d layers, %d skipped",
-            index + 1,
-            len(configs),
-            config.method,
-            len(report.layers),
-            len(skipped),
-        )
-    combined = compose_(model, reports)  # composed layers into their stored format
-    if not main:
-        results.update(report=combined, compressed={}, seconds=time.perf_counter() - start)
-        return results
-    results["compressed"] = results["stages"][-1]["compressed"]
-    return finish_run(model, tokenizer, options, combined, results, kept_stats, start)
+    return plan

@@ -114,18 +114,37 @@ class PruningMethod(Method):
 class LayerwisePruningMethod(PruningMethod):
     """A pruner that needs each layer's calibration inputs (Wanda, SparseGPT).
 
-    Each block must be pruned before the next block's inputs can be computed (the next block
-    sees the pruned outputs), so the work happens in :meth:`calibrate`, inside the core's
-    layer-wise loop; :meth:`apply` assembles the report. Subclasses implement
-    :meth:`make_accumulator` and :meth:`prune_layer`.
+    The computation is :meth:`prune`: one layer from its statistic (Wanda's input norms,
+    SparseGPT's Hessian), a pure function of the weight and the statistic. :meth:`apply` runs it
+    on the statistics a :class:`Stats` holds (``"<layer>.<statistic>"``, e.g. synthetic ones in
+    a test). Calibrating a model cannot hand all statistics to :meth:`apply` at once: each block
+    must be pruned before the next block's inputs exist (the next block sees the pruned
+    outputs), so :meth:`calibrate` runs the core's layer-wise loop and calls :meth:`prune` on
+    each block as its statistics complete. Its stats then describe the layers it pruned
+    (``meta["layers"]``: a Hessian per layer would be as large as the model), and :meth:`apply`
+    reports them. Subclasses implement :meth:`make_accumulator`, :meth:`statistic_of` and
+    :meth:`prune`, and name their ``statistic``.
     """
 
+    statistic: ClassVar[str] = ""  # key suffix of a layer's statistic in Stats.tensors
+    streams = True
+
     def make_accumulator(self, name: str, module: nn.Module) -> Accumulator:
+        raise NotImplementedError
+
+    def statistic_of(self, accumulator: Accumulator) -> torch.Tensor:
+        """The statistic an accumulator collected (what :meth:`prune` takes)."""
         raise NotImplementedError
 
     def accumulator_bytes(self, module: nn.Module) -> int:  # noqa: ARG002
         """Bytes of one layer's accumulator (the Hessian for SparseGPT), for the estimate."""
         return 0
+
+    def prune(
+        self, name: str, module: nn.Module, statistic: torch.Tensor, sparsity: Sparsity
+    ) -> LayerReport:
+        """Prune ``module`` in place from its ``statistic``; report it."""
+        raise NotImplementedError
 
     def memory_estimate(
         self, model: nn.Module, nsamples: int, seq_len: int, itemsize: int = 4
@@ -141,13 +160,6 @@ class LayerwisePruningMethod(PruningMethod):
             itemsize,
             state={"per-layer statistics": self.accumulator_bytes},
         )
-
-    def prune_layer(
-        self, name: str, module: nn.Module, stats: Accumulator, sparsity: Sparsity
-    ) -> LayerReport:
-        raise NotImplementedError
-
-    streams = True
 
     def calibrate(
         self,
@@ -167,8 +179,8 @@ class LayerwisePruningMethod(PruningMethod):
             data,
             layers,
             make_accumulator=self.make_accumulator,
-            compress_layer=lambda n, m, acc: self.prune_layer(
-                n, m, acc, self.config.sparsity_of(n)
+            compress_layer=lambda n, m, acc: self.prune(
+                n, m, self.statistic_of(acc), self.config.sparsity_of(n)
             ),
             device=self.device or home,
             batch_size=self.config.calib_batch_size,
@@ -196,11 +208,25 @@ class LayerwisePruningMethod(PruningMethod):
         return self._report(model, self.calibrate(model, data, source, offload_dir))
 
     def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:
-        """The report of what :meth:`calibrate` did. The stats hold no weights, so ``model``
-        must be the model that was calibrated: a layer with more nonzero weights than the
-        stats say were kept is refused rather than reported as pruned."""
-        _check_pruned(model, [LayerReport.from_dict(x) for x in stats.meta["layers"]], self.name)
-        return self._report(model, stats)
+        """Prune every layer whose statistic ``stats`` holds, and report, with them, the layers
+        :meth:`calibrate` pruned already (``meta["layers"]``; the stats hold no weights, so
+        ``model`` must be the model that was calibrated: a layer with more nonzero weights than
+        the stats say were kept is refused rather than reported as pruned)."""
+        start = time.perf_counter()
+        done = [LayerReport.from_dict(x) for x in stats.meta.get("layers", [])]
+        _check_pruned(model, done, self.name)
+        suffix = f".{self.statistic}"
+        given = {k.removesuffix(suffix): v for k, v in stats.tensors.items() if k.endswith(suffix)}
+        for name, statistic in given.items():
+            try:
+                module = model.get_submodule(name)
+            except AttributeError:
+                what = f"{self.name} stats name {name}, which this model lacks"
+                raise ConfigError(what) from None
+            done.append(self.prune(name, module, statistic, self.config.sparsity_of(name)))
+        meta = {**stats.meta, "layers": [asdict(layer) for layer in done]}
+        meta.setdefault("seconds", time.perf_counter() - start)
+        return self._report(model, Stats(meta=meta))
 
     def _report(self, model: nn.Module, stats: Stats) -> CompressionReport:
         layers = [LayerReport.from_dict(layer) for layer in stats.meta["layers"]]
@@ -210,7 +236,11 @@ class LayerwisePruningMethod(PruningMethod):
             layers=layers,
             seconds=stats.meta["seconds"],
             model_params=count_params(model),
-            extra={k: stats.meta[k] for k in ("peak_state_bytes", "nsamples", "seq_len")},
+            extra={
+                k: stats.meta[k]
+                for k in ("peak_state_bytes", "nsamples", "seq_len")
+                if k in stats.meta
+            },
         )
 
 

@@ -220,7 +220,7 @@ def test_switches_still_parse_both_ways():
 
 @pytest.mark.parametrize("name", ["magnitude", "wanda", "sparsegpt", "maskllm", "svd", "job"])
 def test_real_help_has_no_empty_or_python_defaults(name):
-    from lmcompress.jobs.run import RunOptions
+    from lmcompress.jobs.options import RunOptions
     from lmcompress.methods import METHODS
 
     lines = _help_lines(RunOptions if name == "job" else METHODS[name].config_class)

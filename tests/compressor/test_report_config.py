@@ -9,7 +9,7 @@ from lmcompress.compressor.config import Sparsity
 from lmcompress.compressor.options import option_fields
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.errors import ConfigError
-from lmcompress.jobs.run import RunOptions, SaveDtype
+from lmcompress.jobs.options import RunOptions, SaveDtype
 from lmcompress.methods import METHODS, get_method, pruning
 from lmcompress.methods.magnitude import MagnitudeConfig
 from lmcompress.methods.sparsegpt import SparseGPTConfig

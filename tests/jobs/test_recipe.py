@@ -11,9 +11,9 @@ import yaml
 
 from lmcompress.cli.main import main
 from lmcompress.compressor.io.layout import MANIFEST, MODEL_CARD
-from lmcompress.jobs import recipe as recipe_module
+from lmcompress.jobs import run as run_module
+from lmcompress.jobs.options import RunOptions
 from lmcompress.jobs.recipe import parse_recipe
-from lmcompress.jobs.run import RunOptions
 
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
 RUN_FIELDS = [f.name for f in fields(RunOptions)]
@@ -103,7 +103,7 @@ def test_bad_recipe(stages, extra, message, tiny_checkpoint, corpus, tmp_path, c
     def never(*_args, **_kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(recipe_module, "load_model", never)
+    monkeypatch.setattr(run_module, "load_model", never)
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump({"stages": stages}))
     out = tmp_path / "out"

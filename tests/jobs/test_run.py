@@ -12,7 +12,8 @@ import lmcompress.jobs.run as pipeline
 from lmcompress.compressor.io.layout import MANIFEST
 from lmcompress.compressor.report import CompressionReport
 from lmcompress.errors import DataError, LmcompressError, ModelLoadError
-from lmcompress.jobs.run import RunOptions, run
+from lmcompress.jobs.options import RunOptions
+from lmcompress.jobs.run import run
 from lmcompress.methods.magnitude import MagnitudeConfig
 from lmcompress.methods.wanda import WandaConfig
 

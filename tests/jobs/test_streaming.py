@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 from lmcompress.compressor.io.load import load_compressed
 from lmcompress.compressor.io.shards import merge_safetensors
 from lmcompress.errors import ConfigError
-from lmcompress.jobs.run import RunOptions, run
+from lmcompress.jobs.options import RunOptions
+from lmcompress.jobs.run import run
 from lmcompress.methods.magnitude import MagnitudeConfig
 from lmcompress.methods.sparsegpt import SparseGPTConfig
 from lmcompress.methods.svd import SVDConfig

@@ -240,6 +240,38 @@ def _check_inputs(
             raise ConfigError(f"{name} is not that module of this model")
 
 
+@contextlib.contextmanager
+def _gradient_pass(
+    model: nn.Module, layers: dict[str, nn.Module], collector: _Collector, checkpointing: bool
+) -> Iterator[None]:
+    """Eval mode, gradients on, only the selected weights requiring grad, the collector's hooks
+    on them (and each block recomputed in backward with ``checkpointing``); afterwards every
+    mode and ``requires_grad`` as before and no ``.grad`` left, also on error."""
+    requires_grad = [(p, p.requires_grad) for p in model.parameters()]
+    modes = [(m, m.training) for m in model.modules()]
+    model.zero_grad(set_to_none=True)
+    try:
+        with contextlib.ExitStack() as stack:
+            model.eval()
+            for param, _ in requires_grad:
+                param.requires_grad_(False)
+            for name, module in layers.items():
+                module.weight.requires_grad_(True)
+                hook = functools.partial(collector.on_weight_grad, name, isinstance(module, Conv1D))
+                stack.callback(module.weight.register_post_accumulate_grad_hook(hook).remove)
+            stack.enter_context(forward_hooks(layers, collector.on_forward))
+            stack.enter_context(torch.enable_grad())
+            if checkpointing:
+                stack.enter_context(checkpointed_blocks(model))
+            yield
+    finally:
+        for param, flag in requires_grad:
+            param.requires_grad_(flag)
+        for module, training in modes:
+            module.training = training
+        model.zero_grad(set_to_none=True)
+
+
 def gradient_statistics(
     model: nn.Module,
     data: torch.Tensor,
@@ -284,43 +316,19 @@ def gradient_statistics(
         layers, fisher=fisher, kronecker=kronecker, device=device, dtype=dtype, on_sample=on_sample
     )
     n_windows = data.shape[0]
-    requires_grad = [(p, p.requires_grad) for p in model.parameters()]
-    modes = [(m, m.training) for m in model.modules()]
     start = time.perf_counter()
-    model.zero_grad(set_to_none=True)
-    try:
-        with contextlib.ExitStack() as stack:
-            model.eval()
-            for param, _ in requires_grad:
-                param.requires_grad_(False)
-            for name, module in layers.items():
-                module.weight.requires_grad_(True)
-                hook = functools.partial(collector.on_weight_grad, name, isinstance(module, Conv1D))
-                stack.callback(module.weight.register_post_accumulate_grad_hook(hook).remove)
-            stack.enter_context(forward_hooks(layers, collector.on_forward))
-            stack.enter_context(torch.enable_grad())
-            if checkpointing:
-                stack.enter_context(checkpointed_blocks(model))
-            bar = tqdm(
-                total=n_windows, desc="gradients", unit="window", disable=bar_disabled(progress)
-            )
-            stack.callback(bar.close)
-            for first in range(0, n_windows, batch_size):
-                ids = data[first : first + batch_size].to(device)  # (B, T)
-                loss = loss_fn(model, ids)
-                if loss.dim() != 0 or not loss.requires_grad:
-                    raise ConfigError(
-                        "the loss must be a scalar that depends on the selected layers"
-                    )
-                collector.backward(loss)
-                bar.update(ids.shape[0])
-                del ids, loss  # the next batch's forward runs without this one's graph
-    finally:
-        for param, flag in requires_grad:
-            param.requires_grad_(flag)
-        for module, training in modes:
-            module.training = training
-        model.zero_grad(set_to_none=True)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_gradient_pass(model, layers, collector, checkpointing))
+        bar = tqdm(total=n_windows, desc="gradients", unit="window", disable=bar_disabled(progress))
+        stack.callback(bar.close)
+        for first in range(0, n_windows, batch_size):
+            ids = data[first : first + batch_size].to(device)  # (B, T)
+            loss = loss_fn(model, ids)
+            if loss.dim() != 0 or not loss.requires_grad:
+                raise ConfigError("the loss must be a scalar that depends on the selected layers")
+            collector.backward(loss)
+            bar.update(ids.shape[0])
+            del ids, loss  # the next batch's forward runs without this one's graph
     logger.info(
         "gradient statistics: %d layers, %d windows in %d backward passes, %.1f s",
         len(layers),

@@ -231,11 +231,7 @@ def compress_layerwise(
         raise ValueError("offload_dir works with compress_layer only")
     start = time.perf_counter()
     device = torch.device(device)
-    prefix = family_of(model).blocks
-    blocks = model.get_submodule(prefix)
-    outside = [name for name in layers if not name.startswith(prefix + ".")]
-    if outside:
-        raise ValueError(f"layer-wise calibration covers decoder blocks only, not {outside}")
+    prefix, blocks = _decoder_blocks(model, layers)
     was_training = model.training
     home_device = next((p.device for p in model.parameters() if not p.is_meta), device)
     model.eval()
@@ -259,19 +255,7 @@ def compress_layerwise(
         done = len(reports)
         names = [n for n in layers if n.startswith(f"{prefix}.{index}.")]
         accumulators = {n: make_accumulator(n, layers[n]) for n in names}
-        if names:
-            handles = [
-                layers[n].register_forward_pre_hook(
-                    lambda _mod, args, _acc=accumulators[n]: _acc.add_batch(args[0])
-                )
-                for n in names
-            ]
-            try:
-                for i, batch in enumerate(batches):
-                    block(hidden[i], *batch["args"][index], **batch["kwargs"][index])
-            finally:
-                for handle in handles:
-                    handle.remove()
+        _observe(block, index, {n: layers[n] for n in names}, accumulators, hidden, batches)
         held = (
             hidden.resident_bytes()
             + _nbytes([b["kwargs"][index] for b in batches])
@@ -295,6 +279,40 @@ def compress_layerwise(
     model.train(was_training)
     stats.seconds = time.perf_counter() - start
     return reports, stats
+
+
+def _decoder_blocks(model: nn.Module, layers: dict[str, nn.Module]) -> tuple[str, nn.Module]:
+    """``(name, module list)`` of the model's decoder blocks, which must hold every layer."""
+    prefix = family_of(model).blocks
+    outside = [name for name in layers if not name.startswith(prefix + ".")]
+    if outside:
+        raise ValueError(f"layer-wise calibration covers decoder blocks only, not {outside}")
+    return prefix, model.get_submodule(prefix)
+
+
+def _observe(
+    block: nn.Module,
+    index: int,
+    layers: dict[str, nn.Module],
+    accumulators: dict[str, Accumulator],
+    hidden: _Activations,
+    batches: list[dict[str, Any]],
+) -> None:
+    """Run block ``index`` over every batch with each layer's accumulator on its input."""
+    if not layers:
+        return
+    handles = [
+        layers[n].register_forward_pre_hook(
+            lambda _mod, args, _acc=accumulators[n]: _acc.add_batch(args[0])
+        )
+        for n in layers
+    ]
+    try:
+        for i, batch in enumerate(batches):
+            block(hidden[i], *batch["args"][index], **batch["kwargs"][index])
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def layerwise_estimate(

@@ -32,6 +32,7 @@ import logging
 from typing import Any
 
 import torch
+from transformers.quantizers import auto
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
@@ -179,8 +180,6 @@ class _MetaTensors:
 def register() -> None:
     """Register the config and the quantizer with transformers under :data:`QUANT_METHOD`
     (once: a second call does nothing)."""
-    from transformers.quantizers import auto
-
     if QUANT_METHOD not in auto.AUTO_QUANTIZATION_CONFIG_MAPPING:
         auto.register_quantization_config(QUANT_METHOD)(LmcompressConfig)
     if QUANT_METHOD not in auto.AUTO_QUANTIZER_MAPPING:

@@ -11,6 +11,7 @@ it has seen the module.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 _REGISTRY = "transformers.quantizers.auto"
@@ -31,10 +32,9 @@ def _register() -> None:
 
         register()
     except (ImportError, AttributeError, TypeError, ValueError) as err:
-        import logging  # here, not at the top: importing it costs ``import lmcompress`` ~5 ms
-
-        logger = logging.getLogger(__name__)
-        logger.warning("lmcompress could not register its transformers quantizer: %s", err)
+        logging.getLogger(__name__).warning(
+            "lmcompress could not register its transformers quantizer: %s", err
+        )
 
 
 class _RegisterAfterImport:

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from lmcompress.errors import ConfigError
 
@@ -202,9 +204,6 @@ def register() -> str:
     use: registration is process-global). Returns the implementation name."""
     global _registered
     if not _registered:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, eager_mask
-
         AttentionInterface.register(IMPLEMENTATION, hooked_attention)
         AttentionMaskInterface.register(IMPLEMENTATION, eager_mask)
         _registered = True

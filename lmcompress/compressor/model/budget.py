@@ -17,6 +17,11 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+try:  # where /proc/meminfo is missing (macOS); accelerate depends on it
+    import psutil
+except ImportError:  # pragma: no cover
+    psutil = None
+
 import torch
 from torch import nn
 
@@ -100,9 +105,7 @@ def available_bytes(device: torch.device | str = "cpu") -> tuple[int | None, str
                 return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
     except OSError:
         pass
-    try:
-        import psutil
-    except ImportError:
+    if psutil is None:
         return None, "unknown (no /proc/meminfo and no psutil)"
     return int(psutil.virtual_memory().available), "psutil's available memory"
 

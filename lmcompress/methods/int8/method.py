@@ -43,9 +43,14 @@ BIAS = "softmax_bias."
 class Int8(Method):
     config_class = Int8Config
 
-    def __init__(self, config: Int8Config, device: str | torch.device | None = None) -> None:
-        super().__init__(config, device)
-        self.needs_calibration = (
+    composes_after = frozenset({"nm_packed", None})  # N:M or unstructured zeros stay zeros
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Calibration text only for static activation scales, the softmax bias correction or
+        SmoothQuant; dynamic W8A8 quantizes from the weights alone."""
+        config = self.config
+        return (
             config.activations == "static"
             or config.bias_correction != "none"
             or config.smooth_alpha > 0

@@ -28,12 +28,16 @@ def output_error(W: torch.Tensor, W_new: torch.Tensor, H: torch.Tensor) -> float
 
 class SparseGPT(LayerwisePruningMethod):
     config_class = SparseGPTConfig
+    statistic = "hessian"  # H = 2/n · Σ x xᵀ of the layer's inputs, (in, in)
 
     def make_accumulator(self, name: str, module: nn.Module) -> HessianAccumulator:  # noqa: ARG002
         W = weight_matrix(module)
         return HessianAccumulator(
             W.shape[1], device=W.device, dtype=getattr(torch, self.config.hessian_dtype)
         )
+
+    def statistic_of(self, accumulator: HessianAccumulator) -> torch.Tensor:
+        return accumulator.H
 
     def accumulator_bytes(self, module: nn.Module) -> int:
         """The (in, in) Hessian, and the solver's inverse and working copy of it."""
@@ -42,20 +46,21 @@ class SparseGPT(LayerwisePruningMethod):
             3 * columns * columns * torch.finfo(getattr(torch, self.config.hessian_dtype)).bits // 8
         )
 
-    def prune_layer(
-        self, name: str, module: nn.Module, stats: HessianAccumulator, sparsity: Sparsity
+    def prune(
+        self, name: str, module: nn.Module, statistic: torch.Tensor, sparsity: Sparsity
     ) -> LayerReport:
         start = time.perf_counter()
         W = weight_matrix(module).detach()
+        H = statistic  # (in, in)
         W_new, keep = sparsegpt_prune(
             W,
-            stats.H,
+            H,
             sparsity,
             blocksize=self.config.blocksize,
             percdamp=self.config.percdamp,
             update_weights=self.config.update_weights,
         )
-        error = output_error(W, W_new, stats.H)
+        error = output_error(W, W_new, H)
         report = prune_layer_(name, module, keep, sparsity, start, new_weight=W_new)
         report.rel_error, report.error_kind = error, "output"
         return report

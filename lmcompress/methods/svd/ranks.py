@@ -9,6 +9,7 @@ within its budget.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 
@@ -67,8 +68,6 @@ def allocate_ranks(
     rank ``multiple`` everywhere exceeds it, those minimal ranks are returned and a warning is
     logged).
     """
-    import heapq
-
     if not 0.0 < ratio <= 1.0:
         raise ValueError(f"ratio must lie in (0, 1], got {ratio}")
     budget = ratio * sum(m * n for m, n, _ in spectra.values())

@@ -1,0 +1,53 @@
+"""``compress-model eval CHECKPOINT_OR_OUT``: perplexity (and lm-eval tasks) of a checkpoint or
+of a written output, through the evaluate step every job uses
+(:func:`lmcompress.jobs.evaluate.evaluate_checkpoint`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from lmcompress.cli.terminal import PROG, Parser, setup_logging
+from lmcompress.jobs.evaluate import EvalOptions, eval_options, evaluate_checkpoint
+
+
+def evaluate_command(argv: Sequence[str]) -> int:
+    parser = Parser(prog=f"{PROG} eval", description="Perplexity of a checkpoint or output dir.")
+    parser.add_argument("checkpoint", help="checkpoint, or a directory written by compress-model")
+    parser.add_argument("--data", nargs="+", default=["wiki-test"], help="corpora to score")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--eval-tokens", type=int, default=EvalOptions.eval_tokens)
+    parser.add_argument("--eval-batch-size", type=int, default=4)
+    parser.add_argument("--lm-eval-tasks", nargs="+", default=[])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--runtime",
+        choices=("packed", "dense"),
+        help="for a compress-model output: keep compressed layers in their compressed modules "
+        "(packed, the default) or rebuild plain dense layers (dense); ignored for checkpoints",
+    )
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("-q", "--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    setup_logging(args.quiet)
+    results = evaluate_checkpoint(eval_options(**vars(args)))
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    load = results["load"]
+    if "runtime" in load:
+        ratio = load["ratio_to_dense_fp16"]
+        print(
+            f"{load['runtime']} runtime: {load['layers']} compressed layers hold "
+            f"{load['resident_bytes'] / 2**20:.1f} MiB"
+            + (f" ({ratio:.1%} of their dense fp16 bytes)" if ratio is not None else "")
+            + f"; peak RSS {load['peak_rss_mib']:.0f} MiB after loading"
+        )
+    for corpus, res in results["perplexity"].items():
+        print(
+            f"{corpus}: perplexity {res['perplexity']:.3f} over {res['tokens']} tokens "
+            f"({res['seconds']:.1f} s)"
+        )
+    for name, metrics in results.get("lm_eval", {}).items():
+        print(f"lm-eval {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+    return 0

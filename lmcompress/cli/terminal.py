@@ -1,0 +1,74 @@
+"""What every command line shares: the one-line usage errors, logging, ``-q``, and the exit
+codes (a user error is 2, Ctrl-C 130, SIGTERM 143, each after the same clean-up)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from lmcompress.errors import ConfigError, LmcompressError
+
+PROG = "compress-model"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process was so that the same clean-up as for Ctrl-C runs
+    (temporary output directories removed, nothing half-written left behind)."""
+
+
+def raise_terminated(signum: int, _frame: Any) -> NoReturn:
+    raise Terminated(signal.Signals(signum).name)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line (exit 2) instead of usage + message."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
+def setup_logging(quiet: bool) -> None:
+    logging.basicConfig(
+        level=logging.WARNING if quiet else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def quiet_environment(argv: Sequence[str]) -> None:
+    """``-q``: no progress bars. tqdm reads TQDM_DISABLE once, when it is imported: call this
+    before anything imports it (transformers, if imported already, is told directly)."""
+    if "-q" in argv or "--quiet" in argv:
+        os.environ["TQDM_DISABLE"] = "1"
+        transformers = sys.modules.get("transformers")
+        if transformers is not None:  # imported already (optimum-cli does): tell it directly
+            transformers.utils.logging.disable_progress_bar()
+
+
+def guarded(prog: str, command: Callable[..., int], *args: Any) -> int:
+    """``command(*args)`` with the CLI's exit codes: a user error is one line on stderr and 2,
+    Ctrl-C 130, SIGTERM 143 (raised where the process was, so clean-up runs as for Ctrl-C)."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, raise_terminated)
+    except ValueError:  # not the main thread (main() called from a worker): leave it alone
+        previous = None
+    try:
+        return command(*args)
+    except LmcompressError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    except Terminated:
+        print(f"{prog}: terminated", file=sys.stderr)
+        return 143
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
