@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+
+
+@torch.no_grad()
+def relative_error(original: torch.Tensor, approx: torch.Tensor) -> float:
+    """``‖W − Ŵ‖_F / ‖W‖_F`` of a weight ``original`` (out, in) and what replaced it, in
+    float32; the denominator is floored at 1e-30 so that an all-zero weight gives no NaN."""
+    W = original.float()
+    return float((W - approx.float()).norm() / W.norm().clamp_min(1e-30))
 
 
 @dataclass
@@ -32,6 +43,38 @@ class LayerReport:
     format: str | None = None
     format_options: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # method-specific numbers (JSON)
+
+    @classmethod
+    def measure(
+        cls,
+        name: str,
+        original: torch.Tensor,
+        approx: torch.Tensor | None,
+        started: float,
+        *,
+        params_kept: int,
+        bytes_compressed: int,
+        **fields: Any,
+    ) -> LayerReport:
+        """The report of layer ``name`` whose weight ``original`` (out, in) now computes as
+        ``approx`` (``None``: the layer stayed as it was, error 0): the fields every method
+        fills the same way (shape, parameters and dense bytes of ``original``, the relative
+        weight error, the seconds since ``started``, a ``time.perf_counter()`` reading) and
+        ``fields`` (sparsity, rank, bits, format, ...). ``original`` must not alias ``approx``'s
+        storage when both are given: a layer changed in place passes a copy of its old weight.
+        """
+        numel = original.numel()
+        return cls(
+            name=name,
+            shape=tuple(original.shape),
+            params=numel,
+            params_kept=params_kept,
+            bytes_dense=numel * original.element_size(),
+            bytes_compressed=bytes_compressed,
+            rel_error=0.0 if approx is None else relative_error(original, approx),
+            seconds=time.perf_counter() - started,
+            **fields,
+        )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> LayerReport:

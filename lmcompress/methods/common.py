@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import nn
 
@@ -36,25 +34,21 @@ def prune_layer_(
     if new_weight is not None:
         W.copy_(new_weight.to(W.dtype))
     W.mul_(keep.to(W.dtype))
-    err = (W.float() - original.float()).norm() / original.float().norm().clamp_min(1e-30)
     numel, kept = W.numel(), int(keep.sum())
-    elem = W.element_size()
     if sparsity.is_nm:
         compressed = packed_nm_nbytes(tuple(W.shape), sparsity.n, sparsity.m, W.dtype)
     else:  # kept values plus a one-bit-per-weight bitmap
-        compressed = kept * elem + (numel + 7) // 8
-    return LayerReport(
-        name=name,
-        shape=tuple(W.shape),
-        params=numel,
+        compressed = kept * W.element_size() + (numel + 7) // 8
+    return LayerReport.measure(
+        name,
+        original,
+        W,
+        started,
         params_kept=kept,
-        bytes_dense=numel * elem,
         bytes_compressed=compressed,
         sparsity=1.0 - kept / numel,
         pattern=str(sparsity),
-        rel_error=float(err),
         error_kind="weight",
-        seconds=time.perf_counter() - started,
         format="nm_packed" if sparsity.is_nm else None,
         format_options={"n": sparsity.n, "m": sparsity.m} if sparsity.is_nm else {},
     )

@@ -20,12 +20,13 @@ import torch
 from torch import nn
 
 from lmcompress.compressor.calibration.layerwise import Accumulator, compress_layerwise
+from lmcompress.compressor.calibration.observers import HessianAccumulator
 from lmcompress.compressor.config import Sparsity
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.errors import ConfigError
 from lmcompress.methods.common import prune_layer_
 from lmcompress.methods.magnitude.prior import magnitude_mask
-from lmcompress.methods.sparsegpt.solver import HessianAccumulator, sparsegpt_mask
+from lmcompress.methods.sparsegpt.solver import sparsegpt_mask
 from lmcompress.methods.wanda.scores import InputNorms, wanda_mask
 
 # The one-shot pruners' calibration batch (``calib_batch_size``'s default): the statistics are

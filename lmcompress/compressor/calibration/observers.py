@@ -1,11 +1,12 @@
 """Observers: running statistics of the tensors entering or leaving any module.
 
 Methods calibrate on statistics of activations: int8 needs ranges (absmax, min/max per channel
-or per tensor), Wanda needs mean |x| per input channel, SparseGPT and the Fisher factors need
-Σ xxᵀ. Each observer is a small accumulator: ``update(x)`` folds one batch in (no autograd,
-float32 accumulators, every leading dimension treated as tokens, the last one as channels) and
-a property reads the result. ``add_batch`` is the same call, so an observer serves as a
-layer-wise accumulator (``compressor/layerwise.py``) too.
+or per tensor), Wanda needs mean |x| per input channel, svd-llm the Gram matrix Σ xxᵀ
+(:class:`GramObserver`) and SparseGPT its running Hessian 2/n · Σ xxᵀ
+(:class:`HessianAccumulator`). Each observer is a small accumulator: ``update(x)`` folds one
+batch in (no autograd, float32 accumulators unless stated, every leading dimension treated as
+tokens, the last one as channels) and a property reads the result. ``add_batch`` is the same
+call, so an observer serves as a layer-wise accumulator (``compressor/layerwise.py``) too.
 
 :func:`observe` attaches observers to modules by qualified name, on their input or output, for
 the length of a ``with`` block.
@@ -35,14 +36,15 @@ def _tokens(x: torch.Tensor) -> torch.Tensor:
 
 
 class Observer:
-    """Base class: ``update(x)`` accumulates, ``tokens`` counts the rows seen so far."""
+    """Base class: ``update(x)`` turns ``x`` into rows (:meth:`rows`), skips an empty batch,
+    folds the rows in (``_update``) and counts them in ``tokens``."""
 
     def __init__(self) -> None:
         self.tokens = 0
 
     @torch.no_grad()
     def update(self, x: torch.Tensor) -> None:
-        rows = _tokens(x)
+        rows = self.rows(x)
         if rows.shape[0] == 0:
             return
         self._update(rows)
@@ -52,7 +54,12 @@ class Observer:
         """Alias of :meth:`update` (the layer-wise loop's accumulator protocol)."""
         self.update(x)
 
-    def _update(self, rows: torch.Tensor) -> None:  # rows: (N, C) float32
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as the (tokens, channels) rows :meth:`_update` folds in: float32, on ``x``'s
+        device (an accumulator with another dtype or device overrides this)."""
+        return _tokens(x)
+
+    def _update(self, rows: torch.Tensor) -> None:  # rows: (N, C), as :meth:`rows` gives them
         raise NotImplementedError
 
     def _require_data(self) -> None:
@@ -128,10 +135,12 @@ class MeanAbsObserver(Observer):
 
 
 class GramObserver(Observer):
-    """Σ xxᵀ over tokens, (C, C) in float32, with the token count.
+    """Σ xxᵀ over tokens, (C, C) in float32, with the token count: svd-llm's Gram matrix.
 
-    SparseGPT's Hessian of the layer-wise squared error is ``2/n · Σ xxᵀ`` (:meth:`hessian`);
-    the Kronecker-factored Fisher uses the same sum of input outer products.
+    Each batch is one GEMM ``XᵀX`` added to the sum (on the first batch's device), and the sum
+    is read as it is (:attr:`gram`). :meth:`hessian` gives ``2/n · Σ xxᵀ`` from it;
+    SparseGPT's own Hessian is :class:`HessianAccumulator`, which folds batches in as a running
+    mean (see there why the two are not one computation).
     """
 
     def __init__(self) -> None:
@@ -149,6 +158,57 @@ class GramObserver(Observer):
     def hessian(self) -> torch.Tensor:
         """``2/n · Σ xxᵀ`` (n = tokens), the Hessian of ``‖WX − ŴX‖²`` averaged over tokens."""
         return self.gram * (2.0 / self.tokens)
+
+
+class HessianAccumulator(Observer):
+    """Running ``H = 2/n · Σ_t x_t x_tᵀ`` over the ``n`` input tokens of one linear layer:
+    SparseGPT's Hessian (:mod:`lmcompress.methods.sparsegpt.solver`), also what the one-shot
+    priors and the mask re-fit use.
+
+    Each batch rescales the old mean, ``H ← H · n_old / n_new``, and adds
+    ``2/n_new · XᵀX`` of the new tokens (one GEMM), as the reference ``add_batch`` does, so the
+    result is the same however the tokens are split into batches (up to float rounding).
+    ``H`` (in, in) is allocated up front on ``device``, in float32 or float64 (``dtype``); the
+    inputs are cast to it before the GEMM, and their width is checked (a :class:`ConfigError`).
+
+    Why not :class:`GramObserver` with a different read-out: the fused, rescaling GEMM rounds
+    differently from a sum of GEMMs divided at the end (on the same inputs the two differ in the
+    last bits, as does a plain ``addmm_`` sum), and SparseGPT's masks and weights follow H's
+    rounding; both folds are kept exactly, and share the :class:`Observer` pipeline (rows, empty
+    batches, token count, ``add_batch``, :func:`observe`).
+    """
+
+    def __init__(
+        self, in_features: int, device: torch.device | str = "cpu", dtype=torch.float32
+    ) -> None:
+        if dtype not in (torch.float32, torch.float64):
+            raise ConfigError(f"Hessian dtype must be float32 or float64, got {dtype}")
+        super().__init__()
+        self.in_features = in_features
+        self._H = torch.zeros(in_features, in_features, device=device, dtype=dtype)  # (in, in)
+
+    @property
+    def H(self) -> torch.Tensor:
+        """The current Hessian, (in, in). The live buffer: clone it before changing it."""
+        return self._H
+
+    @property
+    def nsamples(self) -> int:
+        """Tokens seen (SparseGPT's name for :attr:`tokens`)."""
+        return self.tokens
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The inputs ``x`` (..., in_features) as (tokens, in) in H's dtype, on H's device."""
+        if x.shape[-1] != self.in_features:
+            raise ConfigError(
+                f"inputs have {x.shape[-1]} features, the accumulator expects {self.in_features}"
+            )
+        return x.reshape(-1, self.in_features).to(self._H.device, self._H.dtype)  # (t, in)
+
+    def _update(self, rows: torch.Tensor) -> None:
+        n_old, n_new = self.tokens, self.tokens + rows.shape[0]
+        # H ← H · n_old/n_new + (2/n_new) · xᵀx, in one fused GEMM.
+        self._H.addmm_(rows.T, rows, beta=n_old / n_new, alpha=2.0 / n_new)
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:

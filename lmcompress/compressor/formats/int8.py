@@ -59,19 +59,167 @@ def int8_forward(
     return y.reshape(*x.shape[:-1], out_features)
 
 
+class Int8CodedLinear(CompressedLinear):
+    """What every layer that computes with int8 codes shares (:class:`QuantLinear`, and
+    :class:`~lmcompress.compressor.formats.nm_packed_int8.PackedNMInt8Linear`, which stores the
+    same codes packed): the scales, the activation mode, the forward path, their metadata,
+    their checks on load, the float32 scales under casts, and the computation itself.
+
+    Buffers registered by :meth:`init_scales`: ``weight_scale`` fp32 (out, 1) or (out, groups);
+    ``input_scale`` fp32 (1,) for static activations, ``None`` for dynamic per-token ones;
+    ``bias`` (out,) in the original dtype, or ``None``. ``dtype`` is the original weight's dtype
+    (that of :meth:`dense_weight`); ``path`` chooses the forward (``int`` or ``simulated``) and
+    may be changed at any time. A subclass stores the codes its own way: it registers them,
+    then calls :meth:`init_scales` (so the buffers keep the order codes, scales, bias), and
+    implements :meth:`weight_codes`, :meth:`code_tensors` and :meth:`code_meta`.
+    """
+
+    exact_tensors = frozenset({"weight_scale", "input_scale"})  # float32 at any save dtype
+
+    def init_scales(
+        self,
+        weight_scale: torch.Tensor,
+        input_scale: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        path: str,
+        dtype: torch.dtype,
+    ) -> None:
+        """Check ``path``, derive ``group_size`` from ``weight_scale``'s shape, register the
+        scales (as float32) and the bias."""
+        if path not in PATHS:
+            raise ConfigError(f"unknown int8 path {path!r}; choose from {', '.join(PATHS)}")
+        groups = weight_scale.shape[-1]
+        self.group_size = None if groups == 1 else self.in_features // groups
+        self.path, self.dtype = path, dtype
+        self.register_buffer("weight_scale", weight_scale.float())
+        self.register_buffer(
+            "input_scale", None if input_scale is None else input_scale.float().reshape(1)
+        )
+        self.register_buffer("bias", bias)
+
+    # --- what a subclass provides -----------------------------------------------------------
+
+    def weight_codes(self) -> torch.Tensor:
+        """The int8 codes (out, in)."""
+        raise NotImplementedError
+
+    def code_tensors(self) -> dict[str, torch.Tensor]:
+        """The stored tensors that hold the codes (they come first in :meth:`state_tensors`)."""
+        raise NotImplementedError
+
+    def code_meta(self) -> dict[str, Any]:
+        """The metadata of the codes' layout (it comes before the int8 fields in :meth:`meta`)."""
+        return {}
+
+    # --- shared -----------------------------------------------------------------------------
+
+    @property
+    def activations(self) -> str:
+        return "dynamic" if self.input_scale is None else "static"
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        tensors = {**self.code_tensors(), "weight_scale": self.weight_scale}
+        if self.input_scale is not None:
+            tensors["input_scale"] = self.input_scale
+        if self.bias is not None:
+            tensors["bias"] = self.bias
+        return tensors
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            **super().meta(),
+            **self.code_meta(),
+            "bits": 8,
+            "group_size": self.group_size,
+            "activations": self.activations,
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+    @staticmethod
+    def checked_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+        """The arguments of :class:`QuantLinear` (``weight_q``, scales, bias, ``conv1d``,
+        ``dtype``) from stored ``tensors`` and ``meta``, their dtypes, shapes and scales checked
+        against the metadata (a mismatched file is a :class:`ModelLoadError`). A format that
+        stores its codes otherwise passes a stand-in ``weight_q`` of their unpacked shape."""
+        try:
+            in_features, out_features = int(meta["in_features"]), int(meta["out_features"])
+            bits, activations = int(meta.get("bits", 8)), meta.get("activations", "dynamic")
+            group_size = meta.get("group_size")
+            weight_q, weight_scale = tensors["weight_q"], tensors["weight_scale"]
+            input_scale = tensors.get("input_scale") if activations == "static" else None
+            if activations == "static" and input_scale is None:
+                raise KeyError("input_scale")
+            dtype = getattr(torch, str(meta.get("dtype", "float32")))
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ModelLoadError(f"int8 layer is missing or has a bad {err}") from None
+        if bits != 8 or activations not in ACTIVATIONS or not isinstance(dtype, torch.dtype):
+            raise ModelLoadError(
+                f"int8 layer: unsupported bits={bits}, activations={activations!r}, "
+                f"dtype={meta.get('dtype')!r}"
+            )
+        groups = 1
+        if group_size is not None:
+            if not isinstance(group_size, int) or group_size <= 0 or in_features % group_size:
+                raise ModelLoadError(
+                    f"int8 layer: group_size {group_size!r} for in_features={in_features}"
+                )
+            groups = in_features // group_size
+        bias = tensors.get("bias")
+        expected = {
+            "weight_q": ((out_features, in_features), weight_q.shape),
+            "weight_scale": ((out_features, groups), weight_scale.shape),
+            "input_scale": ((1,), (1,) if input_scale is None else input_scale.shape),
+            "bias": ((out_features,), (out_features,) if bias is None else bias.shape),
+        }
+        for key, (want, got) in expected.items():
+            if tuple(got) != want:
+                raise ModelLoadError(f"int8 {key} has shape {list(got)}, expected {list(want)}")
+        if weight_q.dtype != torch.int8:
+            raise ModelLoadError(f"int8 weight_q is {weight_q.dtype}, expected int8")
+        try:
+            for name, scale in (("weight_scale", weight_scale), ("input_scale", input_scale)):
+                if scale is not None and not scale.is_meta:  # meta: a skeleton, checked once loaded
+                    quant.check_scale(scale, f"int8 {name}")
+        except LmcompressError as err:
+            raise ModelLoadError(str(err)) from None
+        return {
+            "weight_q": weight_q,
+            "weight_scale": weight_scale,
+            "input_scale": input_scale,
+            "bias": bias,
+            "conv1d": bool(meta.get("conv1d", False)),
+            "dtype": dtype,
+        }
+
+    def _apply(self, fn, recurse=True):
+        """Scales stay float32 whatever the model is cast to (``model.to(torch.bfloat16)`` would
+        otherwise round them to 8 bits of mantissa); they follow device moves."""
+        scales = {"weight_scale": self.weight_scale, "input_scale": self.input_scale}
+        super()._apply(fn, recurse)
+        for name, scale in scales.items():
+            if scale is not None:
+                setattr(self, name, scale.to(fn(scale).device))
+        return self
+
+    def dense_weight(self) -> torch.Tensor:
+        """The dequantized weight ``codes · weight_scale`` (out, in), in :attr:`dtype`."""
+        return quant.dequantize(self.weight_codes(), self.weight_scale).to(self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_forward(
+            x, self.weight_codes(), self.weight_scale, self.input_scale, self.bias, self.path
+        )
+
+
 @register_format
-class QuantLinear(CompressedLinear):
+class QuantLinear(Int8CodedLinear):
     """``y = Q(x) Q(W)ᵀ + b`` for an ``nn.Linear`` or GPT-2 ``Conv1D``.
 
-    Buffers: ``weight_q`` int8 (out, in); ``weight_scale`` fp32 (out, 1) or (out, groups);
-    ``input_scale`` fp32 (1,) for static activations, ``None`` for dynamic per-token ones;
-    ``bias`` (out,) in the original dtype, or ``None``. ``dtype`` is the original weight's
-    dtype (that of :meth:`dense_weight`); ``path`` chooses the forward (``int`` or
-    ``simulated``) and may be changed at any time.
+    Buffers: ``weight_q`` int8 (out, in), then those of :class:`Int8CodedLinear` (scales,
+    bias); ``dtype`` and ``path`` as there.
     """
 
     format = "int8"
-    exact_tensors = frozenset({"weight_scale", "input_scale"})  # float32 at any save dtype
     interop = "compressed-tensors"  # the dense copy: int-quantized, as llm-compressor writes
 
     def __init__(
@@ -86,21 +234,8 @@ class QuantLinear(CompressedLinear):
     ) -> None:
         out_features, in_features = weight_q.shape
         super().__init__(in_features, out_features, conv1d=conv1d)
-        if path not in PATHS:
-            raise ConfigError(f"unknown int8 path {path!r}; choose from {', '.join(PATHS)}")
-        groups = weight_scale.shape[-1]
-        self.group_size = None if groups == 1 else in_features // groups
-        self.path, self.dtype = path, dtype
         self.register_buffer("weight_q", weight_q)
-        self.register_buffer("weight_scale", weight_scale.float())
-        self.register_buffer(
-            "input_scale", None if input_scale is None else input_scale.float().reshape(1)
-        )
-        self.register_buffer("bias", bias)
-
-    @property
-    def activations(self) -> str:
-        return "dynamic" if self.input_scale is None else "static"
+        self.init_scales(weight_scale, input_scale, bias, path, dtype)
 
     @classmethod
     @torch.no_grad()
@@ -148,95 +283,17 @@ class QuantLinear(CompressedLinear):
             dtype=W.dtype,
         )
 
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        tensors = {"weight_q": self.weight_q, "weight_scale": self.weight_scale}
-        if self.input_scale is not None:
-            tensors["input_scale"] = self.input_scale
-        if self.bias is not None:
-            tensors["bias"] = self.bias
-        return tensors
+    def weight_codes(self) -> torch.Tensor:
+        return self.weight_q
 
-    def meta(self) -> dict[str, Any]:
-        return {
-            **super().meta(),
-            "bits": 8,
-            "group_size": self.group_size,
-            "activations": self.activations,
-            "dtype": str(self.dtype).removeprefix("torch."),
-        }
+    def code_tensors(self) -> dict[str, torch.Tensor]:
+        return {"weight_q": self.weight_q}
 
     @classmethod
     def from_state(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> QuantLinear:
-        """Rebuild from :meth:`state_tensors` and :meth:`meta`, checking dtypes, shapes and
-        scales against the metadata (a mismatched file is a :class:`ModelLoadError`)."""
-        try:
-            in_features, out_features = int(meta["in_features"]), int(meta["out_features"])
-            bits, activations = int(meta.get("bits", 8)), meta.get("activations", "dynamic")
-            group_size = meta.get("group_size")
-            weight_q, weight_scale = tensors["weight_q"], tensors["weight_scale"]
-            input_scale = tensors.get("input_scale") if activations == "static" else None
-            if activations == "static" and input_scale is None:
-                raise KeyError("input_scale")
-            dtype = getattr(torch, str(meta.get("dtype", "float32")))
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise ModelLoadError(f"int8 layer is missing or has a bad {err}") from None
-        if bits != 8 or activations not in ACTIVATIONS or not isinstance(dtype, torch.dtype):
-            raise ModelLoadError(
-                f"int8 layer: unsupported bits={bits}, activations={activations!r}, "
-                f"dtype={meta.get('dtype')!r}"
-            )
-        groups = 1
-        if group_size is not None:
-            if not isinstance(group_size, int) or group_size <= 0 or in_features % group_size:
-                raise ModelLoadError(
-                    f"int8 layer: group_size {group_size!r} for in_features={in_features}"
-                )
-            groups = in_features // group_size
-        bias = tensors.get("bias")
-        expected = {
-            "weight_q": ((out_features, in_features), weight_q.shape),
-            "weight_scale": ((out_features, groups), weight_scale.shape),
-            "input_scale": ((1,), (1,) if input_scale is None else input_scale.shape),
-            "bias": ((out_features,), (out_features,) if bias is None else bias.shape),
-        }
-        for key, (want, got) in expected.items():
-            if tuple(got) != want:
-                raise ModelLoadError(f"int8 {key} has shape {list(got)}, expected {list(want)}")
-        if weight_q.dtype != torch.int8:
-            raise ModelLoadError(f"int8 weight_q is {weight_q.dtype}, expected int8")
-        try:
-            for name, scale in (("weight_scale", weight_scale), ("input_scale", input_scale)):
-                if scale is not None and not scale.is_meta:  # meta: a skeleton, checked once loaded
-                    quant.check_scale(scale, f"int8 {name}")
-        except LmcompressError as err:
-            raise ModelLoadError(str(err)) from None
-        return cls(
-            weight_q,
-            weight_scale,
-            input_scale,
-            bias,
-            conv1d=bool(meta.get("conv1d", False)),
-            dtype=dtype,
-        )
-
-    def _apply(self, fn, recurse=True):
-        """Scales stay float32 whatever the model is cast to (``model.to(torch.bfloat16)`` would
-        otherwise round them to 8 bits of mantissa); they follow device moves."""
-        scales = {"weight_scale": self.weight_scale, "input_scale": self.input_scale}
-        super()._apply(fn, recurse)
-        for name, scale in scales.items():
-            if scale is not None:
-                setattr(self, name, scale.to(fn(scale).device))
-        return self
-
-    def dense_weight(self) -> torch.Tensor:
-        """The dequantized weight ``weight_q · weight_scale`` (out, in), in :attr:`dtype`."""
-        return quant.dequantize(self.weight_q, self.weight_scale).to(self.dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_forward(
-            x, self.weight_q, self.weight_scale, self.input_scale, self.bias, self.path
-        )
+        """Rebuild from :meth:`state_tensors` and :meth:`meta`, checked
+        (:meth:`~Int8CodedLinear.checked_state`)."""
+        return cls(**cls.checked_state(tensors, meta))
 
     def extra_repr(self) -> str:
         groups = "channel" if self.group_size is None else f"group of {self.group_size}"

@@ -20,25 +20,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmcompress.compressor.formats import quant
-from lmcompress.compressor.formats.base import CompressedLinear
-from lmcompress.compressor.formats.int8 import PATHS, QuantLinear, int8_forward
+from lmcompress.compressor.formats.int8 import Int8CodedLinear, QuantLinear
 from lmcompress.compressor.formats.registry import register_format
-from lmcompress.errors import ConfigError, ModelLoadError
+from lmcompress.errors import ModelLoadError
 from lmcompress.kernels.reference import index_bits, pack_nm, unpack_nm
 
 
 @register_format
-class PackedNMInt8Linear(CompressedLinear):
+class PackedNMInt8Linear(Int8CodedLinear):
     """An N:M-sparse :class:`QuantLinear`, its codes packed.
 
-    Buffers: ``values`` int8 (out, in·n/m), ``indices`` uint8 (packed positions),
-    ``weight_scale`` fp32 (out, groups), ``input_scale`` fp32 (1,) or ``None`` (dynamic
-    activations), ``bias`` or ``None``. ``dtype`` and ``path`` as in :class:`QuantLinear`.
+    Buffers: ``values`` int8 (out, in·n/m), ``indices`` uint8 (packed positions), then those
+    of :class:`~lmcompress.compressor.formats.int8.Int8CodedLinear` (scales, bias); ``dtype``
+    and ``path`` as there.
     """
 
     format = "nm_packed_int8"
-    exact_tensors = frozenset({"weight_scale", "input_scale"})
 
     def __init__(
         self,
@@ -55,18 +52,10 @@ class PackedNMInt8Linear(CompressedLinear):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__(in_features, values.shape[0], conv1d=conv1d)
-        if path not in PATHS:
-            raise ConfigError(f"unknown int8 path {path!r}; choose from {', '.join(PATHS)}")
-        self.n, self.m, self.path, self.dtype = n, m, path, dtype
-        groups = weight_scale.shape[-1]
-        self.group_size = None if groups == 1 else in_features // groups
+        self.n, self.m = n, m
         self.register_buffer("values", values)
         self.register_buffer("indices", indices)
-        self.register_buffer("weight_scale", weight_scale.float())
-        self.register_buffer(
-            "input_scale", None if input_scale is None else input_scale.float().reshape(1)
-        )
-        self.register_buffer("bias", bias)
+        self.init_scales(weight_scale, input_scale, bias, path, dtype)
 
     @classmethod
     @torch.no_grad()
@@ -99,44 +88,23 @@ class PackedNMInt8Linear(CompressedLinear):
         pack the codes."""
         return cls.from_quant(QuantLinear.from_linear(linear, **int8_options), n, m)
 
-    @property
-    def activations(self) -> str:
-        return "dynamic" if self.input_scale is None else "static"
-
     def weight_codes(self) -> torch.Tensor:
         """The int8 codes (out, in), zeros where pruned."""
         return unpack_nm(self.values, self.indices, self.n, self.m, self.in_features)
 
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        tensors = {
-            "values": self.values,
-            "indices": self.indices,
-            "weight_scale": self.weight_scale,
-        }
-        if self.input_scale is not None:
-            tensors["input_scale"] = self.input_scale
-        if self.bias is not None:
-            tensors["bias"] = self.bias
-        return tensors
+    def code_tensors(self) -> dict[str, torch.Tensor]:
+        return {"values": self.values, "indices": self.indices}
 
-    def meta(self) -> dict[str, Any]:
-        return {
-            **super().meta(),
-            "n": self.n,
-            "m": self.m,
-            "bits": 8,
-            "group_size": self.group_size,
-            "activations": self.activations,
-            "dtype": str(self.dtype).removeprefix("torch."),
-        }
+    def code_meta(self) -> dict[str, Any]:
+        return {"n": self.n, "m": self.m}
 
     @classmethod
     def from_state(
         cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
     ) -> PackedNMInt8Linear:
         """Rebuild from :meth:`state_tensors` and :meth:`meta`. The int8 half is checked by
-        :meth:`QuantLinear.from_state` on a stand-in of the unpacked codes' shape, the packed
-        half here (a mismatched file is a :class:`ModelLoadError`)."""
+        :meth:`~Int8CodedLinear.checked_state` on a stand-in of the unpacked codes' shape, the
+        packed half here (a mismatched file is a :class:`ModelLoadError`)."""
         try:
             n, m = int(meta["n"]), int(meta["m"])
             in_features, out_features = int(meta["in_features"]), int(meta["out_features"])
@@ -164,36 +132,18 @@ class PackedNMInt8Linear(CompressedLinear):
             )
         codes = torch.empty(out_features, in_features, dtype=torch.int8, device="meta")
         quant_meta = {k: v for k, v in meta.items() if k not in ("n", "m")}
-        checked = QuantLinear.from_state({**tensors, "weight_q": codes}, quant_meta)
+        checked = cls.checked_state({**tensors, "weight_q": codes}, quant_meta)
         return cls(
             values,
             indices,
             n,
             m,
             in_features,
-            checked.weight_scale,
-            checked.input_scale,
-            checked.bias,
-            conv1d=checked.conv1d,
-            dtype=checked.dtype,
-        )
-
-    def _apply(self, fn, recurse=True):
-        """Scales stay float32 whatever the model is cast to, as in :class:`QuantLinear`."""
-        scales = {"weight_scale": self.weight_scale, "input_scale": self.input_scale}
-        super()._apply(fn, recurse)
-        for name, scale in scales.items():
-            if scale is not None:
-                setattr(self, name, scale.to(fn(scale).device))
-        return self
-
-    def dense_weight(self) -> torch.Tensor:
-        """The dequantized weight (out, in) in :attr:`dtype`, zeros where pruned."""
-        return quant.dequantize(self.weight_codes(), self.weight_scale).to(self.dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_forward(
-            x, self.weight_codes(), self.weight_scale, self.input_scale, self.bias, self.path
+            checked["weight_scale"],
+            checked["input_scale"],
+            checked["bias"],
+            conv1d=checked["conv1d"],
+            dtype=checked["dtype"],
         )
 
     def extra_repr(self) -> str:

@@ -139,7 +139,20 @@ class Int8(Method):
                 group_size=config.group_size or None,
                 path=config.path,
             )
-            report.layers.append(_layer_report(name, module, new, layer_start))
+            W = weight_matrix(module).detach()  # (out, in)
+            report.layers.append(
+                LayerReport.measure(
+                    name,
+                    W,
+                    new.dense_weight(),
+                    layer_start,
+                    params_kept=W.numel(),
+                    # int8 codes + fp32 scales
+                    bytes_compressed=new.weight_q.numel() + 4 * new.weight_scale.numel(),
+                    bits=8,
+                    format=QuantLinear.format,
+                )
+            )
             return new
 
         factors: dict[str, torch.Tensor] = {}
@@ -165,23 +178,3 @@ class Int8(Method):
         report.seconds = time.perf_counter() - start
         logger.info("int8: %d layers quantized (%s activations)", len(layers), config.activations)
         return report
-
-
-def _layer_report(name: str, dense: nn.Module, new: QuantLinear, started: float) -> LayerReport:
-    W = weight_matrix(dense).detach()  # (out, in)
-    numel = W.numel()
-    W32 = W.float()
-    error = (W32 - new.dense_weight().float()).norm() / W32.norm().clamp_min(1e-30)
-    stored = new.weight_q.numel() + 4 * new.weight_scale.numel()  # int8 codes + fp32 scales
-    return LayerReport(
-        name=name,
-        shape=tuple(W.shape),
-        params=numel,
-        params_kept=numel,
-        bytes_dense=numel * W.element_size(),
-        bytes_compressed=stored,
-        bits=8,
-        rel_error=float(error),
-        seconds=time.perf_counter() - started,
-        format=QuantLinear.format,
-    )

@@ -9,12 +9,13 @@ import torch
 from torch import nn
 
 from lmcompress.compressor.calibration.layerwise import compress_layerwise
+from lmcompress.compressor.calibration.observers import HessianAccumulator
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.compressor.report import LayerReport
 from lmcompress.methods.common import prune_layer_
 from lmcompress.methods.pruning import PruningConfig
 from lmcompress.methods.sparsegpt.method import output_error
-from lmcompress.methods.sparsegpt.solver import HessianAccumulator, sparsegpt_prune
+from lmcompress.methods.sparsegpt.solver import sparsegpt_prune
 
 
 def hessian(_name: str, module: nn.Module) -> HessianAccumulator:

@@ -5,8 +5,9 @@ Pure tensor math, no model wiring. For one linear layer ``y = W x`` the layer-wi
     min_{M, Ŵ} ‖W X − (M ⊙ Ŵ) X‖²_F,    X: (in, tokens) calibration inputs,
 
 whose Hessian in each row of W is ``H = 2 X Xᵀ`` (here normalised by the token count ``n``;
-the scale of H changes nothing below). :class:`HessianAccumulator` collects H from batches of
-inputs; :func:`sparsegpt_prune` runs Alg. 1 of the paper on ``(W, H)``.
+the scale of H changes nothing below). :class:`HessianAccumulator` (in the core's
+:mod:`~lmcompress.compressor.calibration.observers`, re-exported here) collects H from batches
+of inputs; :func:`sparsegpt_prune` runs Alg. 1 of the paper on ``(W, H)``.
 
 Differences from the reference (``IST-DASLab/sparsegpt``, ``SparseGPT.fasterprune``), each
 deliberate:
@@ -30,6 +31,9 @@ import logging
 
 import torch
 
+# HessianAccumulator lives with the core's other observers; re-exported for the SparseGPT
+# method module, which imports it from here.
+from lmcompress.compressor.calibration.observers import HessianAccumulator  # noqa: F401
 from lmcompress.compressor.config import Sparsity
 from lmcompress.compressor.sparsity import check_nm_shape, nm_mask, unstructured_mask
 from lmcompress.errors import ConfigError, LmcompressError
@@ -40,44 +44,6 @@ logger = logging.getLogger(__name__)
 # the block: rank-1 updates of 16 × out stay small enough for one thread.
 SUB_BLOCK = 16
 DAMP_RETRIES = 3  # after a failed Cholesky: percdamp × 10, × 100, × 1000
-
-
-class HessianAccumulator:
-    """Running ``H = 2/n · Σ_t x_t x_tᵀ`` over the ``n`` input tokens of one linear layer.
-
-    Each batch rescales the old mean, ``H ← H · n_old / n_new``, and adds
-    ``2/n_new · XᵀX`` of the new tokens (one GEMM), as the reference ``add_batch`` does, so the
-    result is the same however the tokens are split into batches (up to float rounding).
-    """
-
-    def __init__(
-        self, in_features: int, device: torch.device | str = "cpu", dtype=torch.float32
-    ) -> None:
-        if dtype not in (torch.float32, torch.float64):
-            raise ConfigError(f"Hessian dtype must be float32 or float64, got {dtype}")
-        self.in_features = in_features
-        self._H = torch.zeros(in_features, in_features, device=device, dtype=dtype)  # (in, in)
-        self.nsamples = 0  # tokens seen
-
-    @property
-    def H(self) -> torch.Tensor:
-        """The current Hessian, (in, in). The live buffer: clone it before changing it."""
-        return self._H
-
-    @torch.no_grad()
-    def add_batch(self, x: torch.Tensor) -> None:
-        """Add the inputs ``x`` of shape (..., in_features); every leading index is a token."""
-        if x.shape[-1] != self.in_features:
-            raise ConfigError(
-                f"inputs have {x.shape[-1]} features, the accumulator expects {self.in_features}"
-            )
-        x = x.reshape(-1, self.in_features).to(self._H.device, self._H.dtype)  # (t, in)
-        t = x.shape[0]
-        if t == 0:
-            return
-        n_old, self.nsamples = self.nsamples, self.nsamples + t
-        # H ← H · n_old/n_new + (2/n_new) · xᵀx, in one fused GEMM.
-        self._H.addmm_(x.T, x, beta=n_old / self.nsamples, alpha=2.0 / self.nsamples)
 
 
 def _check(W: torch.Tensor, H: torch.Tensor, sparsity: Sparsity, blocksize: int, percdamp):

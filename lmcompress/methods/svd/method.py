@@ -151,24 +151,21 @@ def layer_report(
     """What factorising ``dense`` into ``new`` did (``new is None``: the layer stayed dense).
     ``rel_error``: the plain relative weight error ‖W − BA‖ / ‖W‖."""
     W = weight_matrix(dense)  # (out, in)
-    numel, elem = W.numel(), W.element_size()
+    elem = W.element_size()
     if new is None:
-        kept, rel_error, rank = numel, 0.0, None
-    else:
-        rank = new.rank
-        kept = rank * (new.out_features + new.in_features)
-        W32 = W.float()
-        rel_error = float((W32 - new.dense_weight().float()).norm() / W32.norm().clamp_min(1e-30))
-    return LayerReport(
-        name=name,
-        shape=tuple(W.shape),
-        params=numel,
+        return LayerReport.measure(
+            name, W, None, started, params_kept=W.numel(), bytes_compressed=W.numel() * elem
+        )
+    rank = new.rank
+    kept = rank * (new.out_features + new.in_features)
+    return LayerReport.measure(
+        name,
+        W,
+        new.dense_weight(),
+        started,
         params_kept=kept,
-        bytes_dense=numel * elem,
         bytes_compressed=kept * elem,
         rank=rank,
-        rel_error=rel_error,
-        seconds=time.perf_counter() - started,
-        format=None if new is None else LowRankLinear.format,
-        format_options={} if new is None else {"rank": rank},
+        format=LowRankLinear.format,
+        format_options={"rank": rank},
     )
