@@ -93,7 +93,7 @@ def calibrate_blockwise(
                 logits[n] = masks[n].logits.detach().cpu().clone()
                 parametrize.remove_parametrizations(layers[n], "weight", leave_parametrized=False)
                 keep = learning.keep_mask(config, n, layers[n], logits[n])
-                if config.refit == "sparsegpt":
+                if config.scope.refit == "sparsegpt":
                     reports.append(refit_layer(config, n, layers[n], accumulators[n].H, keep))
                 else:
                     sparsity = config.sparsity_of(n)

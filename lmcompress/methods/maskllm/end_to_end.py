@@ -148,13 +148,17 @@ def calibrate_end_to_end(
         "step0": prior_eval,
         "trainable_elements_per_process": held,
     }
-    if config.refit != "none":
+    if config.scope.refit != "none":
         for module in layers.values():  # back to the original dense weights
             parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
         keeps = {n: learning.keep_mask(config, n, layers[n], logits[n]) for n in layers}
         meta["layer_errors"] = refit(config, model, train_data, layers, keeps, compute)
         meta["evals"] = meta["evals"] + [
-            {"step": training.steps, "refit": config.refit, **hard_perplexity(model, eval_data)}
+            {
+                "step": training.steps,
+                "refit": config.scope.refit,
+                **hard_perplexity(model, eval_data),
+            }
         ]
     meta["seconds"] = time.perf_counter() - start
     return Stats(tensors={f"{n}.logits": t for n, t in logits.items()}, meta=meta)

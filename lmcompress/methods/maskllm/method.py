@@ -113,7 +113,7 @@ class MaskLLM(PruningMethod):
             patterns = math.comb(sparsity.m, sparsity.n)
             return 4 * 4 * numel // sparsity.m * patterns + 2 * numel * itemsize
 
-        if self.config.blockwise:
+        if self.config.scope.blockwise:
             names = {id(module): name for name, module in layers.items()}
             parts = layerwise_estimate(
                 model,
@@ -141,7 +141,7 @@ class MaskLLM(PruningMethod):
     def calibrate(self, model: nn.Module, data: torch.Tensor | None) -> Stats:
         train_data, eval_data = self._split(data)
         layers = self.validate(model)
-        driver = calibrate_blockwise if self.config.blockwise else calibrate_end_to_end
+        driver = calibrate_blockwise if self.config.scope.blockwise else calibrate_end_to_end
         return driver(self.config, model, train_data, eval_data, layers, self.device)
 
     def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:

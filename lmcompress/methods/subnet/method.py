@@ -91,7 +91,7 @@ class Subnet(PruningMethod):
             numel = weight_matrix(module).numel()
             return 4 * 4 * numel + 3 * numel * itemsize
 
-        if self.config.blockwise:
+        if self.config.scope.blockwise:
             parts = layerwise_estimate(
                 model, layers, nsamples, seq_len, training.batch_size, itemsize,
                 state={"keep logits, gradients and moments": state},
@@ -110,7 +110,7 @@ class Subnet(PruningMethod):
         layers = self.validate(model)
         device = self.device or next(model.parameters()).device
         torch.manual_seed(self.config.training.train_seed)  # the noise: the global RNG
-        if self.config.blockwise:
+        if self.config.scope.blockwise:
             return self._blockwise(model, train_data, eval_data, layers, device)
         return self._end_to_end(model, train_data, eval_data, layers, device)
 
@@ -145,14 +145,14 @@ class Subnet(PruningMethod):
         memory.release_free_memory()
         tensors = _learned_tensors(masks)
         meta = {"history": state.history, "evals": state.evals, "step0": step0}
-        if config.refit != "none":
+        if config.scope.refit != "none":
             keeps = {  # the frozen dense weights back, re-fitted under the extracted masks
                 n: dense_keep(config, n, m, tensors[f"{n}.logits"]) for n, m in layers.items()
             }
             meta["layer_errors"] = refit.refit(config, model, train_data, layers, keeps, device)
             for name, module in layers.items():
                 self._extracted[id(module)] = _as_is(config, name, module)
-        meta.update(refit=config.refit != "none", seconds=time.perf_counter() - start)
+        meta.update(refit=config.scope.refit != "none", seconds=time.perf_counter() - start)
         return Stats(tensors=tensors, meta=meta)
 
     def _blockwise(self, model, train_data, eval_data, layers, device) -> Stats:
@@ -178,7 +178,7 @@ class Subnet(PruningMethod):
                 for n in names:
                     started = time.perf_counter()
                     logits = learned[f"{n}.logits"]
-                    if config.refit != "none":
+                    if config.scope.refit != "none":
                         keep = dense_keep(config, n, layers[n], logits)
                         H = accumulators[n].H
                         report = refit.refit_layer(config, n, layers[n], H, keep)
@@ -210,7 +210,7 @@ class Subnet(PruningMethod):
                 "block_history": result.histories,
                 "evals": [{"step": training.steps, **final}] if final else [],
                 "layer_errors": {r.name: r.rel_error for r in result.reports},
-                "refit": config.refit != "none",
+                "refit": config.scope.refit != "none",
                 "extracted": True,
                 "seconds": result.seconds,
             },
