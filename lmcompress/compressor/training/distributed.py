@@ -84,6 +84,19 @@ def shard_modules(modules: Iterable[nn.Module], device: torch.device) -> int:
     return count
 
 
+def join_processes(device: torch.device, fsdp: bool = False, modules: Iterable[nn.Module] = ()):
+    """The accelerator (:func:`accelerator`: None in a single process) and, with ``fsdp`` and
+    several processes, ``modules`` sharded over them (:func:`shard_modules`). Call before
+    anything holds the modules' parameters (an optimiser, a dict of them): sharding replaces
+    them by ``DTensor`` parameters."""
+    joined = accelerator(device)
+    if fsdp and joined is not None:  # each process keeps 1/world of the parameters
+        shard_modules(modules, device)
+    elif fsdp:
+        logger.info("fsdp: a single process, nothing to shard")
+    return joined
+
+
 def is_sharded(tensor: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 

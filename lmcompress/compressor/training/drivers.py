@@ -1,8 +1,9 @@
-"""The drivers every learned-mask method shares (subnetwork extraction; MaskLLM's own drivers
-predate them): a method supplies the parametrizations and the terms of its loss, the driver
-trains them with the shared trainer and gives back the history.
+"""The drivers every learned-mask method shares (MaskLLM, subnetwork extraction): a method
+supplies the parametrizations and the terms of its loss, the driver trains them with the shared
+trainer and gives back the history.
 
-- :func:`learn_end_to_end`: the whole model on the LM loss (plus the method's extra terms).
+- :func:`learn_end_to_end`: the whole model on the LM loss (plus the method's extra terms and,
+  optionally, the KL divergence from the dense model's logits: the same model, masks off).
 - :func:`learn_blockwise`: inside the layer-wise loop, block i's parameters are trained so that
   its output matches the dense model's hidden states after block i, from the compressed model's
   hidden states entering it. A dense stream runs alongside (earlier blocks' errors are
@@ -11,13 +12,14 @@ trains them with the shared trainer and gives back the history.
 A method's per-block (or whole-model) state is a :class:`Learnable`: the trained parameters,
 their per-parameter optimiser options, the extra loss terms (evaluated inside the same
 ``parametrize.cached()`` context as the forward, so they see the same sample), a hook run before
-every step, and ``finish`` (blockwise: extract and report the block's layers).
+every step, the mask modules, and ``finish`` (blockwise: extract and report the block's layers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,12 +32,19 @@ from lmcompress.compressor.calibration.layerwise import (
     LayerwiseStats,
     compress_layerwise,
 )
-from lmcompress.compressor.model.loss import final_hidden, nll_from_hidden
+from lmcompress.compressor.model.loss import distillation_losses, final_hidden, nll_from_hidden
 from lmcompress.compressor.report import LayerReport
 from lmcompress.compressor.training.trainer import TrainConfig, Trainer, TrainState
+from lmcompress.compressor.util import memory
+from lmcompress.errors import LmcompressError
 from lmcompress.evaluation.perplexity import perplexity
 
 ExtraLoss = Callable[[int], tuple[torch.Tensor, dict[str, float]]]
+
+# End to end, every soft mask, gradient and optimiser moment of the whole model is live at
+# once, and the heap would otherwise keep ~1 GB of freed step temporaries (compressor.memory):
+# glibc serves allocations of 1 MiB and more with mmap while training end to end.
+MMAP_THRESHOLD = 1 << 20
 
 
 def no_extra_loss(_step: int) -> tuple[torch.Tensor, dict[str, float]]:
@@ -52,9 +61,27 @@ class Learnable:
     before_step: Callable[[int], dict[str, float]] | None = None
     # blockwise: extract the block's layers (the parametrizations removed) and report them
     finish: Callable[[], list[LayerReport]] | None = None
-    # modules with a ``hard`` flag (the deterministic mask): the block-wise driver measures
-    # the hard block error before and after training with them switched on
+    # the mask parametrizations: their ``hard`` flag (the deterministic mask) is switched on to
+    # measure the hard perplexity or block error; ``enabled`` (False: the dense weight) off for
+    # the teacher of end-to-end distillation
     masks: list[nn.Module] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def masks_set(masks: Iterable[nn.Module], **flags: bool) -> Iterator[None]:
+    """Every module of ``masks`` with the attributes ``flags`` (``hard=True``,
+    ``enabled=False``) while the block runs, then as they were, also after an error."""
+    masks = list(masks)
+    before = [{name: getattr(mask, name) for name in flags} for mask in masks]
+    try:
+        for mask in masks:
+            for name, value in flags.items():
+                setattr(mask, name, value)
+        yield
+    finally:
+        for mask, flags_before in zip(masks, before, strict=True):
+            for name, value in flags_before.items():
+                setattr(mask, name, value)
 
 
 def hard_perplexity(
@@ -64,14 +91,8 @@ def hard_perplexity(
     deterministic (``hard``) form; ``{}`` without held-out windows."""
     if eval_data is None:
         return {}
-    masks = list(masks)
-    for mask in masks:
-        mask.hard = True
-    try:
+    with masks_set(masks, hard=True):
         result = perplexity(model, eval_data.flatten(), eval_data.shape[1], progress=False)
-    finally:
-        for mask in masks:
-            mask.hard = False
     return {"hard_ppl": result.perplexity}
 
 
@@ -103,39 +124,76 @@ def training_extra(meta: dict[str, Any], curve_keys: tuple[str, ...]) -> dict[st
     return extra
 
 
+@dataclass
+class EndToEndResult:
+    state: TrainState
+    step0: dict[str, float]  # the hard masks' perplexity before training ({}: no eval windows)
+
+
 def learn_end_to_end(
     model: nn.Module,
     train_data: torch.Tensor,
     learnable: Learnable,
     config: TrainConfig,
-    evaluate: Callable[[int], dict[str, float]] | None = None,
+    eval_data: torch.Tensor | None = None,
     checkpoint_dir: str | None = None,
     resume: bool = False,
     accelerator: Any = None,
-) -> TrainState:
+    distill: bool = False,
+) -> EndToEndResult:
     """Train ``learnable`` on the LM loss of ``model`` over (N, L) token windows, plus its
-    extra terms; the vocabulary-sized logits never exist whole (``compressor.lm_loss``)."""
-
-    def loss_fn(model: nn.Module, ids: torch.Tensor, step: int):
-        with parametrize.cached():  # one sample per layer for the forward and the extra terms
-            hidden = final_hidden(model, ids)
-            lm_loss = nll_from_hidden(model, hidden, ids, reduction="mean")
-            extra, logs = learnable.extra_loss(step)
-        return lm_loss + extra, {"lm_loss": float(lm_loss.detach()), **logs}
-
+    extra terms and, with ``distill``, KL(dense || masked) on the logits (the dense model is
+    ``model`` with ``learnable.masks`` disabled). With ``eval_data`` (held-out windows), the
+    hard masks' perplexity is measured before training and at every evaluation. ``accelerator``
+    (``distributed.join_processes``): several processes, the parameters sharded or not.
+    Raises if training ends before ``config.steps`` (a run stopped early)."""
+    step0 = hard_perplexity(model, eval_data, learnable.masks)
     trainer = Trainer(
         model,
         learnable.params,
         config,
-        loss_fn,
+        _lm_loss(learnable, distill),
         before_step=learnable.before_step,
-        evaluate=evaluate,
+        evaluate=(lambda _step: hard_perplexity(model, eval_data, learnable.masks))
+        if eval_data is not None
+        else None,
         checkpoint_dir=checkpoint_dir,
         accelerator=accelerator,
         param_options=learnable.param_options,
     )
     model.train(False)  # no dropout: the masks are what is learned
-    return trainer.fit(train_data, resume=resume)
+    state = trainer.fit(train_data, resume=resume)
+    if state.step < config.steps:
+        raise LmcompressError(f"training stopped at step {state.step} of {config.steps}")
+    del trainer  # the optimiser moments (AdamW: 2x the parameters) are no longer needed
+    memory.release_free_memory()
+    return EndToEndResult(state, step0)
+
+
+def _lm_loss(learnable: Learnable, distill: bool) -> Callable:
+    """``loss_fn(model, ids, step)`` for the trainer: LM loss (+ KL with ``distill``) + extra
+    terms. The losses over the vocabulary are computed from the final hidden states a chunk of
+    positions at a time: the (B, T, V) logits never exist whole (``compressor.model.loss``)."""
+
+    def loss_fn(model: nn.Module, ids: torch.Tensor, step: int):
+        teacher = None
+        if distill:
+            with torch.no_grad(), masks_set(learnable.masks, enabled=False):
+                teacher = final_hidden(model, ids)  # (B, T, H) of the dense model
+        with parametrize.cached():  # one sample per layer for the forward and the extra terms
+            hidden = final_hidden(model, ids)  # (B, T, H)
+            if teacher is None:
+                lm_loss, kl = nll_from_hidden(model, hidden, ids, reduction="mean"), None
+            else:  # both from one pass over the vocabulary
+                lm_loss, kl = distillation_losses(model, hidden, ids, teacher)
+            extra, logs = learnable.extra_loss(step)
+        loss, logs = lm_loss + extra, {"lm_loss": float(lm_loss.detach()), **logs}
+        if kl is not None:
+            loss = loss + kl
+            logs["kl"] = float(kl.detach())
+        return loss, logs
+
+    return loss_fn
 
 
 def _run(block: nn.Module, index: int, x: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
@@ -147,17 +205,11 @@ def _hard_error(learnable: Learnable, block, index, examples, count: int) -> flo
     """The mean relative block-output error of the hard masks on the first ``count`` batches."""
     if not learnable.masks or count == 0:
         return None
-    for mask in learnable.masks:
-        mask.hard = True
-    try:
-        with torch.no_grad():
-            errors = [
-                float((_run(block, index, b["hidden"], b).float() - y.float()).square().mean() / s)
-                for b, y, s in examples[:count]
-            ]
-    finally:
-        for mask in learnable.masks:
-            mask.hard = False
+    with masks_set(learnable.masks, hard=True), torch.no_grad():
+        errors = [
+            float((_run(block, index, b["hidden"], b).float() - y.float()).square().mean() / s)
+            for b, y, s in examples[:count]
+        ]
     return sum(errors) / len(errors)
 
 

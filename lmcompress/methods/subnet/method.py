@@ -1,7 +1,7 @@
 """Stochastic subnetwork extraction on a Hugging Face model: parametrize every selected linear
 with per-weight keep logits and a learned scale, learn them with the shared drivers
-(``compressor.learned``: end to end on the LM loss, or block by block on the block-output
-error), then extract the subnetwork with the scale folded into the kept weights."""
+(``compressor.training.drivers``: end to end on the LM loss, or block by block on the
+block-output error), then extract the subnetwork with the scale folded into the kept weights."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.compressor.training import distributed
 from lmcompress.compressor.training.drivers import (
+    MMAP_THRESHOLD,
     Learnable,
     hard_perplexity,
     learn_blockwise,
@@ -26,8 +27,7 @@ from lmcompress.compressor.training.drivers import (
     training_extra,
 )
 from lmcompress.compressor.training.trainer import CHECKPOINT, TrainConfig
-from lmcompress.compressor.util import memory
-from lmcompress.errors import ConfigError, LmcompressError
+from lmcompress.errors import ConfigError
 from lmcompress.methods.common import count_params, prune_layer_
 from lmcompress.methods.priors import (
     ONE_SHOT_PRIORS,
@@ -47,7 +47,6 @@ from lmcompress.methods.subnet.parametrization import KeepLogitMask
 logger = logging.getLogger(__name__)
 
 CURVE_KEYS = ("step", "loss", "lm_loss", "rel_err", "keep_dev", "lambda")
-MMAP_THRESHOLD = 1 << 20  # as MaskLLM end to end: freed step temporaries go back to the system
 
 
 class Subnet(PruningMethod):
@@ -126,25 +125,19 @@ class Subnet(PruningMethod):
         )
         masks = {n: new_mask(config, n, m, priors.get(n)) for n, m in layers.items()}
         del priors
-        trained = learnable(config, masks)
-        step0 = hard_perplexity(model, eval_data, masks.values())
-        state = learn_end_to_end(
+        result = learn_end_to_end(
             model,
             train_data,
-            trained,
+            learnable(config, masks),
             self._train_config(mmap_threshold=MMAP_THRESHOLD),
-            evaluate=(lambda _s: hard_perplexity(model, eval_data, masks.values()))
-            if eval_data is not None
-            else None,
+            eval_data=eval_data,
             checkpoint_dir=training.checkpoint_dir,
             resume=training.resume,
             accelerator=distributed.accelerator(next(model.parameters()).device),
         )
-        if state.step < training.steps:
-            raise LmcompressError(f"training stopped at step {state.step} of {training.steps}")
-        memory.release_free_memory()
         tensors = _learned_tensors(masks)
-        meta = {"history": state.history, "evals": state.evals, "step0": step0}
+        state = result.state
+        meta = {"history": state.history, "evals": state.evals, "step0": result.step0}
         if config.scope.refit != "none":
             keeps = {  # the frozen dense weights back, re-fitted under the extracted masks
                 n: dense_keep(config, n, m, tensors[f"{n}.logits"]) for n, m in layers.items()
@@ -190,7 +183,7 @@ class Subnet(PruningMethod):
                     reports.append(report)
                 return reports
 
-            trained.finish, trained.masks = finish, list(masks.values())
+            trained.finish = finish
             return trained
 
         result = learn_blockwise(
