@@ -18,6 +18,7 @@ every step, the mask modules, and ``finish`` (blockwise: extract and report the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from lmcompress.compressor.calibration.layerwise import (
     Accumulator,
     LayerwiseStats,
     compress_layerwise,
+    layerwise_estimate,
 )
 from lmcompress.compressor.model.loss import distillation_losses, final_hidden, nll_from_hidden
 from lmcompress.compressor.report import LayerReport
@@ -213,6 +215,43 @@ def _hard_error(learnable: Learnable, block, index, examples, count: int) -> flo
     return sum(errors) / len(errors)
 
 
+def _block_examples(block, index, dense, batches) -> list[tuple[dict, torch.Tensor, torch.Tensor]]:
+    """``(batch, target, scale)`` per captured batch: the dense block's output on the dense
+    inputs (what to reproduce) and its mean squared change of the hidden states (the scale of
+    the relative error). Call before the block is parametrized."""
+    with torch.no_grad():
+        targets = [_run(block, index, x, b) for x, b in zip(dense, batches, strict=True)]
+    scales = [(y - x).square().mean().clamp_min(1e-12) for x, y in zip(dense, targets, strict=True)]
+    return list(zip(batches, targets, scales, strict=True))
+
+
+def _train_block(block, index, learnable: Learnable, examples, config: TrainConfig) -> TrainState:
+    """Train ``learnable`` on the relative block-output error of ``examples``, one captured
+    batch per step (``config.batch_size`` 1)."""
+
+    def loss_fn(_block: nn.Module, example: tuple, step: int):
+        batch, target, scale = example
+        with parametrize.cached():
+            out = _run(block, index, batch["hidden"], batch)
+            extra, logs = learnable.extra_loss(step)
+        err = (out.float() - target.float()).square().mean() / scale
+        return err + extra, {"rel_err": float(err.detach()), **logs}
+
+    trainer = Trainer(
+        block,
+        learnable.params,
+        config,
+        loss_fn,
+        before_step=learnable.before_step,
+        desc=f"block {index}",
+        leave=False,
+        collate=lambda items, idx: items[int(idx[0])],
+        param_options=learnable.param_options,
+    )
+    with torch.enable_grad():
+        return trainer.fit(examples)
+
+
 @dataclass
 class BlockwiseResult:
     reports: list[LayerReport]
@@ -226,21 +265,21 @@ def learn_blockwise(
     data: torch.Tensor,
     layers: dict[str, nn.Module],
     start_block: Callable[[int, list[str], dict[str, Accumulator]], Learnable],
-    config: Callable[[int], TrainConfig],
+    config: TrainConfig,
     make_accumulator: Callable[[str, nn.Module], Accumulator],
     device: torch.device,
-    batch_size: int,
     hard_batches: int = 2,
 ) -> BlockwiseResult:
     """Train each decoder block's ``Learnable`` in turn on the relative block-output error.
 
     ``start_block(index, names, accumulators)`` parametrizes the block's layers (the
     accumulators hold their statistics on the compressed inputs, e.g. a prior's Hessian) and
-    returns what to train; ``config(index)`` the block's trainer options (one example is one
-    captured batch of ``batch_size`` windows); after training, the learnable's ``finish``
-    extracts the layers and reports them, then the compressed block's outputs feed the next.
-    The history of each block also holds the hard masks' block error on the first
-    ``hard_batches`` batches before and after training (``hard_before``, ``hard_after``).
+    returns what to train; after training, the learnable's ``finish`` extracts the layers and
+    reports them, then the compressed block's outputs feed the next. The loop captures batches
+    of ``config.batch_size`` windows; block i trains on one captured batch per step, with seed
+    ``config.seed + i``. The history of each block also holds the hard masks' block error on
+    the first ``hard_batches`` batches before and after training (``hard_before``,
+    ``hard_after``).
     """
     start = time.perf_counter()
     dense: list[torch.Tensor] = []  # the dense model's hidden states entering the block
@@ -249,42 +288,17 @@ def learn_blockwise(
     def compress_block(index, block, names, accumulators, batches) -> list[LayerReport]:
         if not dense:
             dense.extend(b["hidden"] for b in batches)
-        with torch.no_grad():  # the dense block on the dense inputs: what to reproduce
-            targets = [_run(block, index, x, b) for x, b in zip(dense, batches, strict=True)]
-        scales = [
-            (y - x).square().mean().clamp_min(1e-12) for x, y in zip(dense, targets, strict=True)
-        ]
+        examples = _block_examples(block, index, dense, batches)
         learnable = start_block(index, names, accumulators)
-        examples = list(zip(batches, targets, scales, strict=True))
-
-        def loss_fn(_block: nn.Module, example: tuple, step: int):
-            batch, target, scale = example
-            with parametrize.cached():
-                out = _run(block, index, batch["hidden"], batch)
-                extra, logs = learnable.extra_loss(step)
-            err = (out.float() - target.float()).square().mean() / scale
-            return err + extra, {"rel_err": float(err.detach()), **logs}
-
-        trainer = Trainer(
-            block,
-            learnable.params,
-            config(index),
-            loss_fn,
-            before_step=learnable.before_step,
-            desc=f"block {index}",
-            leave=False,
-            collate=lambda items, idx: items[int(idx[0])],
-            param_options=learnable.param_options,
-        )
+        block_config = dataclasses.replace(config, batch_size=1, seed=config.seed + index)
         before = _hard_error(learnable, block, index, examples, hard_batches)
-        with torch.enable_grad():
-            state = trainer.fit(examples)
+        state = _train_block(block, index, learnable, examples, block_config)
         after = _hard_error(learnable, block, index, examples, hard_batches)
         histories.append(
             {"block": index, "history": state.history, "hard_before": before, "hard_after": after}
         )
         reports = learnable.finish() if learnable.finish else []
-        dense[:] = targets
+        dense[:] = [target for _, target, _ in examples]
         return reports
 
     reports, loop = compress_layerwise(
@@ -293,8 +307,25 @@ def learn_blockwise(
         layers,
         make_accumulator=make_accumulator,
         device=device,
-        batch_size=batch_size,
+        batch_size=config.batch_size,
         compress_block=compress_block,
     )
     model.train(False)
     return BlockwiseResult(reports, loop, histories, time.perf_counter() - start)
+
+
+def blockwise_estimate(
+    model: nn.Module,
+    layers: dict[str, nn.Module],
+    nsamples: int,
+    seq_len: int,
+    batch_size: int,
+    itemsize: int,
+    state: dict[str, Callable[[nn.Module], int]],
+) -> dict[str, int]:
+    """Peak bytes of :func:`learn_blockwise`: the layer-wise loop's (``layerwise_estimate``,
+    with the method's ``state`` per layer) plus the dense stream's block outputs, as many as
+    the loop's windows."""
+    parts = layerwise_estimate(model, layers, nsamples, seq_len, batch_size, itemsize, state=state)
+    parts["dense block outputs"] = parts["calibration activations"]
+    return parts

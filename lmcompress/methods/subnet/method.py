@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lmcompress.compressor.calibration.layerwise import layerwise_estimate
 from lmcompress.compressor.method import Stats
 from lmcompress.compressor.model.budget import backward_bytes
 from lmcompress.compressor.model.surgery import weight_matrix
@@ -21,6 +20,7 @@ from lmcompress.compressor.training import distributed
 from lmcompress.compressor.training.drivers import (
     MMAP_THRESHOLD,
     Learnable,
+    blockwise_estimate,
     hard_perplexity,
     learn_blockwise,
     learn_end_to_end,
@@ -91,12 +91,10 @@ class Subnet(PruningMethod):
             return 4 * 4 * numel + 3 * numel * itemsize
 
         if self.config.scope.blockwise:
-            parts = layerwise_estimate(
+            return blockwise_estimate(
                 model, layers, nsamples, seq_len, training.batch_size, itemsize,
                 state={"keep logits, gradients and moments": state},
             )  # fmt: skip
-            parts["dense block outputs"] = parts["calibration activations"]
-            return parts
         return {
             "keep logits, gradients and moments": sum(state(m) for m in layers.values()),
             "activations kept for backward": backward_bytes(
@@ -191,10 +189,9 @@ class Subnet(PruningMethod):
             train_data,
             layers,
             start_block,
-            config=lambda index: self._train_config(batch_size=1, seed=training.train_seed + index),
+            self._train_config(),
             make_accumulator=refit.hessian,
             device=device,
-            batch_size=training.batch_size,
         )
         final = hard_perplexity(model, eval_data)
         return Stats(
