@@ -262,6 +262,36 @@ def build_options(cls: type, values: Mapping[str, Any], base: Any = None) -> Any
     return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
 
 
+def flat_option_groups(cls: type) -> type:
+    """Class decorator for a config dataclass with option groups (``training:
+    TrainingOptions``): its constructor (hence ``dataclasses.replace``) also takes a group's
+    options as flat keywords, which override those of the group given (or of the field's
+    default, e.g. SGD for ASLP). Recipes and flags speak flat keys too (``MethodConfig``
+    flattens option groups); the config still holds one source per option, the group."""
+    hints = hints_of(cls)
+    groups = [f for f in dataclasses.fields(cls) if f.init and is_option_group(hints[f.name])]
+    if not groups:
+        raise TypeError(f"{cls.__name__} has no option group")
+    names = {f.name: {o.name for o in option_fields(hints[f.name])} for f in groups}
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        for f in groups:
+            flat = {k: kwargs.pop(k) for k in list(kwargs) if k in names[f.name]}
+            group = kwargs.get(f.name)
+            group = _default(f) if group is None else group
+            if not isinstance(group, hints[f.name]):
+                raise ConfigError(
+                    f"{f.name} must be {hints[f.name].__name__}, got {type(group).__name__}"
+                )
+            kwargs[f.name] = dataclasses.replace(group, **flat)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
 def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 

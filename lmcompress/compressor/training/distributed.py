@@ -24,15 +24,19 @@ import logging
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.utils import get_cpu_distributed_information
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 logger = logging.getLogger(__name__)
 
 
 def is_initialized() -> bool:
     """Whether this process belongs to a process group (several processes joined)."""
-    import torch.distributed as dist
-
     return dist.is_available() and dist.is_initialized()
 
 
@@ -40,8 +44,6 @@ def _rank_and_world() -> tuple[int, int]:
     """From torchrun's ``RANK``/``WORLD_SIZE`` (``accelerate launch --multi_gpu``) or, before
     accelerate has copied them there, from MPI's (``accelerate launch --cpu --num_processes N
     --mpirun_hostfile FILE`` runs ``mpirun``): accelerate's own reading of the environment."""
-    from accelerate.utils import get_cpu_distributed_information
-
     info = get_cpu_distributed_information()
     return info.rank, info.world_size
 
@@ -60,8 +62,6 @@ def accelerator(device: torch.device):
     """An ``accelerate.Accelerator`` (joins the processes) when launched on several, else None."""
     if world_size() <= 1:
         return None
-    from accelerate import Accelerator
-
     return Accelerator(cpu=device.type == "cpu")
 
 
@@ -69,10 +69,6 @@ def shard_modules(modules: Iterable[nn.Module], device: torch.device) -> int:
     """``fully_shard`` each module over all processes (one FSDP unit per module, resharded after
     its forward). Call after the process group exists and before the optimizer is built on the
     (now sharded, ``DTensor``) parameters. Returns the number of modules sharded."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     if not is_initialized():
         raise RuntimeError("FSDP needs several processes: start the run with accelerate launch")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -84,9 +80,20 @@ def shard_modules(modules: Iterable[nn.Module], device: torch.device) -> int:
     return count
 
 
-def is_sharded(tensor: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
+def join_processes(device: torch.device, fsdp: bool = False, modules: Iterable[nn.Module] = ()):
+    """The accelerator (:func:`accelerator`: None in a single process) and, with ``fsdp`` and
+    several processes, ``modules`` sharded over them (:func:`shard_modules`). Call before
+    anything holds the modules' parameters (an optimiser, a dict of them): sharding replaces
+    them by ``DTensor`` parameters."""
+    joined = accelerator(device)
+    if fsdp and joined is not None:  # each process keeps 1/world of the parameters
+        shard_modules(modules, device)
+    elif fsdp:
+        logger.info("fsdp: a single process, nothing to shard")
+    return joined
 
+
+def is_sharded(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
@@ -104,8 +111,6 @@ def shard_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``value`` (a whole tensor, the same on every process) laid out as ``like`` is."""
     if not is_sharded(like):
         return value
-    from torch.distributed.tensor import distribute_tensor
-
     return distribute_tensor(value.to(like.dtype), like.device_mesh, like.placements)
 
 
@@ -114,8 +119,6 @@ def average_gradients(params: Iterable[nn.Parameter]) -> None:
     outside any DDP wrapper). Sharded ones are skipped: FSDP has reduce-scattered theirs."""
     if not is_initialized():
         return
-    import torch.distributed as dist
-
     for param in params:
         if param.grad is not None and not is_sharded(param):
             dist.all_reduce(param.grad)
@@ -126,8 +129,6 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     """Sum floats over processes (identity in a single process)."""
     if not is_initialized():
         return values
-    import torch.distributed as dist
-
     tensor = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(tensor)
     return tensor.tolist()
@@ -135,6 +136,4 @@ def all_reduce_sum(values: list[float]) -> list[float]:
 
 def barrier() -> None:
     if is_initialized():
-        import torch.distributed as dist
-
         dist.barrier()

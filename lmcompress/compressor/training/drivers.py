@@ -1,8 +1,9 @@
-"""The drivers every learned-mask method shares (subnetwork extraction; MaskLLM's own drivers
-predate them): a method supplies the parametrizations and the terms of its loss, the driver
-trains them with the shared trainer and gives back the history.
+"""The drivers every learned-mask method shares (MaskLLM, subnetwork extraction): a method
+supplies the parametrizations and the terms of its loss, the driver trains them with the shared
+trainer and gives back the history.
 
-- :func:`learn_end_to_end`: the whole model on the LM loss (plus the method's extra terms).
+- :func:`learn_end_to_end`: the whole model on the LM loss (plus the method's extra terms and,
+  optionally, the KL divergence from the dense model's logits: the same model, masks off).
 - :func:`learn_blockwise`: inside the layer-wise loop, block i's parameters are trained so that
   its output matches the dense model's hidden states after block i, from the compressed model's
   hidden states entering it. A dense stream runs alongside (earlier blocks' errors are
@@ -11,13 +12,15 @@ trains them with the shared trainer and gives back the history.
 A method's per-block (or whole-model) state is a :class:`Learnable`: the trained parameters,
 their per-parameter optimiser options, the extra loss terms (evaluated inside the same
 ``parametrize.cached()`` context as the forward, so they see the same sample), a hook run before
-every step, and ``finish`` (blockwise: extract and report the block's layers).
+every step, the mask modules, and ``finish`` (blockwise: extract and report the block's layers).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,13 +32,21 @@ from lmcompress.compressor.calibration.layerwise import (
     Accumulator,
     LayerwiseStats,
     compress_layerwise,
+    layerwise_estimate,
 )
-from lmcompress.compressor.model.loss import final_hidden, nll_from_hidden
+from lmcompress.compressor.model.loss import distillation_losses, final_hidden, nll_from_hidden
 from lmcompress.compressor.report import LayerReport
 from lmcompress.compressor.training.trainer import TrainConfig, Trainer, TrainState
+from lmcompress.compressor.util import memory
+from lmcompress.errors import LmcompressError
 from lmcompress.evaluation.perplexity import perplexity
 
 ExtraLoss = Callable[[int], tuple[torch.Tensor, dict[str, float]]]
+
+# End to end, every soft mask, gradient and optimiser moment of the whole model is live at
+# once, and the heap would otherwise keep ~1 GB of freed step temporaries (compressor.memory):
+# glibc serves allocations of 1 MiB and more with mmap while training end to end.
+MMAP_THRESHOLD = 1 << 20
 
 
 def no_extra_loss(_step: int) -> tuple[torch.Tensor, dict[str, float]]:
@@ -52,9 +63,27 @@ class Learnable:
     before_step: Callable[[int], dict[str, float]] | None = None
     # blockwise: extract the block's layers (the parametrizations removed) and report them
     finish: Callable[[], list[LayerReport]] | None = None
-    # modules with a ``hard`` flag (the deterministic mask): the block-wise driver measures
-    # the hard block error before and after training with them switched on
+    # the mask parametrizations: their ``hard`` flag (the deterministic mask) is switched on to
+    # measure the hard perplexity or block error; ``enabled`` (False: the dense weight) off for
+    # the teacher of end-to-end distillation
     masks: list[nn.Module] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def masks_set(masks: Iterable[nn.Module], **flags: bool) -> Iterator[None]:
+    """Every module of ``masks`` with the attributes ``flags`` (``hard=True``,
+    ``enabled=False``) while the block runs, then as they were, also after an error."""
+    masks = list(masks)
+    before = [{name: getattr(mask, name) for name in flags} for mask in masks]
+    try:
+        for mask in masks:
+            for name, value in flags.items():
+                setattr(mask, name, value)
+        yield
+    finally:
+        for mask, flags_before in zip(masks, before, strict=True):
+            for name, value in flags_before.items():
+                setattr(mask, name, value)
 
 
 def hard_perplexity(
@@ -64,14 +93,8 @@ def hard_perplexity(
     deterministic (``hard``) form; ``{}`` without held-out windows."""
     if eval_data is None:
         return {}
-    masks = list(masks)
-    for mask in masks:
-        mask.hard = True
-    try:
+    with masks_set(masks, hard=True):
         result = perplexity(model, eval_data.flatten(), eval_data.shape[1], progress=False)
-    finally:
-        for mask in masks:
-            mask.hard = False
     return {"hard_ppl": result.perplexity}
 
 
@@ -103,39 +126,76 @@ def training_extra(meta: dict[str, Any], curve_keys: tuple[str, ...]) -> dict[st
     return extra
 
 
+@dataclass
+class EndToEndResult:
+    state: TrainState
+    step0: dict[str, float]  # the hard masks' perplexity before training ({}: no eval windows)
+
+
 def learn_end_to_end(
     model: nn.Module,
     train_data: torch.Tensor,
     learnable: Learnable,
     config: TrainConfig,
-    evaluate: Callable[[int], dict[str, float]] | None = None,
+    eval_data: torch.Tensor | None = None,
     checkpoint_dir: str | None = None,
     resume: bool = False,
     accelerator: Any = None,
-) -> TrainState:
+    distill: bool = False,
+) -> EndToEndResult:
     """Train ``learnable`` on the LM loss of ``model`` over (N, L) token windows, plus its
-    extra terms; the vocabulary-sized logits never exist whole (``compressor.lm_loss``)."""
-
-    def loss_fn(model: nn.Module, ids: torch.Tensor, step: int):
-        with parametrize.cached():  # one sample per layer for the forward and the extra terms
-            hidden = final_hidden(model, ids)
-            lm_loss = nll_from_hidden(model, hidden, ids, reduction="mean")
-            extra, logs = learnable.extra_loss(step)
-        return lm_loss + extra, {"lm_loss": float(lm_loss.detach()), **logs}
-
+    extra terms and, with ``distill``, KL(dense || masked) on the logits (the dense model is
+    ``model`` with ``learnable.masks`` disabled). With ``eval_data`` (held-out windows), the
+    hard masks' perplexity is measured before training and at every evaluation. ``accelerator``
+    (``distributed.join_processes``): several processes, the parameters sharded or not.
+    Raises if training ends before ``config.steps`` (a run stopped early)."""
+    step0 = hard_perplexity(model, eval_data, learnable.masks)
     trainer = Trainer(
         model,
         learnable.params,
         config,
-        loss_fn,
+        _lm_loss(learnable, distill),
         before_step=learnable.before_step,
-        evaluate=evaluate,
+        evaluate=(lambda _step: hard_perplexity(model, eval_data, learnable.masks))
+        if eval_data is not None
+        else None,
         checkpoint_dir=checkpoint_dir,
         accelerator=accelerator,
         param_options=learnable.param_options,
     )
     model.train(False)  # no dropout: the masks are what is learned
-    return trainer.fit(train_data, resume=resume)
+    state = trainer.fit(train_data, resume=resume)
+    if state.step < config.steps:
+        raise LmcompressError(f"training stopped at step {state.step} of {config.steps}")
+    del trainer  # the optimiser moments (AdamW: 2x the parameters) are no longer needed
+    memory.release_free_memory()
+    return EndToEndResult(state, step0)
+
+
+def _lm_loss(learnable: Learnable, distill: bool) -> Callable:
+    """``loss_fn(model, ids, step)`` for the trainer: LM loss (+ KL with ``distill``) + extra
+    terms. The losses over the vocabulary are computed from the final hidden states a chunk of
+    positions at a time: the (B, T, V) logits never exist whole (``compressor.model.loss``)."""
+
+    def loss_fn(model: nn.Module, ids: torch.Tensor, step: int):
+        teacher = None
+        if distill:
+            with torch.no_grad(), masks_set(learnable.masks, enabled=False):
+                teacher = final_hidden(model, ids)  # (B, T, H) of the dense model
+        with parametrize.cached():  # one sample per layer for the forward and the extra terms
+            hidden = final_hidden(model, ids)  # (B, T, H)
+            if teacher is None:
+                lm_loss, kl = nll_from_hidden(model, hidden, ids, reduction="mean"), None
+            else:  # both from one pass over the vocabulary
+                lm_loss, kl = distillation_losses(model, hidden, ids, teacher)
+            extra, logs = learnable.extra_loss(step)
+        loss, logs = lm_loss + extra, {"lm_loss": float(lm_loss.detach()), **logs}
+        if kl is not None:
+            loss = loss + kl
+            logs["kl"] = float(kl.detach())
+        return loss, logs
+
+    return loss_fn
 
 
 def _run(block: nn.Module, index: int, x: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
@@ -147,18 +207,49 @@ def _hard_error(learnable: Learnable, block, index, examples, count: int) -> flo
     """The mean relative block-output error of the hard masks on the first ``count`` batches."""
     if not learnable.masks or count == 0:
         return None
-    for mask in learnable.masks:
-        mask.hard = True
-    try:
-        with torch.no_grad():
-            errors = [
-                float((_run(block, index, b["hidden"], b).float() - y.float()).square().mean() / s)
-                for b, y, s in examples[:count]
-            ]
-    finally:
-        for mask in learnable.masks:
-            mask.hard = False
+    with masks_set(learnable.masks, hard=True), torch.no_grad():
+        errors = [
+            float((_run(block, index, b["hidden"], b).float() - y.float()).square().mean() / s)
+            for b, y, s in examples[:count]
+        ]
     return sum(errors) / len(errors)
+
+
+def _block_examples(block, index, dense, batches) -> list[tuple[dict, torch.Tensor, torch.Tensor]]:
+    """``(batch, target, scale)`` per captured batch: the dense block's output on the dense
+    inputs (what to reproduce) and its mean squared change of the hidden states (the scale of
+    the relative error). Call before the block is parametrized."""
+    with torch.no_grad():
+        targets = [_run(block, index, x, b) for x, b in zip(dense, batches, strict=True)]
+    scales = [(y - x).square().mean().clamp_min(1e-12) for x, y in zip(dense, targets, strict=True)]
+    return list(zip(batches, targets, scales, strict=True))
+
+
+def _train_block(block, index, learnable: Learnable, examples, config: TrainConfig) -> TrainState:
+    """Train ``learnable`` on the relative block-output error of ``examples``, one captured
+    batch per step (``config.batch_size`` 1)."""
+
+    def loss_fn(_block: nn.Module, example: tuple, step: int):
+        batch, target, scale = example
+        with parametrize.cached():
+            out = _run(block, index, batch["hidden"], batch)
+            extra, logs = learnable.extra_loss(step)
+        err = (out.float() - target.float()).square().mean() / scale
+        return err + extra, {"rel_err": float(err.detach()), **logs}
+
+    trainer = Trainer(
+        block,
+        learnable.params,
+        config,
+        loss_fn,
+        before_step=learnable.before_step,
+        desc=f"block {index}",
+        leave=False,
+        collate=lambda items, idx: items[int(idx[0])],
+        param_options=learnable.param_options,
+    )
+    with torch.enable_grad():
+        return trainer.fit(examples)
 
 
 @dataclass
@@ -174,21 +265,21 @@ def learn_blockwise(
     data: torch.Tensor,
     layers: dict[str, nn.Module],
     start_block: Callable[[int, list[str], dict[str, Accumulator]], Learnable],
-    config: Callable[[int], TrainConfig],
+    config: TrainConfig,
     make_accumulator: Callable[[str, nn.Module], Accumulator],
     device: torch.device,
-    batch_size: int,
     hard_batches: int = 2,
 ) -> BlockwiseResult:
     """Train each decoder block's ``Learnable`` in turn on the relative block-output error.
 
     ``start_block(index, names, accumulators)`` parametrizes the block's layers (the
     accumulators hold their statistics on the compressed inputs, e.g. a prior's Hessian) and
-    returns what to train; ``config(index)`` the block's trainer options (one example is one
-    captured batch of ``batch_size`` windows); after training, the learnable's ``finish``
-    extracts the layers and reports them, then the compressed block's outputs feed the next.
-    The history of each block also holds the hard masks' block error on the first
-    ``hard_batches`` batches before and after training (``hard_before``, ``hard_after``).
+    returns what to train; after training, the learnable's ``finish`` extracts the layers and
+    reports them, then the compressed block's outputs feed the next. The loop captures batches
+    of ``config.batch_size`` windows; block i trains on one captured batch per step, with seed
+    ``config.seed + i``. The history of each block also holds the hard masks' block error on
+    the first ``hard_batches`` batches before and after training (``hard_before``,
+    ``hard_after``).
     """
     start = time.perf_counter()
     dense: list[torch.Tensor] = []  # the dense model's hidden states entering the block
@@ -197,42 +288,17 @@ def learn_blockwise(
     def compress_block(index, block, names, accumulators, batches) -> list[LayerReport]:
         if not dense:
             dense.extend(b["hidden"] for b in batches)
-        with torch.no_grad():  # the dense block on the dense inputs: what to reproduce
-            targets = [_run(block, index, x, b) for x, b in zip(dense, batches, strict=True)]
-        scales = [
-            (y - x).square().mean().clamp_min(1e-12) for x, y in zip(dense, targets, strict=True)
-        ]
+        examples = _block_examples(block, index, dense, batches)
         learnable = start_block(index, names, accumulators)
-        examples = list(zip(batches, targets, scales, strict=True))
-
-        def loss_fn(_block: nn.Module, example: tuple, step: int):
-            batch, target, scale = example
-            with parametrize.cached():
-                out = _run(block, index, batch["hidden"], batch)
-                extra, logs = learnable.extra_loss(step)
-            err = (out.float() - target.float()).square().mean() / scale
-            return err + extra, {"rel_err": float(err.detach()), **logs}
-
-        trainer = Trainer(
-            block,
-            learnable.params,
-            config(index),
-            loss_fn,
-            before_step=learnable.before_step,
-            desc=f"block {index}",
-            leave=False,
-            collate=lambda items, idx: items[int(idx[0])],
-            param_options=learnable.param_options,
-        )
+        block_config = dataclasses.replace(config, batch_size=1, seed=config.seed + index)
         before = _hard_error(learnable, block, index, examples, hard_batches)
-        with torch.enable_grad():
-            state = trainer.fit(examples)
+        state = _train_block(block, index, learnable, examples, block_config)
         after = _hard_error(learnable, block, index, examples, hard_batches)
         histories.append(
             {"block": index, "history": state.history, "hard_before": before, "hard_after": after}
         )
         reports = learnable.finish() if learnable.finish else []
-        dense[:] = targets
+        dense[:] = [target for _, target, _ in examples]
         return reports
 
     reports, loop = compress_layerwise(
@@ -241,8 +307,25 @@ def learn_blockwise(
         layers,
         make_accumulator=make_accumulator,
         device=device,
-        batch_size=batch_size,
+        batch_size=config.batch_size,
         compress_block=compress_block,
     )
     model.train(False)
     return BlockwiseResult(reports, loop, histories, time.perf_counter() - start)
+
+
+def blockwise_estimate(
+    model: nn.Module,
+    layers: dict[str, nn.Module],
+    nsamples: int,
+    seq_len: int,
+    batch_size: int,
+    itemsize: int,
+    state: dict[str, Callable[[nn.Module], int]],
+) -> dict[str, int]:
+    """Peak bytes of :func:`learn_blockwise`: the layer-wise loop's (``layerwise_estimate``,
+    with the method's ``state`` per layer) plus the dense stream's block outputs, as many as
+    the loop's windows."""
+    parts = layerwise_estimate(model, layers, nsamples, seq_len, batch_size, itemsize, state=state)
+    parts["dense block outputs"] = parts["calibration activations"]
+    return parts

@@ -1,18 +1,19 @@
-"""What every learned method (MaskLLM, subnetwork extraction) shares about *how* it trains.
+"""What every learned method (MaskLLM, subnetwork extraction) shares about *how* and *where*
+it trains.
 
-``TrainingOptions`` is nested in a learned method's config as ``training`` (its fields stay
-flat flags and flat recipe keys: ``--steps``, ``{"steps": 100}``); :func:`flat_training_options`
-lets the config be built with the same flat keywords (``MaskLLMConfig(steps=8, lr=0.05)``).
-The trainer's result-determining hyperparameters (``trainer.TrainConfig``) are derived from it
-by ``TrainConfig.from_options``, never copied by hand. :func:`trainable_only` is how the trainer
-freezes everything but the trained parameters and gives every flag back afterwards.
+``TrainingOptions`` is nested in a learned method's config as ``training``, ``LearningScope``
+as ``scope`` (their fields stay flat flags and flat recipe keys: ``--steps``, ``--blockwise``,
+``{"steps": 100}``); ``compressor.options.flat_option_groups`` lets the config be built with
+the same flat keywords (``MaskLLMConfig(steps=8, blockwise=True)``). The trainer's
+result-determining hyperparameters (``trainer.TrainConfig``) are derived from
+``TrainingOptions`` by ``TrainConfig.from_options``, never copied by hand. :func:`trainable_only`
+is how the trainer freezes everything but the trained parameters and gives every flag back
+afterwards.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -20,7 +21,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lmcompress.compressor.options import check_types
+from lmcompress.compressor.options import check_choices, check_types
 from lmcompress.errors import ConfigError
 
 
@@ -72,6 +73,35 @@ class TrainingOptions:
             raise ConfigError("--resume needs --checkpoint-dir")
 
 
+Refit = Literal["none", "sparsegpt"]
+
+
+@dataclass(frozen=True)
+class LearningScope:
+    """Where a learned method trains its masks (the whole model at once, or one decoder block
+    at a time: ``drivers.learn_end_to_end`` / ``drivers.learn_blockwise``) and what becomes of
+    the kept weights afterwards. Both are beyond the papers; the defaults are the papers'."""
+
+    blockwise: bool = field(
+        default=False,
+        metadata={
+            "help": "learn each decoder block's masks in turn on a local loss (match the dense "
+            "model's block outputs), --steps per block"
+        },
+    )
+    refit: Refit = field(
+        default="none",
+        metadata={
+            "help": "re-fit the kept weights under the learned mask (a learned rescaling is "
+            "then not folded in)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        check_choices(self)
+
+
 def check_counts(options: Any, non_negative: tuple[str, ...] = ()) -> None:
     """The checks every training config shares (``TrainingOptions``, the trainer's
     ``TrainConfig``): steps, batch size and accumulation at least 1, a positive learning rate,
@@ -84,37 +114,6 @@ def check_counts(options: Any, non_negative: tuple[str, ...] = ()) -> None:
     for name in ("warmup_steps", *non_negative):
         if getattr(options, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(options, name)}")
-
-
-TRAINING_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingOptions))
-
-
-def flat_training_options(cls: type) -> type:
-    """Class decorator for a config dataclass with a ``training: TrainingOptions`` field: its
-    constructor (hence ``dataclasses.replace``) also takes the training fields as flat keywords,
-    which override those of ``training``. Recipes and flags speak flat keys too (``MethodConfig``
-    flattens option groups); the config still holds one source, ``config.training``."""
-    if "training" not in {f.name for f in dataclasses.fields(cls)}:
-        raise TypeError(f"{cls.__name__} has no 'training' field")
-    init = cls.__init__
-
-    @functools.wraps(init)
-    def __init__(self, *args: Any, training: TrainingOptions | None = None, **kwargs: Any) -> None:
-        flat = {k: kwargs.pop(k) for k in list(kwargs) if k in TRAINING_FIELDS}
-        training = training if training is not None else default_training()
-        if not isinstance(training, TrainingOptions):
-            raise ConfigError(f"training must be TrainingOptions, got {type(training).__name__}")
-        init(self, *args, training=dataclasses.replace(training, **flat), **kwargs)
-
-    field_ = next(f for f in dataclasses.fields(cls) if f.name == "training")
-
-    def default_training() -> TrainingOptions:  # the class's own defaults (e.g. SGD for ASLP)
-        if field_.default_factory is not dataclasses.MISSING:
-            return field_.default_factory()
-        return TrainingOptions()
-
-    cls.__init__ = __init__
-    return cls
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """MaskLLM block-wise (beyond the paper): inside the layer-wise loop, block i learns its masks
 so that its output matches the dense model's hidden states after block i, from the compressed
-model's hidden states entering it (the core's ``learned.learn_blockwise``: a dense stream runs
+model's hidden states entering it (the core's ``drivers.learn_blockwise``: a dense stream runs
 alongside, so earlier blocks' errors are compensated, not accumulated; ``steps`` are per block,
 each one block's forward and backward). The prior comes from the same loop: the one-shot
 prior's mask from the Hessian it accumulates.
@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from lmcompress.compressor.calibration.layerwise import Accumulator
 from lmcompress.compressor.method import Stats
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.compressor.report import LayerReport
@@ -22,6 +23,7 @@ from lmcompress.compressor.training.trainer import TrainConfig
 from lmcompress.methods.common import prune_layer_
 from lmcompress.methods.maskllm import learning
 from lmcompress.methods.maskllm.config import MaskLLMConfig
+from lmcompress.methods.maskllm.parametrization import LearnableNMMask
 from lmcompress.methods.maskllm.transfer import learned_prior_masks
 from lmcompress.methods.priors import ONE_SHOT_PRIORS
 from lmcompress.methods.sparsegpt.refit import hessian, refit_layer
@@ -42,6 +44,30 @@ def _block_prior(
     prior = ONE_SHOT_PRIORS[config.prior]
     W = weight_matrix(module).detach()
     return prior.mask(W, prior.from_hessian(H), config.sparsity_of(name))
+
+
+def _finish_block(
+    config: MaskLLMConfig,
+    names: list[str],
+    layers: dict[str, nn.Module],
+    masks: dict[str, LearnableNMMask],
+    accumulators: dict[str, Accumulator],
+    logits: dict[str, torch.Tensor],
+) -> list[LayerReport]:
+    """Keep each trained layer's logits (into ``logits``), remove its parametrization and prune
+    it to the argmax mask, or re-fit its kept weights (``refit``) with the Hessian on the
+    compressed inputs."""
+    reports = []
+    for n in names:
+        logits[n] = masks[n].logits.detach().cpu().clone()
+        parametrize.remove_parametrizations(layers[n], "weight", leave_parametrized=False)
+        keep = learning.keep_mask(config, n, layers[n], logits[n])
+        if config.scope.refit == "sparsegpt":
+            reports.append(refit_layer(config, n, layers[n], accumulators[n].H, keep))
+        else:
+            sparsity = config.sparsity_of(n)
+            reports.append(prune_layer_(n, layers[n], keep, sparsity, time.perf_counter()))
+    return reports
 
 
 def calibrate_blockwise(
@@ -77,34 +103,11 @@ def calibrate_blockwise(
             for n in names
         }
         held += sum(m.logits.numel() for m in masks.values())
-        mass = sum(float(weight_matrix(layers[n]).detach().square().sum()) for n in names)
-
-        def extra_loss(step: int) -> tuple[torch.Tensor, dict[str, float]]:
-            # inside the driver's ``parametrize.cached()``: the forward's sample
-            reg = sum(weight_matrix(layers[n]).square().sum() for n in names)
-            if config.weight_reg_norm:
-                reg = reg / mass
-            term = -config.weight_reg * (1 - step / training.steps) * reg
-            return term, {"reg": float(reg.detach())}
-
-        def finish() -> list[LayerReport]:
-            reports = []
-            for n in names:
-                logits[n] = masks[n].logits.detach().cpu().clone()
-                parametrize.remove_parametrizations(layers[n], "weight", leave_parametrized=False)
-                keep = learning.keep_mask(config, n, layers[n], logits[n])
-                if config.refit == "sparsegpt":
-                    reports.append(refit_layer(config, n, layers[n], accumulators[n].H, keep))
-                else:
-                    sparsity = config.sparsity_of(n)
-                    reports.append(prune_layer_(n, layers[n], keep, sparsity, time.perf_counter()))
-            return reports
-
         return Learnable(
             params={n: m.logits for n, m in masks.items()},
-            extra_loss=extra_loss,
+            extra_loss=learning.sparse_weight_term(config, [layers[n] for n in names]),
             before_step=learning.schedules(config, masks, training.steps),
-            finish=finish,
+            finish=lambda: _finish_block(config, names, layers, masks, accumulators, logits),
             masks=list(masks.values()),
         )
 
@@ -113,13 +116,9 @@ def calibrate_blockwise(
         train_data,
         layers,
         start_block,
-        # one example is one captured batch of ``batch_size`` windows
-        config=lambda index: TrainConfig.from_options(
-            training, batch_size=1, seed=training.train_seed + index
-        ),
+        TrainConfig.from_options(training),
         make_accumulator=hessian,
         device=device or next(model.parameters()).device,
-        batch_size=training.batch_size,
     )
     final = hard_perplexity(model, eval_data)
     return Stats(

@@ -3,24 +3,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, get_args
 
-from lmcompress.compressor.training.options import TrainingOptions, flat_training_options
+from lmcompress.compressor.options import flat_option_groups
+from lmcompress.compressor.training.options import LearningScope, TrainingOptions
 from lmcompress.errors import ConfigError
 from lmcompress.methods.maskllm.masks import Noise
 from lmcompress.methods.pruning import PruningConfig
 
 Prior = Literal["sparsegpt", "wanda", "magnitude", "none"]
-Refit = Literal["none", "sparsegpt"]
 PRIORS: tuple[str, ...] = get_args(Prior)
-REFITS: tuple[str, ...] = get_args(Refit)
 
 
-@flat_training_options
+@flat_option_groups
 @dataclass(frozen=True)
 class MaskLLMConfig(PruningConfig):
     """MaskLLM: learn N:M masks end to end with Gumbel-softmax over the candidate patterns.
 
-    ``training`` holds the generic options (steps, lr, batch size, checkpoints, ...); they are
-    also accepted flat, ``MaskLLMConfig(steps=8)``, as in recipes and on the command line."""
+    ``training`` holds the generic options (steps, lr, batch size, checkpoints, ...), ``scope``
+    the block-wise and re-fit options; they are also accepted flat, ``MaskLLMConfig(steps=8,
+    blockwise=True)``, as in recipes and on the command line."""
 
     method: ClassVar[str] = "maskllm"
 
@@ -55,17 +55,7 @@ class MaskLLMConfig(PruningConfig):
     distill: bool = field(default=False, metadata={"help": "add KL to the dense model's logits"})
     init_std: float = field(default=0.01, metadata={"help": "std of the initial logits"})
     # --- beyond the paper (off by default: the defaults above are the paper's method) ---
-    blockwise: bool = field(
-        default=False,
-        metadata={
-            "help": "learn each decoder block's masks in turn on a local loss (match the dense "
-            "model's block outputs), --steps per block"
-        },
-    )
-    refit: Refit = field(
-        default="none",
-        metadata={"help": "re-fit the kept weights under the learned mask"},
-    )
+    scope: LearningScope = field(default_factory=LearningScope)  # --blockwise, --refit
     noise: Noise = field(
         default="exact",
         metadata={"help": "Gumbel noise: exact, or pool (windows of a pre-drawn pool, cheaper)"},
@@ -88,12 +78,12 @@ class MaskLLMConfig(PruningConfig):
             raise ConfigError(
                 f"straight_through_from must lie in [0, 1], got {self.straight_through_from}"
             )
-        training = self.training
-        if self.blockwise and (training.checkpoint_dir or training.resume):
+        training, blockwise = self.training, self.scope.blockwise
+        if blockwise and (training.checkpoint_dir or training.resume):
             raise ConfigError("--blockwise runs do not checkpoint: drop --checkpoint-dir/--resume")
-        if self.blockwise and training.fsdp:
+        if blockwise and training.fsdp:
             raise ConfigError("--fsdp is for end-to-end training; --blockwise runs one process")
-        if self.blockwise and self.distill:
+        if blockwise and self.distill:
             raise ConfigError(
                 "--distill is for end-to-end training; --blockwise already matches the dense "
                 "model's block outputs"

@@ -1,6 +1,12 @@
-"""What MaskLLM's end-to-end and block-wise drivers share: a layer's learnable mask, the τ/κ
-schedules the trainer applies before each step and the argmax keep-mask (the hard-mask
-perplexity is the core's ``learned.hard_perplexity``, the re-fit ``sparsegpt.refit``)."""
+"""What MaskLLM's end-to-end and block-wise runs share: a layer's learnable mask, the τ/κ
+schedules the trainer applies before each step, the sparse-weight term of the loss and the
+argmax keep-mask (the drivers, the hard-mask perplexity among them, are the core's
+``compressor.training.drivers``; the re-fit is ``sparsegpt.refit``).
+
+The sparse-weight term (paper Sec. 3.4) is ``− λ (1 − step/steps) Σ ‖W ⊙ mask‖²``; with
+``weight_reg_norm`` the sum is divided by the layers' total ``Σ ‖W‖²`` (a kept-mass fraction in
+[0, 1]), so λ no longer depends on the model's size: at λ = 1e-5 the raw term (~14 on SmolLM2)
+outweighs the LM loss (~3)."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from transformers.pytorch_utils import Conv1D
 
 from lmcompress.compressor.model.surgery import add_parametrization, weight_matrix
 from lmcompress.compressor.training import distributed
+from lmcompress.compressor.training.drivers import ExtraLoss
 from lmcompress.methods.maskllm.config import MaskLLMConfig
 from lmcompress.methods.maskllm.masks import (
     candidate_patterns,
@@ -81,6 +88,26 @@ def schedules(
         return {"tau": tau, "kappa": kappa, "flipped": flipped / max(groups, 1)}
 
     return before_step
+
+
+def sparse_weight_term(config: MaskLLMConfig, modules: list[nn.Module]) -> ExtraLoss:
+    """The driver's ``extra_loss(step)``: the decaying sparse-weight term of ``modules``
+    (see the module doc). Evaluated inside the driver's ``parametrize.cached()``, so the
+    masked weights are the forward's sample.
+
+    Call it where the method's random-number order expects it: with ``modules`` already
+    parametrized, the normalising mass below is that of one masked sample (drawing from the
+    global RNG), not of the dense weights ‖W‖² (kept so: changing it changes learned masks)."""
+    steps = config.training.steps
+    mass = sum(float(weight_matrix(m).detach().square().sum()) for m in modules)
+
+    def extra_loss(step: int) -> tuple[torch.Tensor, dict[str, float]]:
+        reg = sum(weight_matrix(m).square().sum() for m in modules)
+        if config.weight_reg_norm:
+            reg = reg / mass
+        return -config.weight_reg * (1 - step / steps) * reg, {"reg": float(reg.detach())}
+
+    return extra_loss
 
 
 def keep_mask(config: MaskLLMConfig, name: str, module: nn.Module, logits: torch.Tensor):

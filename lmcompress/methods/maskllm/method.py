@@ -27,7 +27,7 @@ from lmcompress.compressor.report import CompressionReport
 # ``distributed`` is reached as ``maskllm.method.distributed`` by tests that spy on the
 # sharding of the logits (``shard_modules``)
 from lmcompress.compressor.training import distributed  # noqa: F401
-from lmcompress.compressor.training.drivers import training_extra
+from lmcompress.compressor.training.drivers import blockwise_estimate, training_extra
 from lmcompress.compressor.training.trainer import CHECKPOINT
 from lmcompress.errors import ConfigError
 from lmcompress.methods.common import count_params, prune_layer_
@@ -113,21 +113,14 @@ class MaskLLM(PruningMethod):
             patterns = math.comb(sparsity.m, sparsity.n)
             return 4 * 4 * numel // sparsity.m * patterns + 2 * numel * itemsize
 
-        if self.config.blockwise:
+        if self.config.scope.blockwise:
             names = {id(module): name for name, module in layers.items()}
-            parts = layerwise_estimate(
-                model,
-                layers,
-                nsamples,
-                seq_len,
-                training.batch_size,
-                itemsize,
+            return blockwise_estimate(
+                model, layers, nsamples, seq_len, training.batch_size, itemsize,
                 state={
                     "mask logits, gradients and AdamW moments": lambda m: state(names[id(m)], m)
                 },
-            )
-            parts["dense block outputs"] = parts["calibration activations"]
-            return parts
+            )  # fmt: skip
         activations = backward_bytes(
             model, training.batch_size, seq_len, itemsize, 5 if self.config.distill else 3
         )
@@ -141,12 +134,12 @@ class MaskLLM(PruningMethod):
     def calibrate(self, model: nn.Module, data: torch.Tensor | None) -> Stats:
         train_data, eval_data = self._split(data)
         layers = self.validate(model)
-        driver = calibrate_blockwise if self.config.blockwise else calibrate_end_to_end
+        driver = calibrate_blockwise if self.config.scope.blockwise else calibrate_end_to_end
         return driver(self.config, model, train_data, eval_data, layers, self.device)
 
     def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:
         """Keep each layer's argmax mask (from ``stats``: works on a fresh model too; weights
-        re-fitted by ``refit`` live in the model that was calibrated, not in ``stats``)."""
+        re-fitted by ``--refit`` live in the model that was calibrated, not in ``stats``)."""
         start = time.perf_counter()
         layers = self.validate(model)
         report = CompressionReport(

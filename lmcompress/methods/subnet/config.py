@@ -3,7 +3,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, get_args
 
-from lmcompress.compressor.training.options import TrainingOptions, flat_training_options
+from lmcompress.compressor.options import flat_option_groups
+from lmcompress.compressor.training.options import LearningScope, TrainingOptions
 from lmcompress.errors import ConfigError
 from lmcompress.methods.pruning import PruningConfig
 from lmcompress.methods.subnet.parametrization import Scale
@@ -11,7 +12,6 @@ from lmcompress.methods.subnet.parametrization import Scale
 Prior = Literal["sparsegpt", "wanda", "magnitude", "none"]
 Constraint = Literal["lagrangian", "penalty", "none"]
 Extract = Literal["topk", "threshold"]
-Refit = Literal["none", "sparsegpt"]
 CONSTRAINTS: tuple[str, ...] = get_args(Constraint)
 
 
@@ -20,7 +20,7 @@ def paper_training() -> TrainingOptions:
     return TrainingOptions(optimizer="sgd", lr=50.0, momentum=0.9, schedule="constant")
 
 
-@flat_training_options
+@flat_option_groups
 @dataclass(frozen=True)
 class SubnetConfig(PruningConfig):
     """Stochastic subnetwork extraction (ASLP): per-weight keep logits sampled with a hard
@@ -65,17 +65,7 @@ class SubnetConfig(PruningConfig):
             "paper; the sparsity emerges and is reported)"
         },
     )
-    blockwise: bool = field(
-        default=False,
-        metadata={
-            "help": "learn each decoder block's subnetwork in turn on a local loss (match the "
-            "dense model's block outputs), --steps per block"
-        },
-    )
-    refit: Refit = field(
-        default="none",
-        metadata={"help": "re-fit the kept weights under the extracted mask (scale not folded)"},
-    )
+    scope: LearningScope = field(default_factory=LearningScope)  # --blockwise, --refit
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -87,7 +77,7 @@ class SubnetConfig(PruningConfig):
         if self.extract == "threshold" and nm:
             raise ConfigError("--extract threshold is for unstructured masks, not N:M")
         training = self.training
-        if self.blockwise and (training.checkpoint_dir or training.resume or training.fsdp):
+        if self.scope.blockwise and (training.checkpoint_dir or training.resume or training.fsdp):
             raise ConfigError(
                 "--blockwise runs one process and does not checkpoint: drop "
                 "--checkpoint-dir/--resume/--fsdp"

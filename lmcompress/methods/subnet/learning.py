@@ -129,7 +129,8 @@ def extract_layer(
 
 def learnable(config: SubnetConfig, masks: dict[str, KeepLogitMask]) -> Learnable:
     """The logits (the trainer's lr), the scales (``scale_lr``, no weight decay) and the
-    constraint's multipliers, with the constraint as the extra loss term."""
+    constraint's multipliers, with the constraint as the extra loss term; ``masks`` switch to
+    their extracted (``hard``) form for the hard perplexity and block error."""
     params: dict[str, nn.Parameter] = {}
     options: dict[str, dict[str, float]] = {}
     for name, mask in masks.items():
@@ -142,4 +143,5 @@ def learnable(config: SubnetConfig, masks: dict[str, KeepLogitMask]) -> Learnabl
         params={**params, **extra},
         extra_loss=constraint,
         param_options={**options, **extra_options},
+        masks=list(masks.values()),
     )

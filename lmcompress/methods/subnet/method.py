@@ -1,7 +1,7 @@
 """Stochastic subnetwork extraction on a Hugging Face model: parametrize every selected linear
 with per-weight keep logits and a learned scale, learn them with the shared drivers
-(``compressor.learned``: end to end on the LM loss, or block by block on the block-output
-error), then extract the subnetwork with the scale folded into the kept weights."""
+(``compressor.training.drivers``: end to end on the LM loss, or block by block on the
+block-output error), then extract the subnetwork with the scale folded into the kept weights."""
 
 from __future__ import annotations
 
@@ -12,22 +12,22 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lmcompress.compressor.calibration.layerwise import layerwise_estimate
 from lmcompress.compressor.method import Stats
 from lmcompress.compressor.model.budget import backward_bytes
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.compressor.training import distributed
 from lmcompress.compressor.training.drivers import (
+    MMAP_THRESHOLD,
     Learnable,
+    blockwise_estimate,
     hard_perplexity,
     learn_blockwise,
     learn_end_to_end,
     training_extra,
 )
 from lmcompress.compressor.training.trainer import CHECKPOINT, TrainConfig
-from lmcompress.compressor.util import memory
-from lmcompress.errors import ConfigError, LmcompressError
+from lmcompress.errors import ConfigError
 from lmcompress.methods.common import count_params, prune_layer_
 from lmcompress.methods.priors import (
     ONE_SHOT_PRIORS,
@@ -47,7 +47,6 @@ from lmcompress.methods.subnet.parametrization import KeepLogitMask
 logger = logging.getLogger(__name__)
 
 CURVE_KEYS = ("step", "loss", "lm_loss", "rel_err", "keep_dev", "lambda")
-MMAP_THRESHOLD = 1 << 20  # as MaskLLM end to end: freed step temporaries go back to the system
 
 
 class Subnet(PruningMethod):
@@ -91,13 +90,11 @@ class Subnet(PruningMethod):
             numel = weight_matrix(module).numel()
             return 4 * 4 * numel + 3 * numel * itemsize
 
-        if self.config.blockwise:
-            parts = layerwise_estimate(
+        if self.config.scope.blockwise:
+            return blockwise_estimate(
                 model, layers, nsamples, seq_len, training.batch_size, itemsize,
                 state={"keep logits, gradients and moments": state},
             )  # fmt: skip
-            parts["dense block outputs"] = parts["calibration activations"]
-            return parts
         return {
             "keep logits, gradients and moments": sum(state(m) for m in layers.values()),
             "activations kept for backward": backward_bytes(
@@ -110,7 +107,7 @@ class Subnet(PruningMethod):
         layers = self.validate(model)
         device = self.device or next(model.parameters()).device
         torch.manual_seed(self.config.training.train_seed)  # the noise: the global RNG
-        if self.config.blockwise:
+        if self.config.scope.blockwise:
             return self._blockwise(model, train_data, eval_data, layers, device)
         return self._end_to_end(model, train_data, eval_data, layers, device)
 
@@ -126,33 +123,27 @@ class Subnet(PruningMethod):
         )
         masks = {n: new_mask(config, n, m, priors.get(n)) for n, m in layers.items()}
         del priors
-        trained = learnable(config, masks)
-        step0 = hard_perplexity(model, eval_data, masks.values())
-        state = learn_end_to_end(
+        result = learn_end_to_end(
             model,
             train_data,
-            trained,
+            learnable(config, masks),
             self._train_config(mmap_threshold=MMAP_THRESHOLD),
-            evaluate=(lambda _s: hard_perplexity(model, eval_data, masks.values()))
-            if eval_data is not None
-            else None,
+            eval_data=eval_data,
             checkpoint_dir=training.checkpoint_dir,
             resume=training.resume,
             accelerator=distributed.accelerator(next(model.parameters()).device),
         )
-        if state.step < training.steps:
-            raise LmcompressError(f"training stopped at step {state.step} of {training.steps}")
-        memory.release_free_memory()
         tensors = _learned_tensors(masks)
-        meta = {"history": state.history, "evals": state.evals, "step0": step0}
-        if config.refit != "none":
+        state = result.state
+        meta = {"history": state.history, "evals": state.evals, "step0": result.step0}
+        if config.scope.refit != "none":
             keeps = {  # the frozen dense weights back, re-fitted under the extracted masks
                 n: dense_keep(config, n, m, tensors[f"{n}.logits"]) for n, m in layers.items()
             }
             meta["layer_errors"] = refit.refit(config, model, train_data, layers, keeps, device)
             for name, module in layers.items():
                 self._extracted[id(module)] = _as_is(config, name, module)
-        meta.update(refit=config.refit != "none", seconds=time.perf_counter() - start)
+        meta.update(refit=config.scope.refit != "none", seconds=time.perf_counter() - start)
         return Stats(tensors=tensors, meta=meta)
 
     def _blockwise(self, model, train_data, eval_data, layers, device) -> Stats:
@@ -178,7 +169,7 @@ class Subnet(PruningMethod):
                 for n in names:
                     started = time.perf_counter()
                     logits = learned[f"{n}.logits"]
-                    if config.refit != "none":
+                    if config.scope.refit != "none":
                         keep = dense_keep(config, n, layers[n], logits)
                         H = accumulators[n].H
                         report = refit.refit_layer(config, n, layers[n], H, keep)
@@ -190,7 +181,7 @@ class Subnet(PruningMethod):
                     reports.append(report)
                 return reports
 
-            trained.finish, trained.masks = finish, list(masks.values())
+            trained.finish = finish
             return trained
 
         result = learn_blockwise(
@@ -198,10 +189,9 @@ class Subnet(PruningMethod):
             train_data,
             layers,
             start_block,
-            config=lambda index: self._train_config(batch_size=1, seed=training.train_seed + index),
+            self._train_config(),
             make_accumulator=refit.hessian,
             device=device,
-            batch_size=training.batch_size,
         )
         final = hard_perplexity(model, eval_data)
         return Stats(
@@ -210,7 +200,7 @@ class Subnet(PruningMethod):
                 "block_history": result.histories,
                 "evals": [{"step": training.steps, **final}] if final else [],
                 "layer_errors": {r.name: r.rel_error for r in result.reports},
-                "refit": config.refit != "none",
+                "refit": config.scope.refit != "none",
                 "extracted": True,
                 "seconds": result.seconds,
             },
