@@ -72,8 +72,8 @@ def test_sparsegpt_beats_wanda_and_magnitude_on_output_error():
     """On the calibration inputs, SparseGPT's reconstruction keeps layer outputs closest."""
     from conftest import make_tiny_model
 
+    from lmcompress.compressor.calibration.observers import HessianAccumulator
     from lmcompress.methods.sparsegpt.method import output_error
-    from lmcompress.methods.sparsegpt.solver import HessianAccumulator
 
     errors = {}
     for method in CONFIGS:

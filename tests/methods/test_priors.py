@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from lmcompress import MagnitudeConfig, SparseGPTConfig, WandaConfig, compress
+from lmcompress.compressor.calibration.observers import HessianAccumulator
 from lmcompress.compressor.config import Sparsity
 from lmcompress.compressor.model.surgery import LayerSelection, weight_matrix
 from lmcompress.methods.magnitude.prior import magnitude_mask
 from lmcompress.methods.maskllm.config import Prior
 from lmcompress.methods.priors import ONE_SHOT_PRIORS, one_shot_prior_masks
-from lmcompress.methods.sparsegpt.solver import HessianAccumulator, sparsegpt_mask, sparsegpt_prune
+from lmcompress.methods.sparsegpt.solver import sparsegpt_mask, sparsegpt_prune
 from lmcompress.methods.wanda.scores import wanda_mask
 
 ONE_SHOT = {

@@ -3,11 +3,11 @@ import logging
 import pytest
 import torch
 
+from lmcompress.compressor.calibration.observers import HessianAccumulator
 from lmcompress.compressor.config import Sparsity
 from lmcompress.compressor.sparsity import mask_from_scores
 from lmcompress.errors import ConfigError, LmcompressError
 from lmcompress.methods.sparsegpt.solver import (
-    HessianAccumulator,
     inverse_hessian_factor,
     reconstruction_error,
     sparsegpt_prune,

@@ -7,13 +7,14 @@ import time
 import torch
 from torch import nn
 
+from lmcompress.compressor.calibration.observers import HessianAccumulator
 from lmcompress.compressor.config import Sparsity
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.compressor.report import LayerReport
 from lmcompress.methods.common import prune_layer_
 from lmcompress.methods.pruning import LayerwisePruningMethod
 from lmcompress.methods.sparsegpt.config import SparseGPTConfig
-from lmcompress.methods.sparsegpt.solver import HessianAccumulator, sparsegpt_prune
+from lmcompress.methods.sparsegpt.solver import sparsegpt_prune
 
 
 def output_error(W: torch.Tensor, W_new: torch.Tensor, H: torch.Tensor) -> float:

@@ -33,7 +33,6 @@ import torch
 
 # HessianAccumulator lives with the core's other observers; re-exported for the SparseGPT
 # method module, which imports it from here.
-from lmcompress.compressor.calibration.observers import HessianAccumulator  # noqa: F401
 from lmcompress.compressor.config import Sparsity
 from lmcompress.compressor.sparsity import check_nm_shape, nm_mask, unstructured_mask
 from lmcompress.errors import ConfigError, LmcompressError
@@ -159,7 +158,6 @@ def sparsegpt_prune(
     # Contiguous, so that its rows U[j, j:] are contiguous (LAPACK may return column-major).
     U = inverse_hessian_factor(H, percdamp).to(torch.float32).contiguous()  # (in, in), upper
     del H
-    d = U.diagonal()  # (in,)
 
     keep = torch.ones(cols, rows, dtype=torch.bool, device=W.device)  # (in, out), keep-mask ᵀ
     fixed = mask is not None
@@ -167,43 +165,60 @@ def sparsegpt_prune(
         if tuple(mask.shape) != (rows, cols):
             raise ConfigError(f"mask shape {tuple(mask.shape)} does not match W {(rows, cols)}")
         keep.copy_(mask.T.to(W.device, torch.bool))
-    n, m = sparsity.n, sparsity.m
+    m = sparsity.m
     step = max(m, blocksize - blocksize % m) if sparsity.is_nm else blocksize
     sub = m * max(1, SUB_BLOCK // m) if sparsity.is_nm else SUB_BLOCK
 
     for i1 in range(0, cols, step):
         i2 = min(i1 + step, cols)
-        W1 = Wt[i1:i2]  # (B, out) view, updated in place
-        U1 = U[i1:i2, i1:i2]  # (B, B)
-        d1 = d[i1:i2]  # (B,)
-        E1 = torch.empty_like(W1)  # (B, out) scaled pruning errors
-        keep1 = keep[i1:i2]  # (B, out) view
-        scale1 = torch.empty_like(W1)  # (B, out): 1/d_j where pruned, 0 where kept
-        if fixed:
-            torch.div(~keep1, d1[:, None], out=scale1)
-        elif not sparsity.is_nm:
-            keep1.copy_(unstructured_mask(W1.square() / d1[:, None].square(), sparsity.ratio))
-            torch.div(~keep1, d1[:, None], out=scale1)
-        for s1 in range(0, i2 - i1, sub):
-            s2 = min(s1 + sub, i2 - i1)
-            for j in range(s1, s2):
-                if sparsity.is_nm and j % m == 0 and not fixed:
-                    g = slice(j, j + m)
-                    scores = W1[g].square() / d1[g, None].square()  # (M, out)
-                    keep1[g] = nm_mask(scores.T, n, m).T
-                    torch.div(~keep1[g], d1[g, None], out=scale1[g])
-                torch.mul(W1[j], scale1[j], out=E1[j])  # e = w / d on pruned weights, (out,)
-                W1[j:s2].addr_(U1[j, j:s2], E1[j], alpha=-1)  # OBS update within the sub-block
-            W1[s2:].addmm_(U1[s1:s2, s2:].T, E1[s1:s2], alpha=-1)  # lazy update, rest of block
-        # Kept weights of column j are untouched by its own update (e = 0 there); pruned
-        # ones come out ~0 up to rounding, so zero them exactly.
-        W1.masked_fill_(~keep1, 0)
-        Wt[i2:].addmm_(U[i1:i2, i2:].T, E1, alpha=-1)  # lazy batch update
+        _prune_columns(Wt, U, keep, i1, i2, sparsity, fixed, sub)
 
     keep = keep.T.contiguous()  # (out, in)
     if not update_weights:
         return W.detach().masked_fill(~keep, 0), keep
     return Wt.T.contiguous().to(W.dtype), keep
+
+
+def _prune_columns(
+    Wt: torch.Tensor,
+    U: torch.Tensor,
+    keep: torch.Tensor,
+    i1: int,
+    i2: int,
+    sparsity: Sparsity,
+    fixed: bool,
+    sub: int,
+) -> None:
+    """Columns ``i1:i2`` of :func:`sparsegpt_prune`, in place: choose their mask (unless
+    ``fixed``), the OBS updates inside the block, then the lazy update of the columns after it.
+    ``Wt`` (in, out) and ``keep`` (in, out) are transposed; ``U`` (in, in) the upper factor."""
+    n, m = sparsity.n, sparsity.m
+    d1 = U.diagonal()[i1:i2]  # (B,)
+    W1 = Wt[i1:i2]  # (B, out) view, updated in place
+    U1 = U[i1:i2, i1:i2]  # (B, B)
+    E1 = torch.empty_like(W1)  # (B, out) scaled pruning errors
+    keep1 = keep[i1:i2]  # (B, out) view
+    scale1 = torch.empty_like(W1)  # (B, out): 1/d_j where pruned, 0 where kept
+    if fixed:
+        torch.div(~keep1, d1[:, None], out=scale1)
+    elif not sparsity.is_nm:
+        keep1.copy_(unstructured_mask(W1.square() / d1[:, None].square(), sparsity.ratio))
+        torch.div(~keep1, d1[:, None], out=scale1)
+    for s1 in range(0, i2 - i1, sub):
+        s2 = min(s1 + sub, i2 - i1)
+        for j in range(s1, s2):
+            if sparsity.is_nm and j % m == 0 and not fixed:
+                g = slice(j, j + m)
+                scores = W1[g].square() / d1[g, None].square()  # (M, out)
+                keep1[g] = nm_mask(scores.T, n, m).T
+                torch.div(~keep1[g], d1[g, None], out=scale1[g])
+            torch.mul(W1[j], scale1[j], out=E1[j])  # e = w / d on pruned weights, (out,)
+            W1[j:s2].addr_(U1[j, j:s2], E1[j], alpha=-1)  # OBS update within the sub-block
+        W1[s2:].addmm_(U1[s1:s2, s2:].T, E1[s1:s2], alpha=-1)  # lazy update, rest of block
+    # Kept weights of column j are untouched by its own update (e = 0 there); pruned
+    # ones come out ~0 up to rounding, so zero them exactly.
+    W1.masked_fill_(~keep1, 0)
+    Wt[i2:].addmm_(U[i1:i2, i2:].T, E1, alpha=-1)  # lazy batch update
 
 
 def sparsegpt_mask(

@@ -90,7 +90,7 @@ def test_compressed_block_outputs_feed_the_next_block():
 def test_peak_state_does_not_grow_with_depth():
     from conftest import make_tiny_model
 
-    from lmcompress.methods.sparsegpt.solver import HessianAccumulator
+    from lmcompress.compressor.calibration.observers import HessianAccumulator
 
     peaks = {}
     for depth in (2, 4):
