@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from lmcompress.compressor.calibration.layerwise import BlockSource
 from lmcompress.compressor.config import MethodConfig
+from lmcompress.compressor.io.shards import read_safetensors
 from lmcompress.compressor.model.surgery import LayerSelection
 from lmcompress.compressor.report import CompressionReport
 from lmcompress.errors import ConfigError
@@ -59,9 +59,8 @@ class Stats:
 
     @classmethod
     def load(cls, path: str | Path) -> Stats:
-        with safe_open(str(path), framework="pt") as handle:
-            meta = json.loads((handle.metadata() or {}).get("meta", "{}"))
-        return cls(tensors=load_file(str(path)), meta=meta)
+        tensors, metadata = read_safetensors(path)
+        return cls(tensors=tensors, meta=json.loads(metadata.get("meta", "{}")))
 
 
 class Method:

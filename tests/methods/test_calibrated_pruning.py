@@ -126,3 +126,37 @@ def test_layer_sparsity_overrides_and_validation():
         compress(make_tiny_model("llama"), WandaConfig())
     with pytest.raises(ConfigError, match="percdamp"):
         SparseGPTConfig(percdamp=-1)
+
+
+@pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
+def test_apply_prunes_from_synthetic_statistics(method):
+    """``apply`` holds the computation: given a layer's statistic (no calibration at all), it
+    prunes that layer exactly as the pure math says, and leaves every other layer alone."""
+    from conftest import make_tiny_model
+
+    from lmcompress.compressor.config import parse_sparsity
+    from lmcompress.compressor.method import Stats
+    from lmcompress.methods import get_method
+    from lmcompress.methods.sparsegpt.solver import sparsegpt_prune
+    from lmcompress.methods.wanda.scores import wanda_mask
+
+    model = make_tiny_model("llama")
+    before = _weights(model)
+    name = "model.layers.1.mlp.up_proj"
+    W = before[name]  # (64, 32)
+    generator = torch.Generator().manual_seed(1)
+    X = torch.randn(100, W.shape[1], generator=generator)  # stand-in calibration inputs
+    sparsity = parse_sparsity("2:4")
+    if method == "sparsegpt":
+        statistic = 2 / 100 * X.T @ X  # (in, in)
+        expected, _ = sparsegpt_prune(W, statistic, sparsity)
+    else:
+        statistic = X.square().sum(0).sqrt()  # (in,)
+        expected = W * wanda_mask(W, statistic, sparsity)
+    method_class = get_method(method)
+    tensors = {f"{name}.{method_class.statistic}": statistic}
+    report = method_class(CONFIGS[method](sparsity="2:4")).apply(model, Stats(tensors=tensors))
+    after = _weights(model)
+    assert [layer.name for layer in report.layers] == [name]
+    assert torch.equal(after[name], expected.to(W.dtype))
+    assert all(torch.equal(after[n], before[n]) for n in before if n != name)

@@ -43,7 +43,6 @@ from typing import Any
 import safetensors
 import torch
 import transformers
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -52,7 +51,6 @@ from lmcompress.compressor.formats.catalog import format_class
 from lmcompress.compressor.io.compressed_tensors import write_compressed_tensors
 from lmcompress.compressor.io.layout import (
     COMPRESSED_TENSORS,
-    DENSE_TENSORS,
     FORMAT_VERSION,
     MANIFEST,
     MODEL_CARD,
@@ -65,7 +63,7 @@ from lmcompress.compressor.io.layout import (
 )
 from lmcompress.compressor.io.model_card import model_card
 from lmcompress.compressor.io.report_plot import write_report_png
-from lmcompress.compressor.io.shards import cast_state, cast_tensor, merge_safetensors
+from lmcompress.compressor.io.shards import TensorFiles, cast_state, cast_tensor, merge_safetensors
 from lmcompress.compressor.model.surgery import replace_modules
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.compressor.util.fsutil import atomic_dir
@@ -322,12 +320,9 @@ def write_loading_entry(
     ``from_pretrained``: write :data:`WEIGHTS_INDEX` and point ``config.json`` at it, with the
     ``quantization_config`` that selects lmcompress's quantizer
     (:mod:`~lmcompress.compressor.io.hf_quantizer`)."""
-    sharded = out_dir / f"{DENSE_TENSORS}.index.json"
-    if sharded.is_file():
-        weight_map = dict(json.loads(sharded.read_text())["weight_map"])
-    else:
-        with safe_open(str(out_dir / DENSE_TENSORS), framework="pt") as f:
-            weight_map = dict.fromkeys(f.keys(), DENSE_TENSORS)
+    weight_map = {
+        key: path.name for key, (path, _) in TensorFiles.of_checkpoint(out_dir).files.items()
+    }
     weight_map.update(dict.fromkeys(compressed_keys, COMPRESSED_TENSORS))
     index = {
         "metadata": {},

@@ -56,6 +56,14 @@ def open_safetensors(path: str | Path, device: str | torch.device = "cpu") -> It
         handle.__exit__(None, None, None)
 
 
+def read_safetensors(
+    path: str | Path, device: str | torch.device = "cpu"
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor of one file, and its header metadata (``{}`` if none); one-line errors."""
+    with open_safetensors(path, device) as f:
+        return {key: f.get_tensor(key) for key in f.keys()}, f.metadata() or {}
+
+
 class TensorFiles:
     """Where each tensor is stored (``key -> (file, stored name)``), and reads by key.
 

@@ -31,10 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
+from lmcompress.compressor.io.shards import read_safetensors
 from lmcompress.compressor.training.distributed import (
     average_gradients,
     barrier,
@@ -246,7 +247,7 @@ class Trainer:
             raise LmcompressError(
                 f"{source} was written with other training options; cannot resume"
             )
-        tensors = load_file(str(source / "state.safetensors"))
+        tensors, _ = read_safetensors(source / "state.safetensors")
         with torch.no_grad():
             for name, param in self.params.items():
                 param.copy_(shard_like(tensors[f"param.{name}"].to(param.device), param))

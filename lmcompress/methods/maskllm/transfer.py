@@ -6,11 +6,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from lmcompress.compressor.config import Sparsity
 from lmcompress.compressor.io.layout import STATS
+from lmcompress.compressor.io.shards import read_safetensors
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.errors import ConfigError
 from lmcompress.methods.maskllm.masks import candidate_patterns, hard_mask
@@ -23,7 +23,7 @@ def learned_prior_masks(
     path = Path(prior_from) / STATS
     if not path.is_file():
         raise ConfigError(f"--prior-from {prior_from}: no {STATS} (not a maskllm output)")
-    saved = load_file(str(path))
+    saved, _ = read_safetensors(path)
     masks = {}
     for name, module in layers.items():
         if f"{name}.logits" not in saved:
