@@ -21,7 +21,7 @@ sharded (``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``
 one shard per block, which transformers and :func:`load_compressed` read) and the compressed
 tensors concatenated from per-block parts into one ``compressed.safetensors`` without loading
 them. Every operation on the numbers is the in-memory path's, in the same order and dtype, so
-the tensors written are bit-identical to it (``tests/compressor/test_streaming.py``;
+the tensors written are bit-identical to it (``tests/jobs/test_streaming.py``;
 ``benchmarks/streaming.py`` on a 2 GB model).
 
 Methods that say ``streams = True`` support it: magnitude, Wanda and SparseGPT (each layer
