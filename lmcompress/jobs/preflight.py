@@ -69,7 +69,10 @@ def preflight(options: RunOptions, method: Method) -> Plan:
         check_tasks(list(options.lm_eval_tasks))
     config = model_config(options.checkpoint, trust_remote_code=options.trust_remote_code)
     check_seq_len(options.seq_len, config)
-    skeleton = model_skeleton(config)
+    if options.streaming:  # the skeleton the streamed job compresses: real buffers, its dtype
+        skeleton = model_skeleton(config, options.dtype, options.trust_remote_code, True)
+    else:
+        skeleton = model_skeleton(config)
     method.validate(skeleton)
     estimate = estimate_job(skeleton, options, method)
     check_fits(estimate, device, force=options.force)

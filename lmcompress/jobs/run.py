@@ -98,9 +98,9 @@ def run(
         raise ConfigError("a recipe needs at least one stage")
     if options.streaming and len(configs) > 1:
         raise ConfigError("--streaming runs one method: it is not for a multi-stage recipe")
-    check_stages(options, configs)
+    plan = check_stages(options, configs)
     start = time.perf_counter()
-    target = StreamedModel(options, configs[0]) if options.streaming else InMemoryModel(options)
+    target = StreamedModel(options, plan.skeleton) if options.streaming else InMemoryModel(options)
     with target:
         return _run(target, options, configs, stages, start)
 

@@ -42,15 +42,13 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from lmcompress.compressor.config import MethodConfig
 from lmcompress.compressor.io.layout import DENSE_TENSORS, update_config_json
 from lmcompress.compressor.io.load import key_renaming
 from lmcompress.compressor.io.save import Export, compressed_modules, dense_state
 from lmcompress.compressor.io.shards import TensorFiles, cast_tensor
 from lmcompress.compressor.method import Method, Stats
-from lmcompress.compressor.model.checkpoint import model_config
 from lmcompress.compressor.model.families import family_of
-from lmcompress.compressor.model.loading import load_tokenizer, model_skeleton, resolve_dtype
+from lmcompress.compressor.model.loading import load_tokenizer, resolve_dtype
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.compressor.util.fsutil import atomic_dir
 from lmcompress.compressor.util.memory import set_mmap_threshold
@@ -238,8 +236,10 @@ class StreamedModel:
 
     evaluates = False
 
-    def __init__(self, options: RunOptions, config: MethodConfig) -> None:
-        self.options, self.config = options, config
+    def __init__(self, options: RunOptions, skeleton: nn.Module) -> None:
+        """``skeleton``: the model of the checkpoint's config, parameters on the meta device,
+        buffers real (the one preflight checked the method on)."""
+        self.options, self.model = options, skeleton
         self.stack = contextlib.ExitStack()
 
     def __enter__(self) -> StreamedModel:
@@ -256,8 +256,6 @@ class StreamedModel:
         dtype = resolve_dtype(options.dtype)
         save_dtype = dtype if options.save_dtype == "auto" else resolve_dtype(options.save_dtype)
         self.tokenizer = load_tokenizer(str(checkpoint), False, {"trust_remote_code": False})
-        config = model_config(checkpoint, options.trust_remote_code)
-        self.model = model_skeleton(config, dtype, options.trust_remote_code, real_buffers=True)
         out = Path(options.output)
         with self.stack:
             self.tmp = self.stack.enter_context(atomic_dir(out))
