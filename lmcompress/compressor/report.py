@@ -37,8 +37,8 @@ class LayerReport:
     rel_error: float | None = None
     error_kind: str = "weight"
     seconds: float = 0.0
-    # How export stores the layer: a name in ``compressor.runtime.FORMATS`` (``None``: the
-    # dense weight is the stored form, e.g. unstructured zeros) and the options its
+    # How export stores the layer: a name in the format registry (``formats.registry``;
+    # ``None``: the dense weight is the stored form, e.g. unstructured zeros) and the options its
     # ``from_linear`` takes (``{"n": 2, "m": 4}`` for ``nm_packed``).
     format: str | None = None
     format_options: dict[str, Any] = field(default_factory=dict)

@@ -16,14 +16,15 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from lmcompress.compressor.config import MethodConfig
 from lmcompress.compressor.formats.compose import compose_, layers_to_skip
 from lmcompress.compressor.io.save import save_compressed
-from lmcompress.compressor.method import Stats
+from lmcompress.compressor.method import Method, Stats
 from lmcompress.compressor.model.loading import load_model
 from lmcompress.compressor.options import command_line
 from lmcompress.compressor.report import CompressionReport
@@ -37,6 +38,24 @@ from lmcompress.jobs.streaming import StreamedModel
 from lmcompress.methods import get_method
 
 logger = logging.getLogger(__name__)
+
+
+class Target(Protocol):
+    """Where a job's model is: ``model`` and ``tokenizer`` once entered, whether it can be
+    ``evaluates``-d whole, how a method compresses it, and how the output is written (which
+    records ``results["output"]``)."""
+
+    evaluates: bool
+    model: nn.Module
+    tokenizer: Any
+
+    def compress(
+        self, method: Method, data: torch.Tensor | None
+    ) -> tuple[CompressionReport, Stats]: ...
+
+    def export(
+        self, report: CompressionReport, results: dict[str, Any], stats: Stats | None
+    ) -> None: ...
 
 
 class InMemoryModel:
@@ -61,10 +80,14 @@ class InMemoryModel:
     def __exit__(self, *exc: object) -> None:
         pass
 
-    def compress(self, method, data: torch.Tensor | None) -> tuple[CompressionReport, Stats]:
+    def compress(
+        self, method: Method, data: torch.Tensor | None
+    ) -> tuple[CompressionReport, Stats]:
         return method.compress(self.model, data)
 
-    def export(self, report: CompressionReport, results: dict[str, Any], stats: Stats | None):
+    def export(
+        self, report: CompressionReport, results: dict[str, Any], stats: Stats | None
+    ) -> None:
         options = self.options
         save_dtype = None if options.save_dtype == "auto" else getattr(torch, options.save_dtype)
         save_compressed(
@@ -106,12 +129,14 @@ def run(
 
 
 def _run(
-    target, options: RunOptions, configs: list[MethodConfig], stages: bool, start: float
+    target: Target, options: RunOptions, configs: list[MethodConfig], stages: bool, start: float
 ) -> dict[str, Any]:
+    """The steps, the same for every target: text, dense score, the stages, their combined
+    report, the compressed score and lm-eval tasks, the export (main process only)."""
     needs_text = (target.evaluates and options.eval) or any(
         get_method(c.method)(c).needs_calibration for c in configs
     )
-    if target.tokenizer is None and (needs_text or stages):
+    if target.tokenizer is None and needs_text:
         raise ModelLoadError(f"{options.checkpoint} has no tokenizer: cannot read text")
     text = JobText(target.tokenizer, options, evaluates=target.evaluates)
     results = _new_results(options, configs, stages)
@@ -161,7 +186,7 @@ def _new_results(options: RunOptions, configs: list[MethodConfig], stages: bool)
 
 
 def _compress_stages(
-    target,
+    target: Target,
     configs: list[MethodConfig],
     text: JobText,
     results: dict[str, Any],

@@ -1,4 +1,4 @@
-"""pipeline.run end to end on a tiny saved checkpoint, and the order of its checks: every cheap
+"""jobs.run.run end to end on a tiny saved checkpoint, and the order of its checks: every cheap
 check fails before the expensive work it guards."""
 
 from __future__ import annotations
