@@ -11,7 +11,9 @@ then compare::
     PYTHONPATH=. python scripts/same_results.py --out /tmp/after
     python scripts/same_results.py --compare /tmp/before /tmp/after
 
-``--compare`` exits 1 unless every tensor is ``torch.equal`` and every recorded result equal.
+``--compare`` exits 1 unless every tensor is ``torch.equal`` and every recorded result equal;
+``--compare-outputs A B`` compares two ``compress-model`` output directories the same way (the
+real model's SparseGPT / Wanda 2:4 before and after a change).
 It uses only the CLI (``lmcompress.cli.main.main``) and the tiny models of ``tests/conftest.py``,
 which every tree has. One thread, so that BLAS rounding is the same in both runs.
 """
@@ -175,14 +177,46 @@ def compare(before: Path, after: Path) -> int:
     return 1 if bad else 0
 
 
+def compare_outputs(before: Path, after: Path) -> int:
+    """Every tensor of two output directories (``compress-model -o``), ``torch.equal``."""
+    bad, count = [], 0
+    names = sorted({p.name for d in (before, after) for p in d.glob("*.safetensors")})
+    for name in names:
+        a, b = before / name, after / name
+        if not (a.is_file() and b.is_file()):
+            bad.append(f"{name} only in one output")
+            continue
+        ta, tb = load_file(str(a)), load_file(str(b))
+        bad += [f"{name}: {k} in one only" for k in sorted(set(ta) ^ set(tb))]
+        bad += [
+            f"{name}: {k} differs"
+            for k in sorted(set(ta) & set(tb))
+            if not torch.equal(ta[k], tb[k])
+        ]
+        count += len(ta)
+    for line in bad:
+        print(line)
+    print(f"{count} tensors in {len(names)} files: {len(bad)} differences")
+    return 1 if bad else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write this tree's tensors and results here")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
+    parser.add_argument(
+        "--compare-outputs",
+        nargs=2,
+        type=Path,
+        metavar=("BEFORE", "AFTER"),
+        help="compare every tensor of two compress-model output directories",
+    )
     parser.add_argument("--families", nargs="+", default=None)
     args = parser.parse_args()
     if args.compare:
         return compare(*args.compare)
+    if args.compare_outputs:
+        return compare_outputs(*args.compare_outputs)
     from tests.conftest import FAMILY_NAMES
 
     run_all(args.out, args.families or FAMILY_NAMES)
