@@ -8,8 +8,11 @@ The public API::
     report = compress(model, MagnitudeConfig(sparsity="2:4"))
     save_compressed(model, "out/", report, tokenizer=tokenizer)
 
-Names are imported on first use, so ``import lmcompress`` (and the CLI's ``--help``) stays fast
-and importing ``lmcompress.errors`` does not pull in transformers.
+A whole job (what ``compress-model`` runs: checks, calibration, evaluation, export) is
+``run(RunOptions(checkpoint=..., output=...), SparseGPTConfig(sparsity="2:4"))``.
+
+Names are imported on first use, so ``import lmcompress`` stays fast and importing
+``lmcompress.errors`` does not pull in transformers.
 
 ``import lmcompress`` also registers the ``lmcompress`` quantizer with transformers (as soon as
 transformers' quantizer registry is imported, never importing it itself): afterwards
@@ -40,6 +43,14 @@ _EXPORTS = {
     "SparseGPTConfig": "lmcompress.methods.sparsegpt",
     "MaskLLMConfig": "lmcompress.methods.maskllm",
     "SVDConfig": "lmcompress.methods.svd",
+    "ASVDConfig": "lmcompress.methods.svd",
+    "SVDLLMConfig": "lmcompress.methods.svd",
+    "FWSVDConfig": "lmcompress.methods.svd",
+    "GFWSVDConfig": "lmcompress.methods.svd",
+    "SubnetConfig": "lmcompress.methods.subnet",
+    "Int8Config": "lmcompress.methods.int8",
+    "run": "lmcompress.jobs.run",
+    "RunOptions": "lmcompress.jobs.options",
 }
 
 __all__ = sorted(_EXPORTS)

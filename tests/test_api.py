@@ -77,3 +77,10 @@ def test_bad_options_fail_before_any_weight_changes():
     with pytest.raises(ConfigError, match="lm_head shares its weight"):
         compress(model, lmcompress.WandaConfig(include=("lm_head",)), CALIB)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_every_exported_name_resolves():
+    for name in lmcompress.__all__:
+        assert getattr(lmcompress, name) is not None, name
+    assert lmcompress.run.__module__ == "lmcompress.jobs.run"
+    assert {"SubnetConfig", "Int8Config", "GFWSVDConfig", "RunOptions"} <= set(lmcompress.__all__)
