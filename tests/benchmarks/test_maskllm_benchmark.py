@@ -183,6 +183,7 @@ def test_a_run_writes_rows_curves_and_baselines_then_render_only(results_dir, mo
     monkeypatch.setattr(bench, "run_job", run_job)
     monkeypatch.setattr(harness, "machine", lambda: {"cpu_count": 2})
     argv = ["--only", "blockwise-refit", "paper", "--nsamples", "8", "--seq-len", "16"]
+    argv += ["--work", str(results_dir / "work")]
     assert bench.main([*argv, "--results-dir", str(results_dir)]) == 0
     table = (results_dir / "maskllm.md").read_text()
 

@@ -110,7 +110,7 @@ def test_pruning_only_reruns_our_row_and_scores_its_output(tmp_path, monkeypatch
     monkeypatch.setattr(pruning, "run_job", _canned(result))
     monkeypatch.setattr(harness, "machine", lambda: {"cpu_count": 0})
     argv = ["--only", "lmcompress:sparsegpt:2:4", "--results-dir", str(tmp_path)]
-    assert pruning.main(argv) == 0
+    assert pruning.main([*argv, "--work", str(tmp_path / "work")]) == 0
 
     assert ran == ["lmcompress:sparsegpt:2:4", "eval lmcompress:sparsegpt:2:4"]
     new = json.loads((tmp_path / "pruning.json").read_text())
@@ -156,7 +156,7 @@ def test_fsdp_only_launches_the_module_and_reads_every_process_record(tmp_path, 
     monkeypatch.setattr(maskllm_fsdp, "run_job", _canned(result))
     monkeypatch.setattr(harness, "machine", lambda: {"cpu_count": 0})
     argv = ["--only", "2 processes, FSDP", "--results-dir", str(tmp_path)]
-    assert maskllm_fsdp.main(argv) == 0
+    assert maskllm_fsdp.main([*argv, "--work", str(tmp_path / "work")]) == 0
 
     new = json.loads((tmp_path / "maskllm_fsdp.json").read_text())
     assert new["runs"][:2] == old["runs"][:2]
