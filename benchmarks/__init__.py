@@ -1,10 +1,13 @@
 """The scripts behind every number the README quotes, and their results (``results/``).
 
 Run each as a module from the repository root (``python -m benchmarks.pruning``). They share
-one job runner (``runner.py``: a process per job, its wall time, peak RSS and JSON result) and
-one renderer (``render.py``: the results JSON is the record, the md and PNG are drawn from it;
-every benchmark has ``--render-only``, ``--only`` and ``--results-dir``). Each benchmark module
-holds its job table and ``render(payload)``:
+one loop (``harness.py``: ``run_table`` runs the jobs, ``--only`` some of them merged into the
+results file, writes the JSON after each with the host it ran on, and draws the md and PNG; or
+``--render-only``), one job runner (``runner.py``: a process per job, its wall time, peak RSS
+and JSON result) and one renderer (``render.py``: the results JSON is the record, the md and PNG
+are drawn from it). Each benchmark module holds its job table, what one job does and
+``render(payload)``; what a job runs in its own process (the model work, with torch and the
+library) is in ``child/``, so a driver's ``--help`` stays cheap:
 
 - ``magnitude``: dense vs magnitude pruning;
 - ``pruning``: magnitude / Wanda / SparseGPT, ours next to llm-compressor (``peers/``);
@@ -32,7 +35,8 @@ holds its job table and ``render(payload)``:
 ``kernels`` (GPU only: the packed 2:4 Triton kernel against cuBLAS and cuSPARSELt, and decode
 tokens/s) joins ``BENCHMARKS`` once a GPU run has committed its results: ``test_render`` redraws
 every listed benchmark from its committed JSON. Until then ``--smoke`` runs it in Triton's
-interpreter (``tests/benchmarks/test_kernels.py``).
+interpreter (``tests/benchmarks/test_kernels.py``), into a temporary directory (a smoke run never
+writes into ``results/``).
 
 ``rss_profile`` is a diagnostic, not a benchmark: it writes no results file.
 """

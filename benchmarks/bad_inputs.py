@@ -16,28 +16,18 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import logging
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.render import (
-    add_harness_args,
-    markdown_table,
-    merge_rows,
-    previous_rows,
-    render_files,
-    select_jobs,
-    write_results,
-)
-from benchmarks.runner import CLI, machine
-
-log = logging.getLogger(__name__)
+from benchmarks.harness import add_harness_args, row_table, run_table
+from benchmarks.render import markdown_table
+from benchmarks.runner import CLI
+from lmcompress.compressor.util.cache import cache_dir
 
 NAME = "bad_inputs"
 QUICK = ("--method", "magnitude", "--eval", "--skip-dense")  # the cheapest real job
@@ -79,8 +69,6 @@ ORDER = [*PROBES, *KILLS, MODES]
 
 
 def _cache() -> Path:
-    from lmcompress.compressor.util.cache import cache_dir
-
     return cache_dir() / "smollm2-135m"
 
 
@@ -218,30 +206,25 @@ def render(payload: dict[str, Any]) -> str:
     )
 
 
+def run_row(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One probe, in an empty directory of its own under ``args.work``."""
+    where = args.work / f"probe-{ORDER.index(name):02d}"
+    if name in PROBES:
+        return run_probe(name, where)
+    if name in KILLS:
+        return run_kill(name, where)
+    return run_modes(where)
+
+
+def record(_args: argparse.Namespace, rows: list[dict]) -> dict[str, Any]:
+    return {"results": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_harness_args(parser, "rerun just these probes (names as in the table)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    if args.render_only:
-        print(render_files(args.results_dir, NAME, render))
-        return 0
-    names = select_jobs(parser, ORDER, args.only)
-    rows = previous_rows(args.results_dir, NAME, args.only)
-    work = args.work or Path(tempfile.mkdtemp(prefix="lmcompress-bad-inputs-"))
-    for i, name in enumerate(names):
-        where = work / f"probe-{i:02d}"
-        if name in PROBES:
-            row = run_probe(name, where)
-        elif name in KILLS:
-            row = run_kill(name, where)
-        else:
-            row = run_modes(where)
-        log.info("%s: %s", name, row)
-        rows = merge_rows(rows, [row], key=lambda r: r["name"], order=ORDER)
-        write_results(args.results_dir, NAME, {"machine": machine(), "results": rows}, render)
-    print(render_files(args.results_dir, NAME, render))
-    return 0
+    table = row_table(NAME, render, ORDER, run_row, record)
+    return run_table(table, parser.parse_args(argv), parser)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@
 Each row is one ``compress-model --method int8`` process (``benchmarks.runner``: wall time and
 peak RSS of the whole process, evaluation included) scoring wiki-test and lee at seq-len 512;
 the first row also scores the dense fp32 model. The ``interop`` row reloads the first row's
-output in a fresh process with plain ``AutoModelForCausalLM.from_pretrained`` (its
-``model.safetensors`` is in the compressed-tensors int-quantized layout) and scores it beside
+output in a fresh process (``benchmarks.child.int8_interop``) with plain
+``AutoModelForCausalLM.from_pretrained`` (its ``model.safetensors`` is in the
+compressed-tensors int-quantized layout) and scores it, with the library's evaluate step, beside
 our simulation of the same scheme (compressed-tensors' activation rounding: absmax/127.5,
 ``lmcompress.compressor.io.compressed_tensors.simulated_linear``). Writes
 ``benchmarks/results/int8.{json,md}`` and ``int8_curves.png`` (perplexities, and the per-head
@@ -18,25 +19,13 @@ softmax bias β of the head-corrected row, layer × head).
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.render import (
-    add_harness_args,
-    markdown_table,
-    merge_rows,
-    previous_rows,
-    render_files,
-    select_jobs,
-    write_results,
-)
-from benchmarks.runner import CLI, PYTHON, STDOUT, Job, machine, run_job
-
-log = logging.getLogger(__name__)
+from benchmarks.harness import add_harness_args, row_table, run_table
+from benchmarks.render import markdown_table
+from benchmarks.runner import CLI, PYTHON, STDOUT, Job, run_job
 
 NAME = "int8"
 CORPORA = ("wiki-test", "lee")
@@ -88,13 +77,15 @@ def compress_job(spec: dict[str, Any], work: Path, settings: dict[str, Any]) -> 
     return Job(spec["name"], command, _out(work, spec["name"]) / "compression.json")
 
 
-def run_row(spec: dict[str, Any], settings: dict[str, Any], work: Path) -> dict[str, Any]:
-    if spec["name"] == "interop":
+def run_row(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    work, settings = args.work, settings_of(args)
+    if name == "interop":
         out = _out(work, JOBS[0]["name"])
-        command = (PYTHON, "-m", "benchmarks.int8", "--child-interop", str(out))
-        command += ("--eval-tokens", str(settings["eval_tokens"]))
+        command = (PYTHON, "-m", "benchmarks.child.int8_interop", str(out))
+        command += (str(settings["eval_tokens"]), *CORPORA)
         run = run_job(Job("interop", command, STDOUT), work)
         return {"name": "interop", **run.result, "wall_seconds": run.wall_seconds}
+    spec = next(j for j in JOBS if j["name"] == name)
     run = run_job(compress_job(spec, work, settings), work)
     manifest = run.result
     results = manifest["results"]
@@ -111,41 +102,12 @@ def run_row(spec: dict[str, Any], settings: dict[str, Any], work: Path) -> dict[
     return row
 
 
-def child_interop(out: str, eval_tokens: int) -> int:
-    """Score ``out`` loaded by plain transformers (compressed-tensors), then our simulation of
-    its scheme on the same weights; print one JSON line."""
-    import torch
-    import transformers
+def settings_of(args: argparse.Namespace) -> dict[str, Any]:
+    return {"checkpoint": args.checkpoint, "eval_tokens": args.eval_tokens}
 
-    from lmcompress.compressor.formats.int8 import QuantLinear
-    from lmcompress.compressor.io.compressed_tensors import simulated_linear
-    from lmcompress.compressor.io.load import load_compressed
-    from lmcompress.compressor.model.families import family_of
-    from lmcompress.evaluation.corpora import tokenize
-    from lmcompress.evaluation.perplexity import perplexity
 
-    torch.set_grad_enabled(False)
-    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
-    corpora = {c: tokenize(tokenizer, c, eval_tokens or None) for c in CORPORA}
-    bos = tokenizer.bos_token_id if family_of(model).needs_bos else None
-
-    def score(m) -> dict[str, float]:
-        return {
-            c: perplexity(m, ids, 512, batch_size=4, bos_token_id=bos).perplexity
-            for c, ids in corpora.items()
-        }
-
-    loaded = score(model)
-    ours, _, _ = load_compressed(out, runtime="packed")
-    ours.eval()
-    runtime = score(ours)  # our int8 runtime (absmax/127, the vLLM convention)
-    for module in ours.modules():
-        if isinstance(module, QuantLinear):
-            module.forward = lambda x, _m=module: simulated_linear(_m, x)
-    simulated = score(ours)
-    print(json.dumps({"transformers": loaded, "simulated": simulated, "runtime": runtime}))
-    return 0
+def record(args: argparse.Namespace, rows: list[dict]) -> dict[str, Any]:
+    return {"settings": settings_of(args), "results": rows}
 
 
 def _fmt(value: float | None) -> str:
@@ -245,6 +207,7 @@ def _recovered(by_name: dict[str, Any]) -> str:
 
 
 def plot(payload: dict[str, Any], results_dir: Path, path: Path) -> None:
+    # Only the PNG needs these; the heatmap takes torch tensors (tests/benchmarks/test_layout.py)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -278,28 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default="smollm2-135m")
     parser.add_argument("--eval-tokens", type=int, default=32768, help="per corpus, 0 = all")
-    parser.add_argument("--child-interop", help=argparse.SUPPRESS)
     add_harness_args(parser, "rerun just these rows (names as in the table)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    if args.child_interop:
-        return child_interop(args.child_interop, args.eval_tokens)
-    if args.render_only:
-        print(render_files(args.results_dir, NAME, render, plot))
-        return 0
-    names = select_jobs(parser, ORDER, args.only)
-    settings = {"checkpoint": args.checkpoint, "eval_tokens": args.eval_tokens}
-    rows = previous_rows(args.results_dir, NAME, args.only)
-    work = args.work or Path(tempfile.mkdtemp(prefix="lmcompress-int8-"))
-    for spec in (j for j in JOBS if j["name"] in names):
-        row = run_row(spec, settings, work)
-        log.info("%s: %s", spec["name"], {k: row.get(k) for k in ("compressed", "transformers")})
-        rows = merge_rows(rows, [row], key=lambda r: r["name"], order=ORDER)
-        payload = {"settings": settings, "machine": machine(), "results": rows}
-        write_results(args.results_dir, NAME, payload, render, plot)  # after every row
-    print(render_files(args.results_dir, NAME, render, plot))
-    log.info("job logs and outputs in %s", work)
-    return 0
+    table = row_table(NAME, render, ORDER, run_row, record, plot=plot)
+    return run_table(table, parser.parse_args(argv), parser)
 
 
 if __name__ == "__main__":

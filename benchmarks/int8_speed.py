@@ -33,14 +33,20 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, record_function
+from torch.profiler import profile as torch_profile
 
-from benchmarks.render import add_harness_args, markdown_table, render_files, write_results
-from benchmarks.runner import machine
+from benchmarks.harness import Table, add_harness_args, run_table
+from benchmarks.render import markdown_table
+from lmcompress.api import compress
+from lmcompress.compressor.model.loading import load_model
+from lmcompress.evaluation.corpora import tokenize
+from lmcompress.methods.int8 import Int8Config
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +96,6 @@ def scope_of(name: str, module: nn.Module) -> str | None:
 
 def profile(model: nn.Module, ids: torch.Tensor) -> dict[str, float]:
     """Self CPU milliseconds of one forward, per :func:`bucket`."""
-    from torch.profiler import ProfilerActivity, record_function
-    from torch.profiler import profile as torch_profile
-
     stack, handles = [], []
     for name, module in model.named_modules():
         scope = scope_of(name, module)
@@ -136,9 +139,6 @@ def torchao_version() -> str | None:
 
 def build_rows(model: nn.Module, names: list[str]) -> dict[str, Callable[[], Any]]:
     """``{row: model}`` for the rows asked (torchao's only where it is importable)."""
-    from lmcompress.api import compress
-    from lmcompress.methods.int8 import Int8Config
-
     models: dict[str, Any] = {"fp32": model}
     if "bf16" in names:
         models["bf16"] = copy.deepcopy(model).to(torch.bfloat16)
@@ -269,6 +269,37 @@ def render(payload: dict[str, Any]) -> str:
     return text
 
 
+def measure_all(args: argparse.Namespace, names: list[str], _previous: dict) -> Iterator[dict]:
+    """The rows asked (never merged with an earlier run: a run is one side by side), timed
+    ``--runs`` times, then profiled; the record after each."""
+    timed = [n for n in names if args.compile or not n.endswith(" + compile")]
+    names = ["fp32", *(n for n in timed if n != "fp32")]
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.checkpoint)
+    tokens = args.batch * args.seq_len
+    ids = tokenize(tokenizer, args.corpus, tokens).view(args.batch, args.seq_len)
+    rows = build_rows(model, names)
+    settings = {
+        "checkpoint": args.checkpoint,
+        "corpus": args.corpus,
+        "batch": args.batch,
+        "seq_len": args.seq_len,
+        "threads": torch.get_num_threads(),
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "torchao": torchao_version(),
+    }
+    payload: dict[str, Any] = {"settings": settings, "runs": []}
+    for run in range(args.runs):
+        log.info("run %d of %d", run + 1, args.runs)
+        payload["runs"].append(measure(settings, rows, ids))
+        yield payload
+    if not args.no_profile:
+        profiled = [name for name in ("fp32", "int8 (ours)") if name in rows]
+        payload["profile"] = {name: profile(rows[name], ids) for name in profiled}
+        yield payload
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default="smollm2-135m")
@@ -285,50 +316,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="add the torch.compile rows (each compiles for ~5 min on 2 busy cores)",
     )
-    add_harness_args(parser, "time just these rows (not merged: a run is one side-by-side)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=[],
+        metavar="ROW",
+        help="time just these rows (not merged: a run is one side by side)",
+    )
+    add_harness_args(parser, work=False)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    if args.render_only:
-        print(render_files(args.results_dir, NAME, render))
-        return 0
     if args.warmup < 1 or args.repeats < 1 or args.runs < 1:
         parser.error("--warmup, --repeats and --runs must be at least 1")
-    unknown = [n for n in args.only if n not in ROWS]
-    if unknown:
-        parser.error(f"unknown row(s) {', '.join(unknown)}; known: {', '.join(ROWS)}")
-    wanted = [n for n in ROWS if args.compile or not n.endswith(" + compile")]
-    names = ["fp32", *(n for n in wanted if n != "fp32" and (not args.only or n in args.only))]
-
-    from lmcompress.compressor.model.loading import load_model
-    from lmcompress.evaluation.corpora import tokenize
-
-    torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.checkpoint)
-    tokens = args.batch * args.seq_len
-    ids = tokenize(tokenizer, args.corpus, tokens).view(args.batch, args.seq_len)
-    rows = build_rows(model, names)
-    settings = {
-        "checkpoint": args.checkpoint,
-        "corpus": args.corpus,
-        "batch": args.batch,
-        "seq_len": args.seq_len,
-        "threads": torch.get_num_threads(),
-        "warmup": args.warmup,
-        "repeats": args.repeats,
-        "torchao": torchao_version(),
-    }
-    payload: dict[str, Any] = {"settings": settings, "machine": machine(), "runs": []}
-    for run in range(args.runs):
-        log.info("run %d of %d", run + 1, args.runs)
-        payload["runs"].append(measure(settings, rows, ids))
-        write_results(args.results_dir, NAME, payload, render)  # after every run: kill-safe
-    if not args.no_profile:
-        payload["profile"] = {
-            name: profile(rows[name], ids) for name in ("fp32", "int8 (ours)") if name in rows
-        }
-        write_results(args.results_dir, NAME, payload, render)
-    print(render_files(args.results_dir, NAME, render))
-    return 0
+    return run_table(Table(NAME, render, measure_all, jobs=ROWS), args, parser)
 
 
 if __name__ == "__main__":

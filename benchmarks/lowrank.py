@@ -9,9 +9,10 @@ Every linear in the decoder blocks; statistics from the dense model on 128 × 51
 ``wiki-calib`` (seed 0), collected once per kind by a job of its own (wall time and peak RSS of
 that job: one forward pass for ASVD and SVD-LLM, one gradient pass of 8 windows per backward
 for FWSVD and both GFWSVD variants) and cached under ``--work``; each row then loads them,
-factorises (``Method.apply``) and scores perplexity on ``wiki-test`` and ``lee`` (seq-len 512)
-in a process of its own. ``combined`` factorises the MLP layers with GFWSVD and prunes the
-attention layers with SparseGPT 2:4. ``cli`` runs ``compress-model --method gfwsvd`` end to end
+factorises (``Method.apply``) and scores perplexity on ``wiki-test`` and ``lee`` (seq-len 512,
+the library's evaluate step) in a process of its own (``benchmarks.child.lowrank``).
+``combined`` factorises the MLP layers with GFWSVD and prunes the attention layers with
+SparseGPT 2:4. ``cli`` runs ``compress-model --method gfwsvd`` end to end
 (gradient pass included) with the dense copy off, checks the size of ``compressed.safetensors``
 against the kept parameters, and reloads it with ``compress-model eval --runtime packed``.
 Writes ``benchmarks/results/lowrank.{json,md}`` and ``lowrank_curves.png``.
@@ -21,24 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import add_harness_args, row_table, run_table
 from benchmarks.lowrank_plot import plot, render
-from benchmarks.render import (
-    add_harness_args,
-    merge_rows,
-    previous_rows,
-    render_files,
-    select_jobs,
-    write_results,
-)
-from benchmarks.runner import CLI, PYTHON, STDOUT, Job, machine, run_job
-
-log = logging.getLogger(__name__)
+from benchmarks.runner import CLI, PYTHON, STDOUT, Job, Run, run_job
 
 NAME = "lowrank"
 CORPORA = ("wiki-test", "lee")
@@ -95,138 +85,6 @@ def _stats_needed(row: dict[str, Any]) -> str | None:
     return "stats:activations" if method in STATS_JOBS["stats:activations"] else "stats:gradients"
 
 
-# --- children: run in their own processes -------------------------------------------------------
-
-
-def _setup(eval_tokens: int | None = None):
-    import torch
-
-    from lmcompress.compressor.model.loading import load_model
-    from lmcompress.evaluation.corpora import calibration_windows, tokenize
-
-    torch.set_grad_enabled(False)
-    model, tokenizer = load_model(CHECKPOINT)
-    calib = calibration_windows(tokenize(tokenizer, "wiki-calib"), NSAMPLES, SEQ_LEN, SEED)
-    corpora = {c: tokenize(tokenizer, c, eval_tokens) for c in CORPORA} if eval_tokens else {}
-    return model, tokenizer, calib, corpora
-
-
-def _score(model, tokenizer, corpora) -> dict[str, float]:
-    from lmcompress.compressor.model.families import family_of
-    from lmcompress.evaluation.perplexity import perplexity
-
-    bos = tokenizer.bos_token_id if family_of(model).needs_bos else None
-    return {
-        c: perplexity(model, ids, SEQ_LEN, batch_size=4, bos_token_id=bos).perplexity
-        for c, ids in corpora.items()
-    }
-
-
-def child_stats(job: str, stats_dir: Path) -> dict[str, Any]:
-    """Collect the statistics of ``job`` once and save each method's Stats file."""
-    import time
-
-    import torch
-
-    from lmcompress.compressor.method import Stats
-    from lmcompress.methods.svd import ASVDConfig, SVDLLMConfig
-    from lmcompress.methods.svd.activation import ASVD, SVDLLM, forward_statistics
-    from lmcompress.methods.svd.fisher import (
-        SampleStore,
-        fwsvd_stats,
-        gfwsvd_stats,
-        sample_count,
-    )
-
-    model, _, calib, _ = _setup()
-    stats_dir.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    if job == "stats:activations":
-        asvd, svdllm = ASVD(ASVDConfig()), SVDLLM(SVDLLMConfig())
-        layers = asvd.validate(model)
-        observers = {name: [asvd.observer(), svdllm.observer()] for name in layers}
-        forward_statistics(model, calib, observers, 4, torch.device("cpu"), "inputs")
-        for method in (asvd, svdllm):
-            index = 0 if method is asvd else 1
-            tensors = {f"{n}.{method.key}": method.read(o[index]) for n, o in observers.items()}
-            Stats(tensors=tensors).save(stats_dir / f"{method.name}.safetensors")
-        return {"pass_seconds": round(time.perf_counter() - start, 1)}
-    from lmcompress.compressor.calibration.gradients import gradient_statistics
-    from lmcompress.compressor.model.surgery import LayerSelection
-
-    layers = LayerSelection().select(model)
-    samples = SampleStore(layers, sample_count(NSAMPLES, 8))
-    torch.set_grad_enabled(True)
-    found = gradient_statistics(
-        model,
-        calib,
-        layers,
-        batch_size=8,
-        checkpointing=True,
-        on_sample=samples,
-    )
-    pass_seconds = time.perf_counter() - start
-    fwsvd_stats(found, NSAMPLES).save(stats_dir / "fwsvd.safetensors")
-    gfwsvd_stats(found, NSAMPLES).save(stats_dir / "gfwsvd-kfac.safetensors")
-    for layer in found.values():  # free what the nearest product does not need
-        layer.fisher = layer.dd = None  # (gfwsvd_stats reads only xx when given samples)
-    nearest = gfwsvd_stats(found, NSAMPLES, samples)
-    nearest.save(stats_dir / "gfwsvd-nearest.safetensors")
-    return {
-        "pass_seconds": round(pass_seconds, 1),
-        "samples": nearest.meta["samples"],
-        "power_seconds": nearest.meta["power_seconds"],
-        "power_iterations": nearest.meta["power_iterations"],
-    }
-
-
-def child_apply(spec: dict[str, Any], stats_dir: Path, eval_tokens: int) -> dict[str, Any]:
-    """Factorise with cached statistics (``combined``: then SparseGPT 2:4 on the attention
-    layers) and score; the row's numbers."""
-    import time
-
-    from lmcompress import compress
-    from lmcompress.compressor.method import Stats
-    from lmcompress.methods import get_method
-
-    model, tokenizer, calib, corpora = _setup(eval_tokens)
-    result: dict[str, Any] = {}
-    if spec["method"] != "dense":
-        combined = spec["name"] == "combined"
-        name = "gfwsvd" if combined else spec["method"]
-        stats_file, overrides = METHODS[name]
-        method_name = "gfwsvd" if name.startswith("gfwsvd") else name
-        method_class = get_method(method_name)
-        options = {"ratio": spec["ratio"], "allocation": spec.get("allocation", "uniform")}
-        if combined:
-            options["include"] = ("model.layers.*.mlp.*",)
-        method = method_class(method_class.config_class(**options, **overrides))
-        stats = (
-            Stats() if stats_file is None else Stats.load(stats_dir / f"{stats_file}.safetensors")
-        )
-        start = time.perf_counter()
-        report = method.apply(model, stats)
-        result["apply_seconds"] = round(time.perf_counter() - start, 1)
-        params, kept = report.params, report.params_kept
-        if combined:
-            from lmcompress.methods.sparsegpt import SparseGPTConfig
-
-            start = time.perf_counter()
-            pruned = compress(
-                model, SparseGPTConfig(sparsity="2:4", include=("model.layers.*.self_attn.*",)),
-                calib,
-            )  # fmt: skip
-            result["sparsegpt_seconds"] = round(time.perf_counter() - start, 1)
-            params, kept = params + pruned.params, kept + pruned.params_kept
-        result["params_kept_fraction"] = kept / params
-        result["ranks"] = report.extra["ranks"]
-    result["ppl"] = _score(model, tokenizer, corpora)
-    return result
-
-
-# --- the driver ---------------------------------------------------------------------------------
-
-
 def _cli_row(work: Path, eval_tokens: int) -> dict[str, Any]:
     """``compress-model --method gfwsvd --ratio 0.8`` end to end, then the packed reload."""
     out = work / "outputs" / "gfwsvd-0.8"
@@ -260,67 +118,46 @@ def _cli_row(work: Path, eval_tokens: int) -> dict[str, Any]:
     }
 
 
-def run_row(spec: dict[str, Any], work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    if spec["name"] == "cli":
+def run_row(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """A statistics job, the ``cli`` row, or a row factorised by ``benchmarks.child.lowrank``."""
+    work, child = args.work, (PYTHON, "-m", "benchmarks.child.lowrank")
+    if name in STATS_JOBS:
+        run = run_job(Job(name, (*child, "stats", name, str(work / "stats")), STDOUT), work)
+        return {"name": name, **run.result, **measured(run)}
+    if name == "cli":
         return _cli_row(work, args.eval_tokens)
-    command = (PYTHON, "-m", "benchmarks.lowrank", "--child-apply", json.dumps(spec))
-    command += ("--stats-dir", str(work / "stats"), "--eval-tokens", str(args.eval_tokens))
-    run = run_job(Job(spec["name"], command, STDOUT), work)
-    return {**spec, **run.result, "wall_seconds": run.wall_seconds, "peak_rss_mb": run.peak_rss_mb}
+    spec = next(row for row in ROWS if row["name"] == name)
+    command = (*child, "apply", json.dumps(spec), str(work / "stats"), str(args.eval_tokens))
+    run = run_job(Job(name, command, STDOUT), work)
+    return {**spec, **run.result, **measured(run)}
 
 
-def run_stats(job: str, work: Path) -> dict[str, Any]:
-    command = (PYTHON, "-m", "benchmarks.lowrank", "--child-stats", job)
-    run = run_job(Job(job, (*command, "--stats-dir", str(work / "stats")), STDOUT), work)
-    return {
-        "name": job,
-        **run.result,
-        "wall_seconds": run.wall_seconds,
-        "peak_rss_mb": run.peak_rss_mb,
-    }
+def measured(run: Run) -> dict[str, float]:
+    return {"wall_seconds": run.wall_seconds, "peak_rss_mb": run.peak_rss_mb}
+
+
+def record(args: argparse.Namespace, rows: list[dict]) -> dict[str, Any]:
+    settings = {"checkpoint": CHECKPOINT, "nsamples": NSAMPLES, "seq_len": SEQ_LEN}
+    return {**settings, "eval_tokens": args.eval_tokens, "results": rows}
+
+
+def check_cached_stats(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A row rerun alone reads the statistics its job cached in ``--work``: they must be there."""
+    for name in args.only:
+        spec = next((row for row in ROWS if row["name"] == name), None)
+        needed = None if spec is None else _stats_needed(spec)
+        stats = args.work / "stats" if args.work else None
+        if needed and needed not in args.only and not (stats and stats.is_dir()):
+            parser.error(f"{name} needs {needed}'s cached statistics in --work DIR/stats")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_harness_args(parser, "rerun only these jobs (names as in the table)")
     parser.add_argument("--eval-tokens", type=int, default=16384)
-    parser.add_argument("--child-stats")
-    parser.add_argument("--child-apply")
-    parser.add_argument("--stats-dir", type=Path)
     args = parser.parse_args(argv)
-    if args.child_stats:
-        print(json.dumps(child_stats(args.child_stats, args.stats_dir)))
-        return 0
-    if args.child_apply:
-        print(
-            json.dumps(child_apply(json.loads(args.child_apply), args.stats_dir, args.eval_tokens))
-        )
-        return 0
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if args.render_only:
-        print(render_files(args.results_dir, NAME, render, plot))
-        return 0
-    names = select_jobs(parser, ORDER, args.only)
-    work = args.work or Path(tempfile.mkdtemp(prefix="lowrank-"))
-    rows = previous_rows(args.results_dir, NAME, args.only)
-    key = lambda row: row["name"]  # noqa: E731
-    payload = {
-        "checkpoint": CHECKPOINT,
-        "nsamples": NSAMPLES,
-        "seq_len": SEQ_LEN,
-        "eval_tokens": args.eval_tokens,
-        "machine": machine(),
-    }
-    for name in names:
-        spec = next((row for row in ROWS if row["name"] == name), None)
-        needed = None if spec is None else _stats_needed(spec)
-        if needed and not (work / "stats").is_dir() and needed not in names:
-            parser.error(f"{name} needs {needed}'s cached statistics in {work}/stats")
-        row = run_stats(name, work) if spec is None else run_row(spec, work, args)
-        rows = merge_rows(rows, [row], key, ORDER)
-        log.info("%s: %s", name, json.dumps(row)[:400])
-        write_results(args.results_dir, NAME, {**payload, "results": rows}, render, plot)
-    return 0
+    check_cached_stats(parser, args)
+    return run_table(row_table(NAME, render, ORDER, run_row, record, plot=plot), args, parser)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@
     python -m benchmarks.magnitude --only dense "magnitude 2:4"   # rerun rows, merge them
     python -m benchmarks.magnitude --render-only                  # redraw the md from the JSON
 
-Every row of ``JOBS`` runs as its own process (``benchmarks.runner``), so wall time and peak RSS
-are its own: model load, compression and evaluation of every corpus included. Writes
+Every row of ``JOBS`` runs as its own process (``benchmarks.child.magnitude``, started by
+``benchmarks.runner``), so wall time and peak RSS are its own: model load, compression and
+evaluation of every corpus (the library's evaluate step) included. Writes
 ``benchmarks/results/magnitude.{json,md}``.
 """
 
@@ -13,25 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
-import tempfile
-import time
-from pathlib import Path
 from typing import Any
 
-from benchmarks.render import (
-    add_harness_args,
-    markdown_table,
-    merge_rows,
-    previous_rows,
-    render_files,
-    select_jobs,
-    write_results,
-)
-from benchmarks.runner import PYTHON, STDOUT, Job, machine, run_job
-
-log = logging.getLogger(__name__)
+from benchmarks.harness import add_harness_args, row_table, run_table
+from benchmarks.render import markdown_table
+from benchmarks.runner import PYTHON, STDOUT, Job, run_job
 
 NAME = "magnitude"
 CORPORA = ("wiki-test", "lee")
@@ -43,32 +31,21 @@ JOBS = [  # name, method (None: the dense model), sparsity
 ]
 
 
-def child(job: dict[str, Any]) -> dict[str, Any]:
-    """One row, in its own process: load, compress (unless dense), score every corpus."""
-    from lmcompress import compress
-    from lmcompress.compressor.model.loading import load_model
-    from lmcompress.evaluation.corpora import tokenize
-    from lmcompress.evaluation.perplexity import perplexity
-    from lmcompress.methods import get_method
-
-    start = time.perf_counter()
-    model, tokenizer = load_model(job["checkpoint"])
-    result: dict[str, Any] = {"name": job["name"]}
-    if job["method"]:
-        config = get_method(job["method"]).config_class(sparsity=job["sparsity"])
-        report = compress(model, config)
-        result["compress_seconds"] = round(report.seconds, 2)
-        result["summary"] = report.summary()
-    for corpus in CORPORA:
-        ids = tokenize(tokenizer, corpus, job["eval_tokens"] or None)
-        result[corpus] = perplexity(model, ids, job["seq_len"], progress=False).to_dict()
-    result["seconds"] = round(time.perf_counter() - start, 1)
-    return result
+def settings_of(args: argparse.Namespace) -> dict[str, Any]:
+    return {"checkpoint": args.checkpoint, "eval_tokens": args.eval_tokens, "seq_len": args.seq_len}
 
 
-def make_job(spec: dict[str, Any], settings: dict[str, Any]) -> Job:
-    payload = json.dumps({**spec, **settings})
-    return Job(spec["name"], (PYTHON, "-m", "benchmarks.magnitude", "--child", payload), STDOUT)
+def run_row(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One row, a process of its own (``benchmarks.child.magnitude``)."""
+    spec = next(j for j in JOBS if j["name"] == name)
+    job = json.dumps({**spec, **settings_of(args), "corpora": CORPORA})
+    command = (PYTHON, "-m", "benchmarks.child.magnitude", job)
+    run = run_job(Job(name, command, STDOUT), args.work)
+    return {**run.result, "peak_rss_mb": run.peak_rss_mb, "wall_seconds": run.wall_seconds}
+
+
+def record(args: argparse.Namespace, rows: list[dict]) -> dict[str, Any]:
+    return {"settings": settings_of(args), "results": rows}
 
 
 def render(payload: dict[str, Any]) -> str:
@@ -95,30 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", default="smollm2-135m")
     parser.add_argument("--eval-tokens", type=int, default=32768, help="per corpus, 0 = all")
     parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--child", help=argparse.SUPPRESS)
     add_harness_args(parser, "rerun just these rows (names as in the table, e.g. dense)")
-    args = parser.parse_args(argv)
-    if args.child:
-        print(json.dumps(child(json.loads(args.child))))
-        return 0
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    if args.render_only:
-        print(render_files(args.results_dir, NAME, render))
-        return 0
-    names = select_jobs(parser, [j["name"] for j in JOBS], args.only)
-    settings = {"checkpoint": args.checkpoint, "eval_tokens": args.eval_tokens}
-    settings["seq_len"] = args.seq_len
-    rows = previous_rows(args.results_dir, NAME, args.only)
-    work = args.work or Path(tempfile.mkdtemp(prefix="lmcompress-magnitude-"))
-    for spec in (j for j in JOBS if j["name"] in names):
-        run = run_job(make_job(spec, settings), work)
-        row = {**run.result, "peak_rss_mb": run.peak_rss_mb, "wall_seconds": run.wall_seconds}
-        log.info("%s: %s", spec["name"], {c: row[c]["perplexity"] for c in CORPORA})
-        rows = merge_rows(rows, [row], key=lambda r: r["name"], order=[j["name"] for j in JOBS])
-    payload = {"settings": settings, "machine": machine(), "results": rows}
-    print(write_results(args.results_dir, NAME, payload, render))
-    log.info("job logs in %s", work)
-    return 0
+    table = row_table(NAME, render, [j["name"] for j in JOBS], run_row, record)
+    return run_table(table, parser.parse_args(argv), parser)
 
 
 if __name__ == "__main__":

@@ -53,21 +53,24 @@ time on an otherwise idle machine and compare wall times only between runs made 
 from __future__ import annotations
 
 import argparse
-import logging
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import maskllm_plot, maskllm_results
-from benchmarks.maskllm_results import load_baselines, parse_manifest, ratio, reference_ppl, render
-from benchmarks.render import add_harness_args, read_json, render_files, write_json
-from benchmarks.render import merge_rows as merge_table_rows
-from benchmarks.runner import CLI, Job, machine, run_job
-
-log = logging.getLogger(__name__)
+from benchmarks import maskllm_plot
+from benchmarks.harness import add_harness_args, row_table, run_table
+from benchmarks.maskllm_results import (
+    load_baselines,
+    parse_manifest,
+    ratio,
+    reference_ppl,
+    render,
+    rounded,
+)
+from benchmarks.render import read_json, write_json
+from benchmarks.runner import CLI, Job, run_job
 
 NAME = "maskllm"
 plot = maskllm_plot.plot  # NAME_curves.png from NAME.json + maskllm_curves.json
@@ -157,15 +160,16 @@ def build_command(args: list[str], out: Path, settings: dict[str, Any]) -> list[
     ]
 
 
-def run_config(
-    name: str, spec: dict[str, Any], settings: dict[str, Any], work: Path, keep: Path | None
-) -> tuple[dict, dict]:
-    """Run one configuration; its (row, curves)."""
+def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Run one configuration; its row. Its curves replace its entry in ``maskllm_curves.json``
+    (drawn with the table's PNG)."""
+    spec, settings, work = CONFIGS[name], settings_of(args), args.work
+    keep = Path(args.keep) if args.keep else None
     out = (keep or work) / name
     shutil.rmtree(out, ignore_errors=True)
     cmd = build_command(list(spec["args"]), out, settings)
     run = run_job(Job(name, cmd, reads=out / "compression.json"), work)
-    row, curves = parse_manifest(run.result, settings["eval"])
+    row, curve = parse_manifest(run.result, settings["eval"])
     row = {
         "name": name,
         "args": list(spec["args"]),
@@ -179,45 +183,27 @@ def run_config(
     }
     if keep is None:
         shutil.rmtree(out, ignore_errors=True)
-    return row, curves
+    curves = args.results_dir / maskllm_plot.CURVES
+    write_json(curves, {**read_json(curves, {}), name: curve}, indent=1)
+    return row
 
 
 # --- results files ------------------------------------------------------------------------
 
 
-def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
-    """``old`` with every row named in ``new`` replaced; CONFIGS order, then the rest by name."""
-    return merge_table_rows(old, new, key=lambda r: r["name"], order=list(CONFIGS))
+def settings_of(args: argparse.Namespace) -> dict[str, Any]:
+    keys = ("checkpoint", "sparsity", "calib", "eval", "nsamples", "seq_len", "seed")
+    return {**{k: getattr(args, k) for k in keys}, "eval_tokens": args.eval_tokens}
 
 
-def merge_curves(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    return {**old, **new}
-
-
-def write_outputs(
-    results_dir: Path,
-    results: list[dict],
-    curves: dict[str, Any],
-    settings: dict[str, Any],
-    machine_info: dict[str, Any] | None = None,
-) -> str:
-    """Write maskllm.json (with the baselines as they are now) and maskllm_curves.json, then
-    draw maskllm.md and maskllm_curves.png from them; the md."""
-    results_dir.mkdir(parents=True, exist_ok=True)
-    baselines = load_baselines(results_dir, settings.get("eval", "wiki-test"))
+def record(args: argparse.Namespace, rows: list[dict]) -> dict[str, Any]:
+    """maskllm.json: the rows, each with its ratio to SparseGPT 2:4, and the baselines as they
+    are now in ``pruning.json`` / ``magnitude.json``."""
+    baselines = load_baselines(args.results_dir, args.eval)
     ref = reference_ppl(baselines)
-    for r in results:
-        r["ratio_to_sparsegpt"] = maskllm_results._round(ratio(r.get("ppl"), ref), 4)
-    old = read_json(results_dir / f"{NAME}.json", {})
-    payload = {
-        "settings": settings,
-        "machine": machine_info or old.get("machine"),
-        "baselines": baselines,
-        "results": results,
-    }
-    write_json(results_dir / f"{NAME}.json", payload)
-    write_json(results_dir / maskllm_plot.CURVES, curves, indent=1)
-    return render_files(results_dir, NAME, render, plot)
+    for r in rows:
+        r["ratio_to_sparsegpt"] = rounded(ratio(r.get("ppl"), ref), 4)
+    return {"settings": settings_of(args), "baselines": baselines, "results": rows}
 
 
 # --- main ---------------------------------------------------------------------------------
@@ -238,56 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     add_harness_args(parser, f"the configurations to run, of {', '.join(CONFIGS)}")
     parser.add_argument("--configs", nargs="+", dest="only", help="the same as --only")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    results_dir = Path(args.results_dir)
-
     if args.list:
         for name, spec in CONFIGS.items():
             print(f"{name}: {' '.join(spec['args'])}\n    {spec.get('note', '')}")
         return 0
-    if args.render_only:
-        print(render_files(results_dir, NAME, render, plot))
-        return 0
-    if not args.only:
+    if not args.only and not args.render_only:
         parser.error("give --only NAME [NAME ...] (or --list / --render-only)")
-    unknown = [c for c in args.only if c not in CONFIGS]
-    if unknown:
-        parser.error(f"unknown config(s) {', '.join(unknown)}; known: {', '.join(CONFIGS)}")
-
-    settings = {
-        k: getattr(args, k)
-        for k in ("checkpoint", "sparsity", "calib", "eval", "nsamples", "seq_len", "seed")
-    }
-    settings["eval_tokens"] = args.eval_tokens
-    work = args.work or Path(tempfile.mkdtemp(prefix="lmcompress-maskllm-"))
-    work.mkdir(parents=True, exist_ok=True)
-    keep = Path(args.keep) if args.keep else None
-    if keep:
-        keep.mkdir(parents=True, exist_ok=True)
-    failed = []
-    rows = read_json(results_dir / f"{NAME}.json", {}).get("results", [])
-    curves = read_json(results_dir / maskllm_plot.CURVES, {})
-    table = ""
-    for name in args.only:
-        try:
-            row, curve = run_config(name, CONFIGS[name], settings, work, keep)
-        except Exception as err:  # noqa: BLE001 - one failed config must not lose the others
-            log.error("%s failed (logs in %s):\n%s", name, work, err)
-            failed.append(name)
-            continue
-        log.info("%s: wiki-test ppl %s, wall %s s", name, row["ppl"], row["wall_seconds"])
-        rows = merge_rows(rows, [row])
-        curves = merge_curves(curves, {name: curve})
-        # written after every config: a later failure or kill keeps the finished ones
-        table = write_outputs(results_dir, rows, curves, settings, machine())
-    if table:
-        print(table)
-    if failed:
-        log.error("failed: %s (work directory %s kept)", ", ".join(failed), work)
-        return 1
-    if not args.work:
-        shutil.rmtree(work, ignore_errors=True)
-    return 0
+    table = row_table(NAME, render, list(CONFIGS), run_config, record, plot=plot)
+    return run_table(table, args, parser)
 
 
 if __name__ == "__main__":

@@ -14,34 +14,24 @@ logits' checksum (the three runs see the same data and noise, so they should lea
 logits up to float rounding). On CPU, ``accelerate launch --multi_gpu --num_processes 2``
 starts the two processes (see ``tests/methods/test_maskllm_distributed.py``); each gets one
 OpenMP thread from torchrun, so the one-process run is launched the same way for comparison.
-Each launch is one job of ``benchmarks.runner`` (its wall time); every process of it writes its
-own record, which is why the per-process numbers come from the processes themselves.
+Each launch is one job of ``benchmarks.runner`` (its wall time); every process of it
+(``benchmarks.child.maskllm_fsdp``) writes its own record, which is why the per-process numbers
+come from the processes themselves.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.render import (
-    add_harness_args,
-    markdown_table,
-    merge_rows,
-    previous_rows,
-    render_files,
-    select_jobs,
-    write_results,
-)
-from benchmarks.runner import PYTHON, Job, machine, run_job
-
-log = logging.getLogger(__name__)
+from benchmarks.harness import add_harness_args, row_table, run_table
+from benchmarks.render import markdown_table
+from benchmarks.runner import PYTHON, Job, run_job
 
 NAME = "maskllm_fsdp"
 RUNS = [  # name, processes, extra MaskLLM options
@@ -51,49 +41,9 @@ RUNS = [  # name, processes, extra MaskLLM options
 ]
 
 
-def child(job: dict, out: Path) -> None:
-    """One process of a run (started by accelerate launch): train, then write its record."""
-    import resource
-
-    import torch
-
-    from lmcompress import MaskLLMConfig, compress
-    from lmcompress.compressor.model.loading import load_model
-    from lmcompress.evaluation.corpora import calibration_windows, tokenize
-
-    model, tokenizer = load_model(job["checkpoint"])
-    ids = tokenize(tokenizer, job["calib"])
-    data = calibration_windows(ids, job["nsamples"], job["seq_len"], job["seed"])
-    config = MaskLLMConfig(
-        sparsity="2:4",
-        steps=job["steps"],
-        batch_size=job["batch_size"],  # in all: each process takes its share of every batch
-        lr=2e-4,
-        prior="magnitude",
-        eval_windows=0,
-        **job["options"],
-    )
-    start = time.perf_counter()
-    report, stats = compress(model, config, data, return_stats=True)
-    seconds = time.perf_counter() - start
-    total = sum(t.numel() for t in stats.tensors.values())
-    checksum = sum(float(t.double().abs().sum()) for t in stats.tensors.values())
-    history = report.extra["loss_curve"]
-    record = {
-        "rank": int(os.environ.get("RANK", "0")),
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "logits_total": total,
-        "logits_held": report.extra["trainable_elements_per_process"],
-        "seconds": round(seconds, 1),
-        "losses": [round(h["loss"], 4) for h in history],
-        "logits_abs_sum": checksum,
-        "threads": torch.get_num_threads(),
-    }
-    (out / f"rank{record['rank']}.json").write_text(json.dumps(record))
-
-
 def launch_job(name: str, processes: int, options: dict, settings: dict, out: Path) -> Job:
-    """``accelerate launch`` of this module's ``--child`` on ``processes`` CPU processes."""
+    """``accelerate launch`` of ``benchmarks.child.maskllm_fsdp`` on ``processes`` CPU
+    processes."""
     job = {**{k: settings[k] for k in ("checkpoint", "calib", "nsamples", "seq_len")}, "seed": 0}
     job.update(steps=settings["steps"], batch_size=settings["batch_size"], options=options)
     accelerate = Path(PYTHON).parent / "accelerate"
@@ -101,13 +51,15 @@ def launch_job(name: str, processes: int, options: dict, settings: dict, out: Pa
     command = (
         accelerate, "launch", *mode, "--num_processes", str(processes),
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "-m", "benchmarks.maskllm_fsdp", "--child", json.dumps(job), str(out),
+        "-m", "benchmarks.child.maskllm_fsdp", json.dumps(job), str(out),
     )  # fmt: skip
     return Job(name, command, env={"OMP_NUM_THREADS": "1"})
 
 
-def launch(name: str, processes: int, options: dict, settings: dict, work: Path) -> dict:
+def launch(name: str, args: argparse.Namespace) -> dict:
     """One row: the launch's wall time, and the record every process wrote."""
+    processes, options = next((p, o) for n, p, o in RUNS if n == name)
+    settings, work = settings_of(args), args.work
     with tempfile.TemporaryDirectory() as tmp:
         run = run_job(launch_job(name, processes, options, settings, Path(tmp)), work)
         ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
@@ -152,38 +104,28 @@ def render(payload: dict[str, Any]) -> str:
     return intro + markdown_table(header, body)
 
 
+def settings_of(args: argparse.Namespace) -> dict[str, Any]:
+    keys = ("checkpoint", "calib", "nsamples", "seq_len", "steps", "batch_size")
+    return {k: getattr(args, k) for k in keys}
+
+
+def record(args: argparse.Namespace, rows: list[dict]) -> dict[str, Any]:
+    finished = time.strftime("%Y-%m-%d %H:%M:%S")
+    return {"settings": settings_of(args), "runs": rows, "finished": finished}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--child", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", default="smollm2-135m")
     parser.add_argument("--calib", default="wiki-calib")
     parser.add_argument("--nsamples", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=2, help="windows per step, in all")
-    add_harness_args(parser, f"rerun just these runs, of: {'; '.join(n for n, _, _ in RUNS)}")
-    args = parser.parse_args(argv)
-    if args.child:
-        child(json.loads(args.child[0]), Path(args.child[1]))
-        return 0
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    if args.render_only:
-        print(render_files(args.results_dir, NAME, render))
-        return 0
-    names = select_jobs(parser, [name for name, _, _ in RUNS], args.only)
-    keys = ("checkpoint", "calib", "nsamples", "seq_len", "steps", "batch_size")
-    settings = {k: getattr(args, k) for k in keys}
-    rows = previous_rows(args.results_dir, NAME, args.only, field="runs")
-    work = args.work or Path(tempfile.mkdtemp(prefix="lmcompress-fsdp-"))
-    for name, processes, options in RUNS:
-        if name in names:
-            row = launch(name, processes, options, settings, work)
-            log.info("%s", json.dumps(row))
-            rows = merge_rows(rows, [row], key=lambda r: r["name"], order=[n for n, _, _ in RUNS])
-    payload = {"settings": settings, "machine": machine(), "runs": rows,
-               "finished": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
-    print(write_results(args.results_dir, NAME, payload, render))
-    return 0
+    names = [name for name, _, _ in RUNS]
+    add_harness_args(parser, f"rerun just these runs, of: {'; '.join(names)}")
+    table = row_table(NAME, render, names, launch, record, field="runs")
+    return run_table(table, parser.parse_args(argv), parser)
 
 
 if __name__ == "__main__":

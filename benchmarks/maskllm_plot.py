@@ -91,29 +91,9 @@ def plot_curves(curves: dict[str, Any], baselines: list[dict], path: Path) -> No
         if errors:
             if curve.get("ppl") is not None and curve.get("steps"):
                 blockwise_points.append((curve["steps"], curve["ppl"], name))
-            xs = [b for b, _, _ in errors]
-            block_ax.plot(xs, [h for _, h, _ in errors], ":", color=color, alpha=0.6)
-            block_ax.plot(
-                xs,
-                [t for _, _, t in errors],
-                "o-",
-                color=color,
-                markersize=3,
-                label=f"{name}: first 5 steps (dotted) → last 5",
-            )
-            continue
-        hard = [h for h in curve.get("hard_ppl") or [] if h.get("hard_ppl") is not None]
-        if hard:
-            hard_ax.plot(_xs(hard), [h["hard_ppl"] for h in hard], "o-", color=color, label=name)
-            if curve.get("ppl") is not None:
-                hard_ax.plot(_xs(hard)[-1], curve["ppl"], "*", color=color, markersize=12)
-        loss = [e for e in curve.get("loss") or [] if isinstance(e, dict) and _loss(e) is not None]
-        if loss:
-            ys = [_loss(e) for e in loss]
-            loss_ax.plot(_xs(loss), ys, "-", color=color, alpha=0.25, linewidth=0.8)
-            loss_ax.plot(
-                _xs(loss), _smooth(ys, max(1, len(ys) // 20)), "-", color=color, label=name
-            )
+            _draw_block_errors(block_ax, name, errors, color)
+        else:
+            _draw_end_to_end(hard_ax, loss_ax, curve, name, color)
     if blockwise_points:
         points = sorted(blockwise_points)
         xs = ([0] if ref else []) + [p[0] for p in points]
@@ -125,6 +105,41 @@ def plot_curves(curves: dict[str, Any], baselines: list[dict], path: Path) -> No
         if ref:
             ax.axhline(ref, color="black", linestyle="--", label=f"{REFERENCE} wiki-test {ref:.1f}")
             ax.axhline(GOAL * ref, color="gray", linestyle=":", label=f"{GOAL} × {REFERENCE}")
+    _label(hard_ax, loss_ax, steps_ax, block_ax)
+    _finish(axes, loss_ax)
+    fig.tight_layout()
+    with atomic_file(path, "wb") as handle:
+        fig.savefig(handle, format="png", dpi=100)
+    plt.close(fig)
+
+
+def _draw_block_errors(ax, name: str, errors: list[tuple[int, float, float]], color) -> None:
+    xs = [b for b, _, _ in errors]
+    ax.plot(xs, [h for _, h, _ in errors], ":", color=color, alpha=0.6)
+    ax.plot(
+        xs,
+        [t for _, _, t in errors],
+        "o-",
+        color=color,
+        markersize=3,
+        label=f"{name}: first 5 steps (dotted) → last 5",
+    )
+
+
+def _draw_end_to_end(hard_ax, loss_ax, curve: dict[str, Any], name: str, color) -> None:
+    hard = [h for h in curve.get("hard_ppl") or [] if h.get("hard_ppl") is not None]
+    if hard:
+        hard_ax.plot(_xs(hard), [h["hard_ppl"] for h in hard], "o-", color=color, label=name)
+        if curve.get("ppl") is not None:
+            hard_ax.plot(_xs(hard)[-1], curve["ppl"], "*", color=color, markersize=12)
+    loss = [e for e in curve.get("loss") or [] if isinstance(e, dict) and _loss(e) is not None]
+    if loss:
+        ys = [_loss(e) for e in loss]
+        loss_ax.plot(_xs(loss), ys, "-", color=color, alpha=0.25, linewidth=0.8)
+        loss_ax.plot(_xs(loss), _smooth(ys, max(1, len(ys) // 20)), "-", color=color, label=name)
+
+
+def _label(hard_ax, loss_ax, steps_ax, block_ax) -> None:
     hard_ax.set(
         title="end to end: hard-mask ppl (held-out calib windows; ★ wiki-test)",
         xlabel="step",
@@ -145,6 +160,11 @@ def plot_curves(curves: dict[str, Any], baselines: list[dict], path: Path) -> No
         xlabel="block",
         ylabel="‖f(x̃) − y‖² / ‖y − x‖²",
     )
+
+
+def _finish(axes, loss_ax) -> None:
+    """Log scale where every value is positive (not the loss), grid and legend; "no data" in
+    an empty panel."""
     for ax in axes.flat:
         if not ax.get_lines():
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
@@ -154,7 +174,3 @@ def plot_curves(curves: dict[str, Any], baselines: list[dict], path: Path) -> No
             ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    with atomic_file(path, "wb") as handle:
-        fig.savefig(handle, format="png", dpi=100)
-    plt.close(fig)

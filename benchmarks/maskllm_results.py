@@ -67,12 +67,12 @@ def parse_manifest(manifest: dict[str, Any], corpus: str = "wiki-test") -> tuple
         "ppl": _get(compressed, corpus, "perplexity"),
         "corpus": corpus,
         "scored_tokens": _get(compressed, corpus, "tokens"),
-        "eval_seconds": _round(
+        "eval_seconds": rounded(
             sum(r.get("seconds", 0.0) for d in ("compressed", "dense") for r in _evals(results, d))
         ),
         "dense_ppl": _get(results, "dense", corpus, "perplexity"),
-        "pipeline_seconds": _round(results.get("seconds")),
-        "train_seconds": _round(report.get("seconds")),
+        "pipeline_seconds": rounded(results.get("seconds")),
+        "train_seconds": rounded(report.get("seconds")),
         "steps": extra.get("steps", len(loss) if loss else config.get("steps")),
         "batch_size": config.get("batch_size"),
         "grad_accum": config.get("grad_accum"),
@@ -108,7 +108,7 @@ def _evals(results: dict, key: str) -> list[dict]:
     return [r for r in (results.get(key) or {}).values() if isinstance(r, dict)]
 
 
-def _round(value: Any, digits: int = 1) -> Any:
+def rounded(value: Any, digits: int = 1) -> Any:
     return round(value, digits) if isinstance(value, (int, float)) else value
 
 

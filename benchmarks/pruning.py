@@ -18,27 +18,16 @@ checkpoint itself. Job names: ``dense`` and ``TOOL:METHOD:SPARSITY``. Writes
 from __future__ import annotations
 
 import argparse
-import logging
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import add_harness_args, row_table, run_table
 from benchmarks.peers.run_peer import DEFAULT_VENV, run_peer
-from benchmarks.render import (
-    add_harness_args,
-    markdown_table,
-    merge_rows,
-    previous_rows,
-    render_files,
-    select_jobs,
-    write_results,
-)
-from benchmarks.runner import CLI, STDOUT, Job, machine, run_job
-
-log = logging.getLogger(__name__)
+from benchmarks.render import markdown_table
+from benchmarks.runner import CLI, STDOUT, Job, run_job
 
 NAME = "pruning"
 HERE = Path(__file__).resolve().parent
@@ -80,8 +69,9 @@ def score_job(name: str, path: str | Path, eval_tokens: int) -> Job:
     return Job(f"eval {name}", (*command, "--json", "-q"), STDOUT)
 
 
-def run_row(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def run_row(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """One row of the table: compress (ours or the peer's), then score the output."""
+    work = args.work
     if name == "dense":
         ppl = run_job(score_job(name, args.checkpoint, args.eval_tokens), work).result
         return {"method": "dense", "sparsity": "-", "tool": "-", "ppl": ppl["perplexity"]}
@@ -91,6 +81,9 @@ def run_row(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         run = run_job(compress_job(method, sparsity, out, args), work)
         row = {"wall_seconds": run.wall_seconds, "peak_rss_mb": run.peak_rss_mb}
     else:
+        if not (Path(args.venv) / "bin" / "python").exists():
+            setup = HERE / "peers" / "setup_llmcompressor.sh"
+            subprocess.run(["bash", str(setup), args.venv], check=True)
         peer = run_peer(
             method,
             sparsity,
@@ -106,41 +99,31 @@ def run_row(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {**row, "method": method, "sparsity": sparsity, "tool": tool, "ppl": ppl}
 
 
+def record(args: argparse.Namespace, rows: list[dict]) -> dict[str, Any]:
+    settings = {k: getattr(args, k) for k in ("checkpoint", "eval_tokens", "nsamples", "seq_len")}
+    return {"settings": settings, "results": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default="smollm2-135m")
     parser.add_argument("--eval-tokens", type=int, default=32768, help="per corpus, 0 = all")
     parser.add_argument("--nsamples", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--skip-peers", action="store_true")
+    parser.add_argument(
+        "--skip-peers",
+        action="store_true",
+        help="run none of llm-compressor's rows (those of the results file are kept)",
+    )
     parser.add_argument("--venv", default=str(DEFAULT_VENV), help="llm-compressor's venv")
     add_harness_args(parser, "rerun just these rows (dense, or TOOL:METHOD:SPARSITY)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    if args.render_only:
-        print(render_files(args.results_dir, NAME, render))
-        return 0
-    names = select_jobs(parser, JOB_NAMES, args.only)
     if args.skip_peers:
-        names = [n for n in names if not n.startswith("llm-compressor:")]
-    if any(n.startswith("llm-compressor:") for n in names):
-        if not (Path(args.venv) / "bin" / "python").exists():
-            setup = HERE / "peers" / "setup_llmcompressor.sh"
-            subprocess.run(["bash", str(setup), args.venv], check=True)
-
-    rows = previous_rows(args.results_dir, NAME, args.only)
-    work = args.work or Path(tempfile.mkdtemp(prefix="lmcompress-bench-"))
-    for name in names:
-        log.info("%s", name)
-        row = run_row(name, args, work)
-        log.info("%s", row)
-        rows = merge_rows(rows, [row], key=row_name, order=JOB_NAMES)
-    if not args.work:
-        shutil.rmtree(work, ignore_errors=True)
-    settings = {k: getattr(args, k) for k in ("checkpoint", "eval_tokens", "nsamples", "seq_len")}
-    payload = {"settings": settings, "machine": machine(), "results": rows}
-    print(write_results(args.results_dir, NAME, payload, render))
-    return 0
+        args.only = [n for n in args.only or JOB_NAMES if not n.startswith("llm-compressor:")]
+        if not args.only:
+            parser.error("--skip-peers leaves no job to run")
+    table = row_table(NAME, render, JOB_NAMES, run_row, record, key=row_name)
+    return run_table(table, args, parser)
 
 
 def _ratio(ours: dict, peer: dict | None, key: str) -> str:

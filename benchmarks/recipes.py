@@ -17,24 +17,13 @@ form of the compressed layers (values and metadata: positions, scales), and the 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.render import (
-    add_harness_args,
-    markdown_table,
-    merge_rows,
-    previous_rows,
-    render_files,
-    select_jobs,
-    write_results,
-)
-from benchmarks.runner import CLI, ROOT, Job, machine, run_job
-
-log = logging.getLogger(__name__)
+from benchmarks.harness import add_harness_args, row_table, run_table
+from benchmarks.render import markdown_table
+from benchmarks.runner import CLI, Job, run_job
 
 NAME = "recipes"
 CORPORA = ("wiki-test", "lee")
@@ -65,7 +54,9 @@ def compress_job(spec: dict[str, Any], out: Path, settings: dict[str, Any]) -> J
     return Job(spec["name"], command, out / "compression.json")
 
 
-def run_row(spec: dict[str, Any], settings: dict[str, Any], work: Path) -> dict[str, Any]:
+def run_row(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    spec = next(j for j in JOBS if j["name"] == name)
+    settings, work = settings_of(args), args.work
     out = work / "outputs" / spec["name"].replace(" ", "-").replace(":", "of").replace(">", "")
     run = run_job(compress_job(spec, out, settings), work)
     results = run.result["results"]
@@ -145,29 +136,21 @@ def render(payload: dict[str, Any]) -> str:
     )
 
 
+def settings_of(args: argparse.Namespace) -> dict[str, Any]:
+    return {"checkpoint": args.checkpoint, "eval_tokens": args.eval_tokens}
+
+
+def record(args: argparse.Namespace, rows: list[dict]) -> dict[str, Any]:
+    return {"settings": settings_of(args), "results": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default="smollm2-135m")
     parser.add_argument("--eval-tokens", type=int, default=32768, help="per corpus, 0 = all")
     add_harness_args(parser, "rerun just these rows (names as in the table)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    if args.render_only:
-        print(render_files(args.results_dir, NAME, render))
-        return 0
-    names = select_jobs(parser, [j["name"] for j in JOBS], args.only)
-    settings = {"checkpoint": args.checkpoint, "eval_tokens": args.eval_tokens}
-    rows = previous_rows(args.results_dir, NAME, args.only)
-    work = args.work or Path(tempfile.mkdtemp(prefix="lmcompress-recipes-"))
-    for spec in (j for j in JOBS if j["name"] in names):
-        row = run_row(spec, settings, work)
-        log.info("%s: %s", spec["name"], row["compressed"])
-        rows = merge_rows(rows, [row], key=lambda r: r["name"], order=[j["name"] for j in JOBS])
-        payload = {"settings": settings, "machine": machine(), "results": rows}
-        write_results(args.results_dir, NAME, payload, render)  # after every row: kill-safe
-    print(render_files(args.results_dir, NAME, render))
-    log.info("job logs and outputs in %s (recipe: %s)", work, ROOT / RECIPE)
-    return 0
+    table = row_table(NAME, render, [j["name"] for j in JOBS], run_row, record)
+    return run_table(table, parser.parse_args(argv), parser)
 
 
 if __name__ == "__main__":

@@ -3,14 +3,14 @@
 
 Each benchmark module gives ``NAME`` (its results are ``results/NAME.{json,md}``) and
 ``render(payload) -> str``; one with curves also gives ``plot(payload, results_dir, path)``.
-``--render-only`` redraws the md (and PNG) from the committed JSON without running anything,
-and ``tests/benchmarks/test_render.py`` checks that this reproduces the committed files byte for
-byte. ``--only`` reruns some rows and merges them into the results file (``merge_rows``).
+``--render-only`` (``benchmarks.harness``) redraws the md (and PNG) from the committed JSON
+without running anything, and ``tests/benchmarks/test_render.py`` checks that this reproduces
+the committed files byte for byte. ``--only`` reruns some rows and merges them into the results
+file (``merge_rows``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 from collections.abc import Callable, Iterable, Sequence
@@ -72,43 +72,3 @@ def render_files(results_dir: Path, name: str, render: Render, plot: Plot | None
     if plot is not None:
         plot(payload, results_dir, results_dir / f"{name}_curves.png")
     return table
-
-
-def add_harness_args(parser: argparse.ArgumentParser, only_help: str) -> None:
-    """The flags every benchmark has: where results go, --render-only, --only, --work."""
-    parser.add_argument(
-        "--results-dir",
-        type=Path,
-        default=RESULTS_DIR,
-        help="read and write the results files here (default: benchmarks/results)",
-    )
-    parser.add_argument(
-        "--render-only",
-        action="store_true",
-        help="redraw the md (and png) from the results JSON; run nothing",
-    )
-    parser.add_argument(
-        "--only", nargs="+", default=[], metavar="JOB", help=only_help + "; merged into the JSON"
-    )
-    parser.add_argument("--work", type=Path, help="job logs (and outputs) here; default: a tmp dir")
-
-
-def select_jobs(parser: argparse.ArgumentParser, names: Sequence[str], only: Sequence[str]) -> list:
-    """The job names to run: all, or those of ``--only`` (an unknown name is a usage error)."""
-    unknown = [name for name in only if name not in names]
-    if unknown:
-        parser.error(f"unknown job(s) {', '.join(unknown)}; known: {', '.join(names)}")
-    return [name for name in names if not only or name in only]
-
-
-def previous_rows(
-    results_dir: Path, name: str, only: Sequence[str], field: str = "results"
-) -> list[dict]:
-    """The rows to keep: those of the last run when only some jobs are rerun, else none."""
-    if not only:
-        return []
-    previous = read_json(results_dir / f"{name}.json")
-    if previous is None:
-        log.warning("--only: no %s.json yet; writing only the rerun rows", name)
-        return []
-    return list(previous.get(field, []))

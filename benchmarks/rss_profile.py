@@ -1,7 +1,7 @@
 """Where a compress-model run's resident memory goes: run the CLI in this process, sample RSS
 every 50 ms, and print the peak with the stack that was running at it, the RSS per 10 s, and —
-when the compressed model is evaluated — the bytes of live tensors next to the RSS (the gap is
-memory the allocator keeps but nobody uses).
+whenever a model is evaluated — the bytes of live tensors next to the RSS (the gap is memory
+the allocator keeps but nobody uses).
 
     python -m benchmarks.rss_profile COMPRESS-MODEL ARGS...
     MALLOC_MMAP_THRESHOLD_=1048576 python -m benchmarks.rss_profile ...   # glibc's knob, compare
@@ -9,10 +9,10 @@ memory the allocator keeps but nobody uses).
 A diagnostic, not a benchmark, and deliberately outside the benchmark harness: it prints to
 stderr, writes no results file, and must run the CLI in its own process (the sampler thread
 reads this process's RSS and the main thread's stack; the tensor census needs this process's
-objects). For the same reason it wraps ``lmcompress.jobs.run.evaluate`` to take the census at
-the start of the evaluation: an instrument of this script only, never used by a benchmark. It
-produced the numbers in ``lmcompress/compressor/util/memory.py``'s docstring (3-step MaskLLM,
-magnitude prior).
+objects). The census is taken as every evaluate step starts, through the hook the library
+exposes for it (``lmcompress.jobs.evaluate.register_evaluate_hook``), not by patching the
+library. It produced the numbers in ``lmcompress/compressor/util/memory.py``'s docstring
+(3-step MaskLLM, magnitude prior).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import traceback
 import psutil
 import torch
 
-import lmcompress.jobs.run as pipeline
 from lmcompress.cli.main import main as cli_main
+from lmcompress.jobs.evaluate import register_evaluate_hook
 
 
 def live_tensor_bytes() -> int:
@@ -61,19 +61,17 @@ def main() -> int:
             timeline.append((time.time() - start, rss))
             time.sleep(0.05)
 
-    evaluate = pipeline.evaluate
-
-    def evaluate_and_census(*args, **kwargs):
+    def census(_model: torch.nn.Module) -> None:
         live, rss = live_tensor_bytes(), process.memory_info().rss
         message = f"at evaluation: live tensors {live / 2**20:.0f} MiB, RSS {rss / 2**20:.0f} MiB"
         print(message, file=sys.stderr)
-        return evaluate(*args, **kwargs)
 
-    pipeline.evaluate = evaluate_and_census
+    handle = register_evaluate_hook(census)
     threading.Thread(target=sample, daemon=True).start()
     try:
         return cli_main(sys.argv[1:])
     finally:
+        handle.remove()
         print(f"peak RSS {peak['rss'] / 2**20:.0f} MiB at {peak['at']:.1f} s, in:", file=sys.stderr)
         print("".join(peak["stack"]), file=sys.stderr)
         buckets: dict[int, int] = {}

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -161,18 +160,12 @@ def slug(name: str) -> str:
 
 
 def machine() -> dict[str, Any]:
-    """What the numbers were measured on, stored next to them."""
-    import torch
-    import transformers
-
-    return {
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
+    """What the numbers were measured on, stored next to them: CPU model and ISA flags, torch
+    threads and ``OMP_NUM_THREADS``, versions (:mod:`benchmarks.child.host`, in a process of
+    its own with this environment: the threads a job's torch takes)."""
+    command = (PYTHON, "-m", "benchmarks.child.host")
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
+    return json_at_end(done.stdout)
 
 
 def _read(reads: str | Path | None, stdout: Path) -> Any:

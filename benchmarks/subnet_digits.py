@@ -2,7 +2,7 @@
 (Dupont et al., arXiv 2202.12986) at small scale, with the library's own subnet machinery.
 
     OMP_NUM_THREADS=1 python -m benchmarks.subnet_digits            # ~4 min on one core
-    python -m benchmarks.subnet_digits --quick --results-dir /tmp/x  # seconds: the smoke test
+    python -m benchmarks.subnet_digits --smoke          # seconds, into a scratch dir: the test
     python -m benchmarks.subnet_digits --render-only
 
 ``load_digits`` (1,797 real 8×8 digits, no download), features ÷ 16, one stratified 60/20/20
@@ -31,15 +31,14 @@ import logging
 import resource
 import sys
 import time
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.render import RESULTS_DIR, render_files, write_results
-from benchmarks.runner import machine
+from benchmarks.harness import Table, add_harness_args, run_table
 from benchmarks.subnet_digits_plot import plot, render
 from lmcompress.compressor.training.trainer import TrainConfig, Trainer
 from lmcompress.methods.subnet.config import SubnetConfig
@@ -143,8 +142,48 @@ def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # KiB on Linux
 
 
-def _steps_per_epoch(data: dict[str, torch.Tensor], hp: dict[str, Any]) -> int:
-    return max(1, round(len(data["y_train"]) / hp["batch_size"]))
+def mask_config(
+    hp: dict[str, Any], target: float | None, rescale: bool, constraint: str, weight: float
+) -> SubnetConfig:
+    """Threshold extraction without a constraint (``target`` None: the sparsity emerges), else
+    top-k at ``target``."""
+    return SubnetConfig(
+        sparsity=str(target if target is not None else 0.5),
+        prior="none",
+        scale="layer" if rescale else "none",
+        scale_lr=hp["scale_lr"],
+        tau=hp["tau"],
+        extract="topk" if target is not None else "threshold",
+        constraint=constraint if target is not None else "none",
+        constraint_weight=weight,
+    )
+
+
+def train_config(data: dict[str, torch.Tensor], hp: dict[str, Any], seed: int) -> TrainConfig:
+    """The paper's SGD, ``epochs`` passes over the training split, scored every epoch."""
+    per_epoch = max(1, round(len(data["y_train"]) / hp["batch_size"]))
+    return TrainConfig(
+        steps=hp["epochs"] * per_epoch,
+        lr=hp["lr"],
+        optimizer="sgd",
+        momentum=hp["momentum"],
+        schedule="constant",
+        weight_decay=0.0,
+        grad_clip=0.0,
+        batch_size=hp["batch_size"],
+        eval_every=per_epoch,
+        seed=seed,
+    )
+
+
+def extract(config: SubnetConfig, modules: dict[str, nn.Module], state: dict) -> tuple[int, int]:
+    """Fold the best epoch's masks (and scales) into the layers; (weights kept, weights)."""
+    kept = total = 0
+    for name, module in modules.items():
+        logits, scale = state[name]
+        report = extract_layer(config, name, module, logits, scale)
+        kept, total = kept + report.params_kept, total + report.params
+    return kept, total
 
 
 def train_mask(
@@ -160,16 +199,7 @@ def train_mask(
     extracted model at the epoch of best hard-mask val accuracy, scored on test."""
     started = time.perf_counter()
     model = new_network(hp["hidden"], seed)
-    config = SubnetConfig(
-        sparsity=str(target if target is not None else 0.5),
-        prior="none",
-        scale="layer" if rescale else "none",
-        scale_lr=hp["scale_lr"],
-        tau=hp["tau"],
-        extract="topk" if target is not None else "threshold",
-        constraint=constraint if target is not None else "none",
-        constraint_weight=constraint_weight,
-    )
+    config = mask_config(hp, target, rescale, constraint, constraint_weight)
     modules = {name: getattr(model, name) for name in LAYERS}
     masks = {name: new_mask(config, name, module, None) for name, module in modules.items()}
     trained = learnable(config, masks)  # logits, scales, multipliers; the keep-rate term
@@ -195,24 +225,11 @@ def train_mask(
             best.update(val=val, epoch=len(curve), state=_snapshot(masks))
         return {"val_acc": val}
 
-    per_epoch = _steps_per_epoch(data, hp)
-    train = TrainConfig(
-        steps=hp["epochs"] * per_epoch,
-        lr=hp["lr"],
-        optimizer="sgd",
-        momentum=hp["momentum"],
-        schedule="constant",
-        weight_decay=0.0,
-        grad_clip=0.0,
-        batch_size=hp["batch_size"],
-        eval_every=per_epoch,
-        seed=seed,
-    )
     torch.manual_seed(seed)  # the mask noise
     trainer = Trainer(
         model,
         params,
-        train,
+        train_config(data, hp, seed),
         loss_fn,
         evaluate=evaluate,
         collate=lambda _examples, idx: (data["X_train"][idx], data["y_train"][idx]),
@@ -222,11 +239,7 @@ def train_mask(
     )
     state = trainer.fit(torch.arange(len(data["y_train"])))
     last = state.history[-1]
-    kept = total = 0
-    for name, module in modules.items():
-        logits, scale = best["state"][name]
-        report = extract_layer(config, name, module, logits, scale)
-        kept, total = kept + report.params_kept, total + report.params
+    kept, total = extract(config, modules, best["state"])
     test = accuracy(model, data["X_test"], data["y_test"])
     keeps = {n: int(module.weight.ne(0).sum()) for n, module in modules.items()}
     return {
@@ -357,31 +370,28 @@ def _split_info(data: dict[str, torch.Tensor]) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--render-only", action="store_true", help="redraw md and png only")
-    parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if args.render_only:
-        print(render_files(args.results_dir, NAME, render, plot))
-        return 0
-    hp = QUICK if args.quick else FULL
+def measure(args: argparse.Namespace, _names: list[str], _previous: dict) -> Iterator[dict]:
+    """The whole run (``--smoke``: the seconds-long one); its record."""
+    hp = QUICK if args.smoke else FULL
     started = time.perf_counter()
     result = run(hp)
-    payload = {
-        "quick": args.quick,
-        "note": None if args.quick else NOTE,
+    yield {
+        "quick": args.smoke,
+        "note": None if args.smoke else NOTE,
         "hyperparameters": hp,
         **result,
         "wall_seconds": round(time.perf_counter() - started, 1),
         "peak_rss_mb": peak_rss_mb(),
-        "machine": machine(),
     }
-    args.results_dir.mkdir(parents=True, exist_ok=True)
-    print(write_results(args.results_dir, NAME, payload, render, plot))
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_harness_args(parser, work=False)
+    parser.add_argument(
+        "--smoke", "--quick", action="store_true", help="a seconds-long run (to a scratch dir)"
+    )
+    return run_table(Table(NAME, render, measure, plot=plot), parser.parse_args(argv), parser)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,15 @@ import logging
 import resource
 import sys
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lmcompress.compressor.io.layout import MANIFEST
 from lmcompress.compressor.io.load import load_compressed, read_manifest, runtime_bytes
@@ -32,11 +35,25 @@ from lmcompress.jobs.preflight import check_eval
 
 logger = logging.getLogger(__name__)
 
+_evaluate_hooks: OrderedDict[int, Callable[[nn.Module], None]] = OrderedDict()  # weakref-able
+
+
+def register_evaluate_hook(hook: Callable[[nn.Module], None]) -> RemovableHandle:
+    """Call ``hook(model)`` as every evaluate step starts (the dense model, each stage, the
+    compressed model, ``compress-model eval``): for an instrument that measures a job there,
+    such as ``benchmarks/rss_profile.py``'s count of live tensors. ``.remove()`` the handle
+    to unregister it (as ``torch.nn.modules.module.register_module_forward_hook``)."""
+    handle = RemovableHandle(_evaluate_hooks)
+    _evaluate_hooks[handle.id] = hook
+    return handle
+
 
 def evaluate(
     model: nn.Module, tokenizer: Any, corpora: dict[str, torch.Tensor], options: RunOptions
 ) -> dict[str, Any]:
     """Perplexity on every eval corpus: ``{corpus: PerplexityResult.to_dict()}``."""
+    for hook in list(_evaluate_hooks.values()):
+        hook(model)
     bos = tokenizer.bos_token_id if family_of(model).needs_bos else None
     return {
         name: perplexity(

@@ -121,4 +121,4 @@ def test_unknown_rows_are_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         int8_speed.main(["--only", "int4"])
     assert exit_info.value.code == 2
-    assert "unknown row(s) int4" in capsys.readouterr().err
+    assert "unknown job(s) int4" in capsys.readouterr().err

@@ -3,11 +3,15 @@ in Triton's interpreter (conftest.py selects it), so that the script is known to
 GPU runs it. Its table from a canned GPU payload; without a GPU only ``--smoke`` runs."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from benchmarks import kernels
+from benchmarks.runner import ROOT
 
 pytest.importorskip("triton")
 
@@ -95,3 +99,15 @@ def test_without_a_gpu_only_smoke_runs(capsys):
         kernels.main([])
     assert exit_info.value.code == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_smoke_from_the_command_line_sets_the_interpreter_itself(tmp_path):
+    """``python -m benchmarks.kernels --smoke`` without TRITON_INTERPRET in the environment (as
+    a person types it): the driver sets it before anything imports Triton."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    argv = ["--smoke", "--no-e2e", "--dtypes", "fp32", "--results-dir", str(tmp_path)]
+    command = [sys.executable, "-m", "benchmarks.kernels", *argv]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
+    assert rows and all(r["max_rel_err"] < 1e-5 for r in rows)

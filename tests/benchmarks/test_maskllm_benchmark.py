@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import harness, maskllm_plot
 from benchmarks import maskllm as bench
-from benchmarks import maskllm_plot
+from benchmarks.runner import Run
 
 SGPT_PPL = 50.0
 
@@ -142,15 +143,6 @@ def test_blockwise_curves_are_kept_and_concatenated():
     assert maskllm_plot._xs(joined) == [1, 2, 3, 4, 5, 6]  # steps restart per block: global index
 
 
-def test_merge_replaces_only_the_rerun_row():
-    old = [_row("zzz-old", _manifest(ppl=80.0))[0], _row("paper", _manifest(ppl=60.0))[0]]
-    new = _row("paper", _manifest(ppl=40.0))[0]
-    merged = bench.merge_rows(old, [new])
-    assert [r["name"] for r in merged] == ["paper", "zzz-old"]  # CONFIGS order, then the rest
-    assert merged[0]["ppl"] == 40.0 and merged[1]["ppl"] == 80.0
-    assert bench.merge_curves({"a": 1, "paper": 2}, {"paper": 3}) == {"a": 1, "paper": 3}
-
-
 def test_build_command_puts_the_config_args_last():
     settings = {
         "checkpoint": "smollm2-135m",
@@ -176,21 +168,31 @@ def test_ratio():
     assert bench.ratio(None, SGPT_PPL) is None and bench.ratio(45.0, None) is None
 
 
-def test_write_outputs_and_render_only(results_dir):
-    paper, paper_curves = _row("paper", _manifest(ppl=45.0))
+def test_a_run_writes_rows_curves_and_baselines_then_render_only(results_dir, monkeypatch):
+    """Two configurations through main() (their compress-model jobs canned): the rows with
+    their ratio to SparseGPT 2:4, the curves file, the baselines; then --render-only redraws."""
     blocks = [{"block": 0, "curve": [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.4}]}]
     block_manifest = _manifest(ppl=55.0, extra={"block_curves": blocks})
     block_manifest["report"]["extra"]["loss_curve"] = []
-    blockwise, block_curves = _row("bw", block_manifest, args=("--blockwise",))
-    settings = {"checkpoint": "smollm2-135m", "eval": "wiki-test", "nsamples": 8, "seq_len": 16}
-    rows = bench.merge_rows([], [paper, blockwise])
-    curves = {"paper": paper_curves, "bw": block_curves}
-    table = bench.write_outputs(results_dir, rows, curves, settings, {"cpu_count": 2})
+    manifests = {"paper": _manifest(ppl=45.0), "blockwise-refit": block_manifest}
+
+    def run_job(job, work):
+        assert job.reads == Path(job.command[job.command.index("-o") + 1]) / "compression.json"
+        return Run(job.name, 100.0, 900.0, 0, manifests[job.name], Path(work), Path(work))
+
+    monkeypatch.setattr(bench, "run_job", run_job)
+    monkeypatch.setattr(harness, "machine", lambda: {"cpu_count": 2})
+    argv = ["--only", "blockwise-refit", "paper", "--nsamples", "8", "--seq-len", "16"]
+    argv += ["--work", str(results_dir / "work")]
+    assert bench.main([*argv, "--results-dir", str(results_dir)]) == 0
+    table = (results_dir / "maskllm.md").read_text()
 
     lines = [line for line in table.splitlines() if line.startswith("| ")]
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[1:]]
     names = [c[0] for c in cells]
-    assert names == ["dense", "magnitude 2:4", "Wanda 2:4", "SparseGPT 2:4", "paper", "bw"]
+    assert names == [
+        "dense", "magnitude 2:4", "Wanda 2:4", "SparseGPT 2:4", "paper", "blockwise-refit"
+    ]  # fmt: skip
     by_name = {c[0]: c for c in cells}
     header = [h.strip() for h in lines[0].strip("|").split("|")]
     col = {h: i for i, h in enumerate(header)}
@@ -198,19 +200,20 @@ def test_write_outputs_and_render_only(results_dir):
     assert by_name["SparseGPT 2:4"][col["wiki-test ppl"]] == "50.00"  # ours, not the peer's
     assert by_name["magnitude 2:4"][col["source"]] == "baseline (magnitude.json)"
     assert by_name["paper"][col["÷ SparseGPT 2:4"]] == "0.900"
-    assert by_name["bw"][col["÷ SparseGPT 2:4"]] == "1.100"
+    assert by_name["blockwise-refit"][col["÷ SparseGPT 2:4"]] == "1.100"
     assert by_name["SparseGPT 2:4"][col["÷ SparseGPT 2:4"]] == "1.000"
     assert by_name["paper"][col["wall s"]] == "100.0"
     assert by_name["paper"][col["train tokens"]] == "384"
-    assert by_name["paper"][col["args"]] == "`--steps 4`"
-    assert "note of paper" in table
+    assert by_name["paper"][col["args"]] == "`" + " ".join(bench.CONFIGS["paper"]["args"]) + "`"
+    assert bench.CONFIGS["paper"]["note"] in table
 
     saved = json.loads((results_dir / "maskllm.json").read_text())
-    assert [r["name"] for r in saved["results"]] == ["paper", "bw"]
+    assert [r["name"] for r in saved["results"]] == ["paper", "blockwise-refit"]  # CONFIGS order
     assert saved["results"][0]["ratio_to_sparsegpt"] == 0.9
     assert [b["name"] for b in saved["baselines"]][-1] == "SparseGPT 2:4"
+    assert saved["machine"] == {"cpu_count": 2}
     saved_curves = json.loads((results_dir / "maskllm_curves.json").read_text())
-    assert saved_curves["bw"]["blocks"]["block_curves"] == blocks
+    assert saved_curves["blockwise-refit"]["blocks"]["block_curves"] == blocks
     png = results_dir / "maskllm_curves.png"
     assert png.stat().st_size > 0
 

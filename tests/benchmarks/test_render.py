@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import BENCHMARKS, magnitude, maskllm_fsdp, pruning
+from benchmarks import BENCHMARKS, harness, magnitude, maskllm_fsdp, pruning
+from benchmarks.child import maskllm_fsdp as fsdp_child
 from benchmarks.render import RESULTS_DIR, merge_rows
 from benchmarks.runner import Run
 
@@ -66,14 +67,14 @@ def test_magnitude_only_reruns_one_row_and_keeps_the_others(tmp_path, monkeypatc
 
     def result(job):
         ran.append(job.name)
-        assert job.command[1:4] == ("-m", "benchmarks.magnitude", "--child")
-        spec = json.loads(job.command[4])
+        assert job.command[1:3] == ("-m", "benchmarks.child.magnitude")
+        spec = json.loads(job.command[3])
         assert (spec["name"], spec["method"], spec["eval_tokens"]) == ("dense", None, 64)
         ppl = {"perplexity": 42.0, "tokens": 64}
         return {"name": "dense", "wiki-test": ppl, "lee": ppl, "seconds": 1.0}
 
     monkeypatch.setattr(magnitude, "run_job", _canned(result))
-    monkeypatch.setattr(magnitude, "machine", lambda: {"cpu_count": 0})
+    monkeypatch.setattr(harness, "machine", lambda: {"cpu_count": 0})
     argv = ["--only", "dense", "--eval-tokens", "64", "--results-dir", str(tmp_path)]
     assert magnitude.main([*argv, "--work", str(tmp_path / "work")]) == 0
 
@@ -107,9 +108,9 @@ def test_pruning_only_reruns_our_row_and_scores_its_output(tmp_path, monkeypatch
         return None
 
     monkeypatch.setattr(pruning, "run_job", _canned(result))
-    monkeypatch.setattr(pruning, "machine", lambda: {"cpu_count": 0})
+    monkeypatch.setattr(harness, "machine", lambda: {"cpu_count": 0})
     argv = ["--only", "lmcompress:sparsegpt:2:4", "--results-dir", str(tmp_path)]
-    assert pruning.main(argv) == 0
+    assert pruning.main([*argv, "--work", str(tmp_path / "work")]) == 0
 
     assert ran == ["lmcompress:sparsegpt:2:4", "eval lmcompress:sparsegpt:2:4"]
     new = json.loads((tmp_path / "pruning.json").read_text())
@@ -143,7 +144,7 @@ def test_fsdp_only_launches_the_module_and_reads_every_process_record(tmp_path, 
     def result(job):
         command = [str(part) for part in job.command]
         assert command[1] == "launch" and command[command.index("--num_processes") + 1] == "2"
-        assert command[command.index("-m") + 1] == "benchmarks.maskllm_fsdp"
+        assert command[command.index("-m") + 1] == "benchmarks.child.maskllm_fsdp"
         assert json.loads(command[-2])["options"] == {"fsdp": True}
         assert job.env == {"OMP_NUM_THREADS": "1"}
         for rank in (0, 1):  # what each process of the launch writes
@@ -153,9 +154,9 @@ def test_fsdp_only_launches_the_module_and_reads_every_process_record(tmp_path, 
         return None
 
     monkeypatch.setattr(maskllm_fsdp, "run_job", _canned(result))
-    monkeypatch.setattr(maskllm_fsdp, "machine", lambda: {"cpu_count": 0})
+    monkeypatch.setattr(harness, "machine", lambda: {"cpu_count": 0})
     argv = ["--only", "2 processes, FSDP", "--results-dir", str(tmp_path)]
-    assert maskllm_fsdp.main(argv) == 0
+    assert maskllm_fsdp.main([*argv, "--work", str(tmp_path / "work")]) == 0
 
     new = json.loads((tmp_path / "maskllm_fsdp.json").read_text())
     assert new["runs"][:2] == old["runs"][:2]
@@ -176,7 +177,7 @@ def test_fsdp_child_records_what_the_report_says(tiny_checkpoint, tmp_path):
     corpus.write_text("The quick brown fox jumps over the lazy dog. " * 40)
     job = {"checkpoint": str(tiny_checkpoint), "calib": str(corpus), "nsamples": 4}
     job.update(seq_len=16, seed=0, steps=2, batch_size=2, options={})
-    maskllm_fsdp.child(job, tmp_path)
+    fsdp_child.run(job, tmp_path)
 
     record = json.loads((tmp_path / "rank0.json").read_text())
     assert record["rank"] == 0 and len(record["losses"]) == 2

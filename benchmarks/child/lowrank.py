@@ -1,0 +1,139 @@
+"""The jobs of ``benchmarks.lowrank``, each in a process of its own.
+
+    python -m benchmarks.child.lowrank stats JOB STATS_DIR               # collect, cache
+    python -m benchmarks.child.lowrank apply SPEC_JSON STATS_DIR EVAL_TOKENS   # one row
+
+``stats``: one calibration pass of the dense model (``stats:activations``: ASVD's and
+SVD-LLM's input statistics; ``stats:gradients``: FWSVD's and both GFWSVD variants' gradient
+statistics), saved as each method's Stats file. ``apply``: factorise with the cached statistics
+(``Method.apply``) and score with the library's evaluate step on the text a job reads
+(:class:`JobText`). Each prints its numbers as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks.lowrank import CHECKPOINT, CORPORA, METHODS, NSAMPLES, SEED, SEQ_LEN
+from lmcompress import compress
+from lmcompress.compressor.calibration.gradients import gradient_statistics
+from lmcompress.compressor.method import Stats
+from lmcompress.compressor.model.loading import load_model
+from lmcompress.compressor.model.surgery import LayerSelection
+from lmcompress.jobs.evaluate import JobText, evaluate
+from lmcompress.jobs.options import RunOptions
+from lmcompress.methods import get_method
+from lmcompress.methods.sparsegpt import SparseGPTConfig
+from lmcompress.methods.svd import ASVDConfig, SVDLLMConfig
+from lmcompress.methods.svd.activation import ASVD, SVDLLM, forward_statistics
+from lmcompress.methods.svd.fisher import SampleStore, fwsvd_stats, gfwsvd_stats, sample_count
+
+
+def setup(eval_tokens: int | None = None) -> tuple[nn.Module, JobText]:
+    """The dense model and the text of the job: wiki-calib windows, and the eval corpora."""
+    torch.set_grad_enabled(False)
+    model, tokenizer = load_model(CHECKPOINT)
+    options = RunOptions(
+        checkpoint=CHECKPOINT,
+        calib="wiki-calib",
+        nsamples=NSAMPLES,
+        seq_len=SEQ_LEN,
+        seed=SEED,
+        eval=CORPORA,
+        eval_tokens=eval_tokens or 0,
+    )
+    return model, JobText(tokenizer, options, evaluates=eval_tokens is not None)
+
+
+def activation_stats(model: nn.Module, calib: torch.Tensor, stats_dir: Path) -> dict[str, Any]:
+    start = time.perf_counter()
+    asvd, svdllm = ASVD(ASVDConfig()), SVDLLM(SVDLLMConfig())
+    layers = asvd.validate(model)
+    observers = {name: [asvd.observer(), svdllm.observer()] for name in layers}
+    forward_statistics(model, calib, observers, 4, torch.device("cpu"), "inputs")
+    for index, method in enumerate((asvd, svdllm)):
+        tensors = {f"{n}.{method.key}": method.read(o[index]) for n, o in observers.items()}
+        Stats(tensors=tensors).save(stats_dir / f"{method.name}.safetensors")
+    return {"pass_seconds": round(time.perf_counter() - start, 1)}
+
+
+def gradient_stats(model: nn.Module, calib: torch.Tensor, stats_dir: Path) -> dict[str, Any]:
+    start = time.perf_counter()
+    layers = LayerSelection().select(model)
+    samples = SampleStore(layers, sample_count(NSAMPLES, 8))
+    torch.set_grad_enabled(True)
+    found = gradient_statistics(
+        model, calib, layers, batch_size=8, checkpointing=True, on_sample=samples
+    )
+    pass_seconds = time.perf_counter() - start
+    fwsvd_stats(found, NSAMPLES).save(stats_dir / "fwsvd.safetensors")
+    gfwsvd_stats(found, NSAMPLES).save(stats_dir / "gfwsvd-kfac.safetensors")
+    for layer in found.values():  # free what the nearest product does not need
+        layer.fisher = layer.dd = None  # (gfwsvd_stats reads only xx when given samples)
+    nearest = gfwsvd_stats(found, NSAMPLES, samples)
+    nearest.save(stats_dir / "gfwsvd-nearest.safetensors")
+    return {
+        "pass_seconds": round(pass_seconds, 1),
+        "samples": nearest.meta["samples"],
+        "power_seconds": nearest.meta["power_seconds"],
+        "power_iterations": nearest.meta["power_iterations"],
+    }
+
+
+def stats(job: str, stats_dir: Path) -> dict[str, Any]:
+    """Collect the statistics of ``job`` once and save each method's Stats file."""
+    model, text = setup()
+    stats_dir.mkdir(parents=True, exist_ok=True)
+    collect = activation_stats if job == "stats:activations" else gradient_stats
+    return collect(model, text.calibration(), stats_dir)
+
+
+def factorise(model: nn.Module, spec: dict[str, Any], stats_dir: Path, text: JobText) -> dict:
+    """The row's method with its cached statistics (``combined``: GFWSVD on the MLP layers,
+    then SparseGPT 2:4 on the attention layers); its timings, kept fraction and ranks."""
+    combined = spec["name"] == "combined"
+    name = "gfwsvd" if combined else spec["method"]
+    stats_file, overrides = METHODS[name]
+    method_class = get_method("gfwsvd" if name.startswith("gfwsvd") else name)
+    options = {"ratio": spec["ratio"], "allocation": spec.get("allocation", "uniform")}
+    if combined:
+        options["include"] = ("model.layers.*.mlp.*",)
+    method = method_class(method_class.config_class(**options, **overrides))
+    cached = Stats() if stats_file is None else Stats.load(stats_dir / f"{stats_file}.safetensors")
+    start = time.perf_counter()
+    report = method.apply(model, cached)
+    result: dict[str, Any] = {"apply_seconds": round(time.perf_counter() - start, 1)}
+    params, kept = report.params, report.params_kept
+    if combined:
+        start = time.perf_counter()
+        attention = SparseGPTConfig(sparsity="2:4", include=("model.layers.*.self_attn.*",))
+        pruned = compress(model, attention, text.calibration())
+        result["sparsegpt_seconds"] = round(time.perf_counter() - start, 1)
+        params, kept = params + pruned.params, kept + pruned.params_kept
+    result["params_kept_fraction"] = kept / params
+    result["ranks"] = report.extra["ranks"]
+    return result
+
+
+def apply(spec: dict[str, Any], stats_dir: Path, eval_tokens: int) -> dict[str, Any]:
+    """Factorise (unless dense) and score; the row's numbers."""
+    model, text = setup(eval_tokens)
+    result = {} if spec["method"] == "dense" else factorise(model, spec, stats_dir, text)
+    scores = evaluate(model, text.tokenizer, text.corpora, text.options)
+    result["ppl"] = {corpus: found["perplexity"] for corpus, found in scores.items()}
+    return result
+
+
+if __name__ == "__main__":
+    command, *rest = sys.argv[1:]
+    if command == "stats":
+        print(json.dumps(stats(rest[0], Path(rest[1]))))
+    else:
+        print(json.dumps(apply(json.loads(rest[0]), Path(rest[1]), int(rest[2]))))

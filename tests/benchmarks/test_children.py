@@ -1,0 +1,70 @@
+"""What benchmark jobs run in their own processes (benchmarks/child/), called in process on tiny
+models: they score through the library's evaluate step and report what their drivers read."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from safetensors.torch import save_file
+
+from benchmarks.child import int8_interop, lowrank, magnitude, streaming
+from lmcompress.jobs.evaluate import JobText
+from lmcompress.jobs.options import RunOptions
+from lmcompress.jobs.run import run
+from lmcompress.methods.int8 import Int8Config
+
+TEXT = "\n\n".join(f"Document {i}: the quick brown fox jumps over the lazy dog." for i in range(60))
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT)
+    return str(path)
+
+
+@pytest.mark.parametrize("method", [None, "magnitude"])
+def test_magnitude_row_scores_every_corpus(tiny_checkpoint, corpus, method):
+    job = {"name": "row", "method": method, "sparsity": "2:4", "checkpoint": str(tiny_checkpoint)}
+    job.update(corpora=[corpus], seq_len=32, eval_tokens=0)
+    row = magnitude.run(job)
+    assert row["name"] == "row" and row[corpus]["tokens"] > 0
+    assert math.isfinite(row[corpus]["perplexity"]) and row["seconds"] >= 0
+    assert ("summary" in row) == (method is not None)
+    json.dumps(row)  # what the child prints
+
+
+def test_int8_interop_scores_transformers_beside_ours(tiny_checkpoint, corpus, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    out = tmp_path / "out"
+    options = RunOptions(checkpoint=str(tiny_checkpoint), eval=(corpus,), seq_len=32)
+    run(dataclasses.replace(options, output=str(out), skip_dense=True), Int8Config())
+    scores = int8_interop.run(str(out), 0, (corpus,))
+    assert set(scores) == {"transformers", "simulated", "runtime"}
+    # compressed-tensors' own forward and our simulation of its scheme: the same numbers
+    assert scores["transformers"][corpus] == pytest.approx(scores["simulated"][corpus], rel=1e-3)
+
+
+def test_lowrank_factorise_keeps_the_ratio(tiny_checkpoint, tmp_path):
+    model = make_tiny_model("llama")
+    spec = {"name": "svd 0.8 uniform", "method": "svd", "ratio": 0.8, "allocation": "uniform"}
+    text = JobText(None, RunOptions(checkpoint=str(tiny_checkpoint)), evaluates=False)
+    result = lowrank.factorise(model, spec, tmp_path, text)
+    assert 0 < result["params_kept_fraction"] <= 0.85 and result["ranks"]
+
+
+def test_streaming_compare_finds_equal_and_different_tensors(tmp_path):
+    tensors = {"a": torch.arange(6.0), "b": torch.ones(2, 2)}
+    for name in ("left", "right", "other"):
+        (tmp_path / name).mkdir()
+        changed = {**tensors, "b": torch.zeros(2, 2)} if name == "other" else tensors
+        save_file(changed, str(tmp_path / name / "compressed.safetensors"))
+    same = streaming.compare_outputs(tmp_path / "left", tmp_path / "right")
+    assert same == {
+        "tensors": 2, "compressed_tensors": 2, "differ": [], "only_in_one": [], "equal": True
+    }  # fmt: skip
+    differ = streaming.compare_outputs(tmp_path / "left", tmp_path / "other")
+    assert differ["differ"] == ["compressed/b"] and not differ["equal"]

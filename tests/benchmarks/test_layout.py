@@ -1,0 +1,80 @@
+"""The shape of ``benchmarks/``, read from the source with ``ast``: files and functions short,
+imports inside functions only of the optional dependencies (and the few modules listed below,
+with why), and drivers that import neither torch nor the library's heavy modules, so that their
+``--help`` and ``--render-only`` stay cheap (the model work is in ``benchmarks/child/``)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import benchmarks
+from benchmarks import BENCHMARKS
+
+ROOT = Path(benchmarks.__file__).resolve().parent
+FILES = sorted(ROOT.rglob("*.py"))
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 80
+OPTIONAL = ("matplotlib", "triton", "torchao", "sklearn", "lm_eval")
+LAZY = {  # (module, import) -> why it is inside a function
+    ("benchmarks.int8", "torch"): "the bias heatmap takes tensors: only the PNG needs torch",
+    ("benchmarks.int8", "lmcompress.methods.int8.bias_plot"): "the PNG (matplotlib)",
+    ("benchmarks.kernels", "lmcompress.kernels"): "Triton: once TRITON_INTERPRET is set",
+    ("benchmarks.kernels", "benchmarks.kernels_sweep"): "imports Triton (the library), likewise",
+    ("benchmarks.kernels_sweep", "lmcompress.kernels.nm_linear_triton"): "Triton, likewise",
+}
+TORCH_AT_THE_TOP = {
+    "int8_speed": "measured in the driver's own process",
+    "subnet_digits": "measured in the driver's own process",
+    "pruning": "benchmarks.peers.run_peer, which prepares llm-compressor's calibration data",
+}
+
+
+def _module(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT.parent).with_suffix("").parts)
+
+
+def _lazy_imports(path: Path) -> list[tuple[str, str, int]]:
+    tree = ast.parse(path.read_text())
+    found = []
+    for function in ast.walk(tree):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(function):
+            if isinstance(node, ast.Import):
+                found += [(_module(path), alias.name, node.lineno) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                found.append((_module(path), node.module or "", node.lineno))
+    return found
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_files_and_functions_are_short(path):
+    text = path.read_text()
+    assert len(text.splitlines()) <= MAX_FILE_LINES
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1
+            assert lines <= MAX_FUNCTION_LINES, f"{node.name}: {lines} lines"
+
+
+def test_imports_inside_functions_only_where_listed():
+    wrong = [
+        (module, target, line)
+        for path in FILES
+        for module, target, line in _lazy_imports(path)
+        if target.split(".")[0] not in OPTIONAL and (module, target) not in LAZY
+    ]
+    assert not wrong, wrong
+
+
+def test_drivers_import_no_torch():
+    drivers = [f"benchmarks.{name}" for name in BENCHMARKS if name not in TORCH_AT_THE_TOP]
+    code = f"import sys; import {', '.join(drivers)}; print(sorted(m for m in sys.modules if "
+    code += "m == 'torch' or m == 'transformers'))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
