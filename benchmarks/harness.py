@@ -7,8 +7,8 @@ does the rest the same way for all of them:
 - ``--render-only``: redraw ``NAME.md`` (and the PNG) from ``NAME.json``; run nothing;
 - otherwise run the jobs (``--only``: some of ``table.jobs``, every other row kept from the
   results file), write ``NAME.json`` after each one (a kill keeps the finished ones) with the
-  host the numbers were measured on (``machine``: :mod:`benchmarks.child.host`), and draw the md
-  (and PNG) from it;
+  host the numbers were measured on (``machine``: :mod:`lmcompress.evaluation.host`), and draw
+  the md (and PNG) from it;
 - in a table of rows, a job that fails is logged and the others go on; the exit status is then
   1 (as for any run whose ``measure`` raises :class:`RunFailed` once it has written what it
   has). Job logs (and outputs) stay in ``--work`` (a new temporary directory by default), whose

@@ -161,9 +161,9 @@ def slug(name: str) -> str:
 
 def machine() -> dict[str, Any]:
     """What the numbers were measured on, stored next to them: CPU model and ISA flags, torch
-    threads and ``OMP_NUM_THREADS``, versions (:mod:`benchmarks.child.host`, in a process of
+    threads and ``OMP_NUM_THREADS``, versions (:mod:`lmcompress.evaluation.host`, in a process of
     its own with this environment: the threads a job's torch takes)."""
-    command = (PYTHON, "-m", "benchmarks.child.host")
+    command = (PYTHON, "-m", "lmcompress.evaluation.host")
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
     return json_at_end(done.stdout)
 

@@ -1,6 +1,6 @@
 """The loop of every benchmark (benchmarks/harness.py) on a toy table: rows merged in the table's
 order, a failed job costs only its row (exit 1), the host is recorded, a smoke run never writes
-into benchmarks/results; and the host record itself (benchmarks/child/host.py)."""
+into benchmarks/results; and the host record itself (lmcompress/evaluation/host.py)."""
 
 import argparse
 import json
@@ -9,10 +9,10 @@ import shutil
 import pytest
 
 from benchmarks import harness
-from benchmarks.child.host import ISA_FLAGS, cpu_info
 from benchmarks.harness import Table, add_harness_args, row_table, run_table
 from benchmarks.render import RESULTS_DIR, markdown_table
 from benchmarks.runner import machine
+from lmcompress.evaluation.host import ISA_FLAGS, cpu_info
 
 HOST = {"cpu_model": "test CPU", "torch_threads": 3}
 

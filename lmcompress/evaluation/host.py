@@ -1,12 +1,13 @@
-"""What a benchmark's numbers were measured on, as every results JSON records it (``machine``).
+"""What a measurement was made on, as every results JSON and speed table records it
+(``machine``): CPU model, ISA flags, threads, versions.
 
-    python -m benchmarks.child.host      # prints the record as JSON
+    python -m lmcompress.evaluation.host      # prints the record as JSON
 
-Run in a process of its own (``benchmarks.runner.machine``) with the environment the jobs get,
-so that ``torch_threads`` is what a job's torch takes (``OMP_NUM_THREADS`` or the cores), not
-whatever the driver set. The ISA flags are those of ``/proc/cpuinfo`` that the int8 and bf16
-paths can use (AMX, AVX-512 VNNI and BF16, AVX2): absent from the list means the CPU lacks
-it; ``None`` means the file could not be read (not Linux).
+The benchmarks run it in a process of their own (``benchmarks.runner.machine``) with the
+environment the jobs get, so that ``torch_threads`` is what a job's torch takes
+(``OMP_NUM_THREADS`` or the cores), not whatever the driver set. The ISA flags are those of
+``/proc/cpuinfo`` that the int8 and bf16 paths can use (AMX, AVX-512 VNNI and BF16, AVX2):
+absent from the list means the CPU lacks it; ``None`` means the file could not be read.
 """
 
 from __future__ import annotations
