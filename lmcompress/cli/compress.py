@@ -57,7 +57,8 @@ def add_job_arguments(
     parser.epilog = (
         f"The options above are {method_name}'s; each method has its own: "
         f"`{prog} --method NAME --help`, or `{PROG} methods` for all of them. Other commands: "
-        f"`{PROG} eval OUT` scores a written output. Exit codes: 0 done, 2 a bad input (one "
+        f"`{PROG} eval OUT` scores a written output, `{PROG} bench CHECKPOINT OUT` times it. "
+        "Exit codes: 0 done, 2 a bad input (one "
         "line, nothing written), 130 interrupted, 143 terminated."
     )
     parser.add_argument(

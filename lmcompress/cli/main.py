@@ -3,6 +3,7 @@
     compress-model [CHECKPOINT] --method magnitude --sparsity 2:4 -o OUT
     compress-model methods
     compress-model eval CHECKPOINT_OR_OUT --data wiki-test [--runtime packed|dense]
+    compress-model bench CHECKPOINT [OUT ...] [--prefill 4x256] [--decode 32] [-o DIR]
 
 Exit codes: 0 success; 2 a user error (one line on stderr, nothing written); 130 interrupted
 (Ctrl-C, SIGINT); 143 terminated (SIGTERM). An interrupted or terminated run cleans up what it
@@ -15,6 +16,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from lmcompress.cli.bench import bench_command
 from lmcompress.cli.compress import compress
 from lmcompress.cli.evaluate import evaluate_command
 from lmcompress.cli.flags import describe
@@ -35,7 +37,7 @@ def list_methods(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS = {"methods": list_methods, "eval": evaluate_command}
+COMMANDS = {"methods": list_methods, "eval": evaluate_command, "bench": bench_command}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import resource
-import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -26,6 +24,7 @@ from lmcompress.compressor.io.layout import MANIFEST
 from lmcompress.compressor.io.load import load_compressed, read_manifest, runtime_bytes
 from lmcompress.compressor.model.families import family_of
 from lmcompress.compressor.model.loading import load_model
+from lmcompress.compressor.util.memory import peak_rss_mib
 from lmcompress.errors import LmcompressError
 from lmcompress.evaluation.corpora import calibration_windows, tokenize
 from lmcompress.evaluation.lm_eval_adapter import run_lm_eval
@@ -146,20 +145,3 @@ def eval_options(**values: Any) -> EvalOptions:
     return EvalOptions(
         **{k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if k in names}
     )
-
-
-def peak_rss_mib() -> float:
-    """Peak resident set size of this process so far, in MiB.
-
-    On Linux this is ``VmHWM`` of the process's own address space: ``getrusage``'s
-    ``ru_maxrss`` survives ``execve``, so a process started by a large one (a test runner, a
-    benchmark driver) would report its parent's peak instead of its own.
-    """
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 2**10, 1)  # kB
-    except OSError:
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)

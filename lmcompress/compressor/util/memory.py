@@ -19,6 +19,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import resource
+import sys
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -50,3 +53,31 @@ def release_free_memory() -> bool:
     """Give the heap's free pages back to the system (``malloc_trim(0)``). True if any was."""
     libc = _glibc()
     return bool(libc and libc.malloc_trim(0))
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process so far, in MiB.
+
+    On Linux this is ``VmHWM`` of the process's own address space: ``getrusage``'s
+    ``ru_maxrss`` survives ``execve``, so a process started by a large one (a test runner, a
+    benchmark driver) would report its parent's peak instead of its own.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 2**10, 1)  # kB
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)
+
+
+def current_rss_mib() -> float:
+    """Resident set size of this process now, in MiB (0 where ``/proc`` cannot tell)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 2**10, 1)  # kB
+    except OSError:
+        pass
+    return 0.0

@@ -1,0 +1,66 @@
+"""``compress-model bench CHECKPOINT [OUT ...]``: prefill and decode speed of the dense model (each
+dtype) and of compressed outputs in their compressed runtimes, side by side in one process."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from lmcompress.cli.terminal import PROG, Parser, setup_logging
+from lmcompress.evaluation.speed import SpeedOptions, parse_prefill
+from lmcompress.evaluation.speed_report import speed_table
+from lmcompress.jobs.bench import bench_job
+
+
+def bench_command(argv: Sequence[str]) -> int:
+    defaults = SpeedOptions()
+    parser = Parser(
+        prog=f"{PROG} bench",
+        description="Tokens/s of a checkpoint and its compressed outputs: prefill, decode at "
+        "batch 1 with a KV cache, time to first token, weight bytes; rows interleaved in one "
+        "process, median of the repeats.",
+    )
+    parser.add_argument("checkpoint", help="the dense checkpoint (alias, directory, .gguf, hub id)")
+    parser.add_argument("exports", nargs="*", help="directories written by compress-model")
+    parser.add_argument(
+        "--prefill",
+        default="x".join(map(str, defaults.prefill)),
+        help="BATCHxTOKENS of the prefill forward (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--decode", type=int, default=defaults.decode, help="new tokens (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--prompt", type=int, default=defaults.prompt, help="prompt tokens (default: %(default)s)"
+    )
+    parser.add_argument("--repeats", type=int, default=defaults.repeats)
+    parser.add_argument("--warmup", type=int, default=defaults.warmup)
+    parser.add_argument(
+        "--dense-dtypes",
+        nargs="+",
+        choices=("float32", "bfloat16", "float16"),
+        default=list(defaults.dense_dtypes),
+        help="dtypes of the dense rows (default: %(default)s)",
+    )
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("-o", "--output", help="write speed.json, speed.md and speed.png here")
+    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the record as JSON")
+    parser.add_argument("-q", "--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    setup_logging(args.quiet)
+    options = SpeedOptions(
+        prefill=parse_prefill(args.prefill),
+        decode=args.decode,
+        prompt=args.prompt,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        dense_dtypes=tuple(args.dense_dtypes),
+        device=args.device,
+    )
+    record = bench_job(
+        args.checkpoint, args.exports, options, args.output, args.threads, args.overwrite
+    )
+    print(json.dumps(record, indent=2) if args.json else speed_table(record), end="")
+    return 0

@@ -1,0 +1,89 @@
+"""The speed bench on tiny models: what it records, the CLI command and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_tiny_model
+
+from lmcompress import MagnitudeConfig, compress, save_compressed
+from lmcompress.cli.main import main
+from lmcompress.errors import ConfigError
+from lmcompress.evaluation.speed import (
+    SpeedOptions,
+    bench,
+    bytes_read_per_token,
+    parse_prefill,
+    weight_bytes,
+)
+from lmcompress.evaluation.speed_report import SPEED_JSON, SPEED_MD, SPEED_PNG
+
+FAST = SpeedOptions(prefill=(2, 16), decode=3, prompt=4, repeats=2, warmup=1)
+
+
+@pytest.fixture
+def export(tmp_path, tiny_tokenizer):
+    model = make_tiny_model("llama")
+    report = compress(model, MagnitudeConfig(sparsity="2:4"))
+    save_compressed(model, tmp_path / "out24", report, tokenizer=tiny_tokenizer)
+    return tmp_path / "out24"
+
+
+def test_weight_bytes_count_each_storage_once():
+    model = make_tiny_model("llama")  # tied embeddings: the head reads the whole table
+    params = {p.untyped_storage().data_ptr(): p.nbytes for p in model.parameters()}
+    buffers = sum(b.nbytes for b in model.buffers())
+    assert weight_bytes(model) == sum(params.values()) + buffers
+    assert bytes_read_per_token(model) == weight_bytes(model)
+    untied = make_tiny_model("mistral")  # a lookup reads one row of an untied embedding
+    table = untied.get_input_embeddings().weight.nbytes
+    assert bytes_read_per_token(untied) == weight_bytes(untied) - table
+
+
+def test_bench_records_every_row_against_the_best_dense_one(tiny_checkpoint, export):
+    record = bench(str(tiny_checkpoint), [export], FAST)
+    names = [row["name"] for row in record["rows"]]
+    assert names == ["dense float32", "dense bfloat16", "out24"]
+    dense = record["rows"][:2]
+    for key in ("prefill_vs_best_dense", "decode_vs_best_dense"):
+        assert max(row[key] for row in dense) == pytest.approx(1.0)
+    for row in record["rows"]:
+        assert len(row["rounds"]["prefill_s"]) == FAST.repeats  # warm-up left out
+        assert row["prefill_tokens_per_s"] > 0 and row["decode_tokens_per_s"] > 0
+        limit = record["bandwidth_bytes_per_s"] / row["bytes_per_token"]
+        assert row["decode_fraction_of_limit"] == pytest.approx(row["decode_tokens_per_s"] / limit)
+    assert record["rows"][2]["weight_bytes"] < record["rows"][0]["weight_bytes"]  # packed 2:4
+    assert record["rows"][1]["dtype"] == "bfloat16" and record["host"]["torch"] == torch.__version__
+
+
+def test_cli_bench_writes_and_prints(tiny_checkpoint, export, tmp_path, capsys):
+    out = tmp_path / "speed"
+    argv = ["bench", str(tiny_checkpoint), str(export), "--prefill", "2x16", "--decode", "2"]
+    argv += ["--prompt", "4", "--repeats", "1", "--warmup", "0", "-o", str(out), "-q"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| out24 |" in printed and "× best dense" in printed
+    assert {p.name for p in out.iterdir()} == {SPEED_JSON, SPEED_MD, SPEED_PNG}
+    assert json.loads((out / SPEED_JSON).read_text())["rows"][2]["name"] == "out24"
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--prefill", "4y256"], "BATCHxTOKENS"),
+        (["--decode", "0"], "decode must be at least 1"),
+        (["nowhere"], "not an lmcompress output directory"),
+    ],
+)
+def test_cli_bench_bad_input_is_one_line(tiny_checkpoint, extra, message, capsys):
+    assert main(["bench", str(tiny_checkpoint), *extra, "-q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_parse_prefill():
+    assert parse_prefill("4x256") == (4, 256)
+    with pytest.raises(ConfigError):
+        parse_prefill("4x")
