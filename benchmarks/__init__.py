@@ -29,6 +29,8 @@ library) is in ``child/``, so a driver's ``--help`` stays cheap:
   each stage alone: perplexity, stored bytes, wall time and peak RSS;
 - ``streaming``: SparseGPT 2:4 on a random 6.6 GB Llama, streamed block by block against in
   memory: peak RSS over the weight bytes, wall time, bit-for-bit equality of the outputs;
+- ``speed``: prefill and batch-1 decode tokens/s of every compressed runtime against the dense
+  model at fp32 and bf16 (``compress-model bench``), with issue 22's goals;
 - ``bad_inputs``: issue 10's bad and hostile inputs on the real model (exit code, time, message,
   what is left behind; kills while saving; file modes and output sizes).
 
@@ -55,4 +57,5 @@ BENCHMARKS = (
     "subnet",
     "recipes",
     "streaming",
+    "speed",
 )

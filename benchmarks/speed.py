@@ -1,0 +1,123 @@
+"""Inference speed of every compressed runtime against the dense model, on SmolLM2-135M.
+
+    python -m benchmarks.speed                 # exports, then one `compress-model bench`
+    python -m benchmarks.speed --render-only   # redraw speed.md / speed_curves.png
+
+One export per stored format, made with the fastest method that writes it (the speed of a
+runtime depends on its format, dtype and shapes, not on how the weights were chosen): magnitude
+2:4 (``nm_packed``: SparseGPT and MaskLLM 2:4 write the same), plain SVD at ratio 0.8
+(``low_rank``: the same ranks as FWSVD/GFWSVD with uniform allocation), int8 W8A8 dynamic
+(``int8``), and 2:4 then int8 (``nm_packed_int8``). Each is exported at fp32 (the default save
+dtype of an fp32 run) and, where the format has floating weights, at bf16 too. Then one
+``compress-model bench`` process times the dense model at fp32 and bf16 and every export in
+its compressed runtime, rows interleaved, median of the repeats
+(:mod:`lmcompress.evaluation.speed`). The table gives each row against the best dense row,
+beside the goals of issue 22, with the host's CPU flags and the measured memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import Table, add_harness_args, run_table
+from benchmarks.runner import CLI, STDOUT, Job, run_job
+from lmcompress.evaluation.speed_report import plot_speed, speed_table
+
+NAME = "speed"
+# name, compress-model flags (an export per stored format and save dtype)
+EXPORTS = [
+    ("2:4 fp32", ("--method", "magnitude", "--sparsity", "2:4")),
+    ("2:4 bf16", ("--method", "magnitude", "--sparsity", "2:4", "--save-dtype", "bfloat16")),
+    ("svd 0.8 fp32", ("--method", "svd", "--ratio", "0.8")),
+    ("svd 0.8 bf16", ("--method", "svd", "--ratio", "0.8", "--save-dtype", "bfloat16")),
+    ("int8", ("--method", "int8")),
+    ("2:4 + int8", ("--config", "recipes/magnitude24-int8.yaml")),
+]
+# issue 22's goals: (row, measure, at least this × the best dense row)
+GOALS = [
+    ("int8", "prefill", 1.3),
+    ("int8", "decode", 2.0),
+    ("svd 0.8 bf16", "prefill", 1.15),
+    ("svd 0.8 bf16", "decode", 1.15),
+    ("2:4 bf16", "prefill", 0.9),
+    ("2:4 bf16", "decode", 1.3),
+]
+
+
+def export_job(name: str, flags: tuple[str, ...], out: Path, checkpoint: str) -> Job:
+    command = (*CLI, checkpoint, *flags, "--eval", "--overwrite", "-o", str(out), "-q")
+    return Job(f"export {name}", command, out / "compression.json")
+
+
+def measure(args: argparse.Namespace, _names: list[str], _previous: dict) -> Any:
+    outputs = args.work / "outputs"
+    exports = []
+    for name, flags in EXPORTS:
+        out = outputs / name.replace(" ", "_").replace(":", "of").replace("+", "and")
+        run_job(export_job(name, flags, out, args.checkpoint), args.work)
+        exports.append((name, out))
+    command = [*CLI, "bench", args.checkpoint, *(str(out) for _, out in exports)]
+    command += ["--prefill", args.prefill, "--decode", str(args.decode)]
+    command += ["--repeats", str(args.repeats), "--json", "-q"]
+    run = run_job(Job("bench", command, STDOUT), args.work)
+    record = run.result
+    names = {str(out): name for name, out in exports}
+    for row in record["rows"]:  # the export's job name, not its directory's
+        row["name"] = next((n for p, n in names.items() if p.endswith(row["name"])), row["name"])
+    record["exports"] = {name: " ".join(flags) for name, flags in EXPORTS}
+    record["bench_wall_seconds"] = run.wall_seconds
+    record["bench_peak_rss_mb"] = run.peak_rss_mb
+    yield record
+
+
+def goals(record: dict[str, Any]) -> str:
+    rows = {row["name"]: row for row in record["rows"]}
+    lines = ["| goal | measured | met |", "|---|---|---|"]
+    for name, what, target in GOALS:
+        value = rows.get(name, {}).get(f"{what}_vs_best_dense")
+        shown = f"{value:.2f}×" if value is not None else "-"
+        met = "yes" if value is not None and value >= target else "**no**"
+        lines.append(f"| {name} {what} ≥ {target}× best dense | {shown} | {met} |")
+    int8, both = rows.get("int8"), rows.get("2:4 + int8")
+    if int8 and both:
+        ok = both["decode_tokens_per_s"] >= int8["decode_tokens_per_s"]
+        ratio = both["decode_tokens_per_s"] / int8["decode_tokens_per_s"]
+        lines.append(
+            f"| 2:4 + int8 decode ≥ int8 decode | {ratio:.2f}× | {'yes' if ok else '**no**'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def render(record: dict[str, Any]) -> str:
+    exports = "\n".join(
+        f"- {name}: `compress-model {flags}`" for name, flags in record["exports"].items()
+    )
+    return (
+        speed_table(record)
+        + "\nExports (SmolLM2-135M, every decoder linear):\n\n"
+        + exports
+        + "\n\nIssue 22's goals, each against the best dense row of its column:\n\n"
+        + goals(record)
+    )
+
+
+def plot(record: dict[str, Any], _results_dir: Path, path: Path) -> None:
+    plot_speed(record, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", default="smollm2-135m")
+    parser.add_argument("--prefill", default="4x256", help="BATCHxTOKENS")
+    parser.add_argument("--decode", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    add_harness_args(parser)
+    table = Table(NAME, render, measure, plot=plot)
+    return run_table(table, parser.parse_args(argv), parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
