@@ -42,6 +42,12 @@ def bench_command(argv: Sequence[str]) -> int:
         default=list(defaults.dense_dtypes),
         help="dtypes of the dense rows (default: %(default)s)",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time each row under torch.compile (static KV cache; compiling takes ~1 min "
+        "a row on 2 cores); a compiled row is compared with the best compiled dense row",
+    )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("-o", "--output", help="write speed.json, speed.md and speed.png here")
@@ -58,6 +64,7 @@ def bench_command(argv: Sequence[str]) -> int:
         warmup=args.warmup,
         dense_dtypes=tuple(args.dense_dtypes),
         device=args.device,
+        compile=args.compile,
     )
     record = bench_job(
         args.checkpoint, args.exports, options, args.output, args.threads, args.overwrite

@@ -13,6 +13,7 @@ decode tokens/s is also given as a fraction of ``bandwidth / bytes read per toke
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Sequence
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from lmcompress.compressor.io.load import load_compressed
 from lmcompress.compressor.model.families import family_of
@@ -48,6 +49,7 @@ class SpeedOptions:
     dense_dtypes: tuple[str, ...] = ("float32", "bfloat16")
     device: str = "cpu"
     seed: int = 0
+    compile: bool = False  # also time every row under torch.compile (static KV cache)
 
     def __post_init__(self) -> None:
         for name in ("decode", "prompt", "repeats"):
@@ -77,9 +79,15 @@ class Row:
     weight_bytes: int
     bytes_per_token: int
     load_rss_mib: float
+    compiled: bool = False
+    forward: Any = field(default=None, repr=False)  # model.forward, or its compiled graph
+    compile_s: float | None = None  # the first (compiling) prefill and decode
     prefill_s: list[float] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)
     decode_s: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.forward = self.forward or self.model.forward
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -122,29 +130,37 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def time_prefill(model: nn.Module, ids: torch.Tensor) -> float:
+def time_prefill(forward: Any, ids: torch.Tensor) -> float:
     """Seconds of one forward over ``ids`` (B, T), no cache."""
     _sync(ids.device)
     start = time.perf_counter()
-    model(input_ids=ids, use_cache=False)
+    forward(input_ids=ids, use_cache=False)
     _sync(ids.device)
     return time.perf_counter() - start
 
 
 @torch.inference_mode()
-def time_decode(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float]:
+def time_decode(
+    row: Row, prompt: torch.Tensor, new_tokens: int, cache: StaticCache | None = None
+) -> tuple[float, float]:
     """Greedy decoding at batch 1 with a KV cache: ``(seconds to the first token, seconds of the
-    ``new_tokens`` steps after it)``. ``prompt``: (1, T)."""
+    ``new_tokens`` steps after it)``. ``prompt``: (1, T). A compiled row decodes into a
+    ``StaticCache`` (fixed shapes: one graph for every step) with explicit positions."""
     device = prompt.device
-    cache = DynamicCache()
+    if cache is not None:
+        cache.reset()
+    cache = cache if cache is not None else DynamicCache()
     _sync(device)
     start = time.perf_counter()
-    logits = model(input_ids=prompt, cache=cache, use_cache=True).logits
+    logits = row.model(input_ids=prompt, cache=cache, use_cache=True).logits
     token = logits[:, -1:].argmax(-1)  # (1, 1)
     _sync(device)
     first = time.perf_counter()
-    for _ in range(new_tokens):
-        logits = model(input_ids=token, cache=cache, use_cache=True).logits
+    for step in range(new_tokens):
+        position = torch.tensor([prompt.shape[1] + step], device=device)
+        logits = row.forward(
+            input_ids=token, cache=cache, use_cache=True, cache_position=position
+        ).logits
         token = logits[:, -1:].argmax(-1)
     _sync(device)
     return first - start, time.perf_counter() - first
@@ -170,16 +186,20 @@ def load_rows(checkpoint: str, exports: Sequence[str | Path], options: SpeedOpti
         before = current_rss_mib()
         model = load().eval()
         dtype = dtype or str(next(model.parameters()).dtype).removeprefix("torch.")
-        rows.append(
-            Row(
-                name=name,
-                model=model,
-                dtype=dtype,
-                weight_bytes=weight_bytes(model),
-                bytes_per_token=bytes_read_per_token(model),
-                load_rss_mib=round(current_rss_mib() - before, 1),
-            )
+        row = Row(
+            name=name,
+            model=model,
+            dtype=dtype,
+            weight_bytes=weight_bytes(model),
+            bytes_per_token=bytes_read_per_token(model),
+            load_rss_mib=round(current_rss_mib() - before, 1),
         )
+        rows.append(row)
+        if options.compile:
+            forward = torch.compile(model.forward, dynamic=False)
+            compiled = {"name": f"{name} compiled", "compiled": True, "forward": forward}
+            fresh = {"prefill_s": [], "ttft_s": [], "decode_s": []}  # not the eager row's lists
+            rows.append(dataclasses.replace(row, **compiled, **fresh))
     return rows
 
 
@@ -198,12 +218,24 @@ def bench(
     prefill_ids = torch.randint(3, vocab, (batch, tokens), generator=generator).to(device)
     prompt = torch.randint(3, vocab, (1, options.prompt), generator=generator).to(device)
     bandwidth = measure_bandwidth() if device.type == "cpu" else None
+    length = options.prompt + options.decode + 1
+    caches = {
+        id(row): StaticCache(config=row.model.config, max_cache_len=length)
+        for row in rows
+        if row.compiled
+    }
+    for row in rows:  # the compiling calls, apart from the timed rounds
+        if row.compiled:
+            start = time.perf_counter()
+            time_prefill(row.forward, prefill_ids)
+            time_decode(row, prompt, 2, caches[id(row)])
+            row.compile_s = time.perf_counter() - start
     rounds = options.warmup + options.repeats
     bar = tqdm(total=rounds * len(rows), desc="bench", unit="row", disable=bar_disabled())
     for index in range(rounds):  # interleaved: every row in every round
         for row in rows:
-            prefill = time_prefill(row.model, prefill_ids)
-            ttft, decode = time_decode(row.model, prompt, options.decode)
+            prefill = time_prefill(row.forward, prefill_ids)
+            ttft, decode = time_decode(row, prompt, options.decode, caches.get(id(row)))
             if index >= options.warmup:
                 row.prefill_s.append(prefill)
                 row.ttft_s.append(ttft)
@@ -232,6 +264,8 @@ def _record(rows: list[Row], options: SpeedOptions, bandwidth: float | None) -> 
                 "decode_limit_tokens_per_s": limit,
                 "decode_fraction_of_limit": decode / limit if limit else None,
                 "load_rss_mib": row.load_rss_mib,
+                "compiled": row.compiled,
+                "compile_s": row.compile_s,
                 "rounds": {
                     "prefill_s": row.prefill_s,
                     "ttft_s": row.ttft_s,
@@ -239,11 +273,15 @@ def _record(rows: list[Row], options: SpeedOptions, bandwidth: float | None) -> 
                 },
             }
         )
-    dense = [r for r in out if r["name"].startswith("dense ")]
     for key in ("prefill_tokens_per_s", "decode_tokens_per_s"):
-        best = max((r[key] for r in dense), default=None)
-        for r in out:
-            r[key.replace("tokens_per_s", "vs_best_dense")] = r[key] / best if best else None
+        for compiled in (False, True):  # a compiled row against the best compiled dense one
+            dense = [r for r in out if r["name"].startswith("dense ") and r["compiled"] == compiled]
+            best = max((r[key] for r in dense), default=None)
+            for r in out:
+                if r["compiled"] == compiled:
+                    r[key.replace("tokens_per_s", "vs_best_dense")] = (
+                        r[key] / best if best else None
+                    )
     return {
         "host": machine(),
         "options": asdict(options),
