@@ -247,3 +247,27 @@ def test_quantizer_state_round_trip(tmp_path):
     assert loaded.zero_point.keys() == quantizer.zero_point.keys()
     for name, z in quantizer.zero_point.items():
         assert torch.equal(loaded.zero_point[name], z)
+
+
+def test_the_op_equals_the_probability_quantizer_within_one_step():
+    """The installed 8-bit softmax runs ``lmcompress::int8_softmax`` on the scores; it gives
+    what quantizing the float softmax gives, but where ``p / s`` lies within rounding of a
+    half-step boundary (the op's own exp), and never more than one step apart."""
+    from lmcompress.compressor.formats.int8_softmax import DEFAULT_SCALE, SoftmaxQuantizer
+
+    generator = torch.Generator().manual_seed(0)
+    heads, length = 4, 48
+    scores = 3 * torch.randn(2, heads, length, length, generator=generator)  # (B, H, T, T)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    mask = torch.zeros(length, length).masked_fill(~causal, torch.finfo(torch.float32).min)
+    beta = 0.3 * DEFAULT_SCALE * torch.rand(heads, generator=generator)  # per head, < 1 step
+    quantizer = SoftmaxQuantizer.from_bias({"attn": beta})
+    quantizer.names = lambda _module: "attn"
+    module = torch.nn.Identity()
+    by_op = quantizer.softmax(module, scores, mask[None, None])
+    probs = torch.softmax(scores + mask, dim=-1)
+    by_probs = quantizer(module, probs)
+    difference = (by_op - by_probs).abs()
+    assert difference.max() <= DEFAULT_SCALE * (1 + 1e-5)
+    assert (difference <= 1e-6).float().mean() > 0.999
+    assert torch.all(by_op[..., ~causal] == 0)  # masked keys get no offset: causality holds

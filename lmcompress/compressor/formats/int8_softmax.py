@@ -52,6 +52,7 @@ from lmcompress.compressor.model.attention import (
     open_hook,
 )
 from lmcompress.errors import ConfigError
+from lmcompress.kernels.int8_softmax import int8_softmax
 
 QMAX = 255  # unsigned 8 bits
 DEFAULT_SCALE = 1 / 255
@@ -147,6 +148,22 @@ class SoftmaxQuantizer:
             zero_point = _per_head(zero_point.to(probs.device))
         return dequantize_probs(q, self.scale, zero_point, probs > 0, probs.dtype)
 
+    def softmax(
+        self, module: nn.Module, scores: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The 8-bit softmax as it deploys: ``torch.ops.lmcompress.int8_softmax`` (the reference
+        on CPU, the Triton kernel on CUDA) from the scores (B, H, Tq, Tk) and the additive mask,
+        the correction passed as the op's offset ``β = −s·z'`` per layer or head. Returns the
+        dequantized probabilities, float32. It equals :meth:`quantize` of the float softmax up
+        to one step where a probability lies on a rounding boundary (the op's exp is its own)
+        and, for keys whose probability underflows to 0 unmasked, the offset (the op adds it to
+        every allowed key)."""
+        name = self.names(module) if self.names is not None else None
+        zero_point = self.zero_point.get(name) if name is not None else None
+        offset = None if zero_point is None else (-zero_point * self.scale).to(scores.device)
+        _, out = int8_softmax(scores, mask, offset, self.scale)
+        return out
+
     def __call__(self, module: nn.Module, probs: torch.Tensor) -> torch.Tensor:
         name = self.names(module) if self.names is not None else None
         return self.quantize(name, probs)
@@ -202,7 +219,7 @@ class Int8Softmax(ModelTransform):
         return cls(quantizer, meta.get("bias_correction", "none"))
 
     def _install(self, model: nn.Module) -> None:
-        self._hook = open_hook(model, transform=self.quantizer)
+        self._hook = open_hook(model, softmax=self.quantizer.softmax)
         self.quantizer.names = self._hook.name
 
     def _remove(self, model: nn.Module) -> None:

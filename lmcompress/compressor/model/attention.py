@@ -42,6 +42,8 @@ IMPLEMENTATION = "lmcompress_hooked"
 
 ProbsObserver = Callable[[nn.Module, torch.Tensor], None]  # (module, probs (B, H, Tq, Tk))
 ProbsTransform = Callable[[nn.Module, torch.Tensor], torch.Tensor]  # same shape back
+# (module, scores (B, H, Tq, Tk) before the mask, additive mask or None) -> probabilities
+ScoresSoftmax = Callable[[nn.Module, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 _registered = False
 
@@ -55,6 +57,9 @@ class AttentionHook:
     observe: ProbsObserver | None = None
     transform: ProbsTransform | None = None
     names: dict[int, str] = field(default_factory=dict)  # id(module) -> qualified name
+    # replaces the softmax itself (scores and mask in, probabilities out): an op that computes
+    # quantized probabilities from the scores, as a deployment kernel does
+    softmax: ScoresSoftmax | None = None
     previous: str | None = None  # the model's attention implementation before the hook
 
     def name(self, module: nn.Module) -> str | None:
@@ -120,9 +125,12 @@ def eager_attention(
     softcap: float | None = None,
     observe: ProbsObserver | None = None,
     transform: ProbsTransform | None = None,
+    softmax: ScoresSoftmax | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager attention with the probabilities exposed: ``observe(module, probs)`` sees what the
-    family's softmax produced, ``transform(module, probs)`` returns what the model uses instead.
+    family's softmax produced, ``transform(module, probs)`` returns what the model uses instead;
+    ``softmax(module, scores, mask)``, if given, computes the probabilities in place of the
+    family's softmax (cast to the query's dtype).
 
     Returns ``(output (B, Tq, H, D), probs (B, H, Tq, Tk))`` as every family's eager function.
     """
@@ -141,12 +149,15 @@ def eager_attention(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     mask = _additive_mask(attention_mask, module, scores)
-    if mask is not None:
-        scores = scores + mask
-    if gpt2_style:
-        probs = nn.functional.softmax(scores, dim=-1).type(value.dtype)
+    out_dtype = value.dtype if gpt2_style else query.dtype
+    if softmax is not None:
+        probs = softmax(module, scores, mask).to(out_dtype)
+    elif gpt2_style:
+        scores = scores if mask is None else scores + mask
+        probs = nn.functional.softmax(scores, dim=-1).type(out_dtype)
     else:
-        probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        scores = scores if mask is None else scores + mask
+        probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(out_dtype)
     if observe is not None:
         observe(module, probs)
     if transform is not None:
@@ -175,6 +186,9 @@ def hooked_attention(
     hooks = _ACTIVE.get(module, ())
     observers = [h.observe for h in hooks if h.observe is not None]
     transforms = [h.transform for h in hooks if h.transform is not None]
+    softmaxes = [h.softmax for h in hooks if h.softmax is not None]
+    if len(softmaxes) > 1:
+        raise ConfigError("two hooks replace the softmax of one attention module")
 
     def observe(mod: nn.Module, probs: torch.Tensor) -> None:
         for fn in observers:
@@ -196,6 +210,7 @@ def hooked_attention(
         softcap=softcap,
         observe=observe if observers else None,
         transform=transform if transforms else None,
+        softmax=softmaxes[0] if softmaxes else None,
     )
 
 
@@ -236,13 +251,15 @@ def open_hook(
     model: nn.Module,
     observe: ProbsObserver | None = None,
     transform: ProbsTransform | None = None,
+    softmax: ScoresSoftmax | None = None,
 ) -> AttentionHook:
     """:func:`attention_hook` without the ``with`` block: the hook stays until
     :func:`close_hook` (a transform that is part of the compressed model, such as an 8-bit
     softmax, lives as long as the model)."""
     if not hasattr(model, "set_attn_implementation"):
         raise ConfigError(f"{type(model).__name__} has no set_attn_implementation: not a HF model")
-    hook = AttentionHook(observe, transform, {id(m): n for n, m in model.named_modules()})
+    names = {id(m): n for n, m in model.named_modules()}
+    hook = AttentionHook(observe, transform, names, softmax=softmax)
     hook.previous = model.config._attn_implementation
     model.set_attn_implementation(register())
     for module in model.modules():
