@@ -40,7 +40,8 @@ every listed benchmark from its committed JSON. Until then ``--smoke`` runs it i
 interpreter (``tests/benchmarks/test_kernels.py``), into a temporary directory (a smoke run never
 writes into ``results/``).
 
-``rss_profile`` is a diagnostic, not a benchmark: it writes no results file.
+``rss_profile`` and ``speed_profile`` are diagnostics, not benchmarks: they write no results
+file.
 """
 
 BENCHMARKS = (
