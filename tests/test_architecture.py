@@ -174,10 +174,12 @@ def _imports_optional_at_top(module: str) -> bool:
 def _deferred(imp: Import) -> bool:
     for rule in DEFERRED:
         importer, _, imported = rule.partition(" -> ")
-        prefix = imported.removesuffix("*")
-        if imp.module == importer and (imp.target == imported or imported.endswith("*")):
-            if imp.target.startswith(prefix):
-                return True
+        if imp.module != importer:
+            continue
+        if imp.target == imported or (
+            imported.endswith("*") and imp.target.startswith(imported[:-1])
+        ):
+            return True
     return False
 
 

@@ -41,7 +41,7 @@ from lmcompress.compressor.formats.base import CompressedLinear
 from lmcompress.compressor.method import Method
 from lmcompress.compressor.model.families import family_of
 from lmcompress.compressor.model.surgery import is_linear
-from lmcompress.compressor.options import option_fields, option_value, recipe_value
+from lmcompress.compressor.options import flag_name, option_fields, option_value, recipe_value
 from lmcompress.errors import ConfigError
 from lmcompress.jobs.options import RunOptions
 from lmcompress.jobs.preflight import Plan, preflight
@@ -81,7 +81,7 @@ def job_from(
         method_flags = sorted(set(given) - set(run_keys) - {"method"})
         if method_flags:
             raise ConfigError(
-                f"--{method_flags[0].replace('_', '-')}: a multi-stage recipe takes each "
+                f"{flag_name(method_flags[0])}: a multi-stage recipe takes each "
                 "method's options in its stages, not as flags"
             )
         options = RunOptions(**{**shared, **{k: v for k, v in given.items() if k in run_keys}})

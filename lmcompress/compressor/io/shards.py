@@ -113,17 +113,14 @@ class TensorFiles:
         lmcompress does not write is refused."""
         found = cls({}, device, missing="{key} is stored in none of the checkpoint files")
         for path in paths:
-            try:
-                with safe_open(str(path), framework="pt") as f:
-                    for key in f.keys():
-                        piece = f.get_slice(key)
-                        stored = piece.get_dtype()
-                        if stored not in SAFETENSORS_DTYPES:
-                            raise ModelLoadError(f"{path}: {key} has unsupported dtype {stored}")
-                        found.files[key] = (Path(path), key)
-                        found.headers[key] = (piece.get_shape(), SAFETENSORS_DTYPES[stored])
-            except (SafetensorError, OSError) as err:
-                raise ModelLoadError(f"cannot read {path}: {err}") from None
+            with open_safetensors(path) as f:
+                for key in f.keys():
+                    piece = f.get_slice(key)
+                    stored = piece.get_dtype()
+                    if stored not in SAFETENSORS_DTYPES:
+                        raise ModelLoadError(f"{path}: {key} has unsupported dtype {stored}")
+                    found.files[key] = (Path(path), key)
+                    found.headers[key] = (piece.get_shape(), SAFETENSORS_DTYPES[stored])
         return found
 
     def header(self, key: str) -> tuple[list[int], torch.dtype]:

@@ -62,22 +62,25 @@ def peak_rss_mib() -> float:
     ``ru_maxrss`` survives ``execve``, so a process started by a large one (a test runner, a
     benchmark driver) would report its parent's peak instead of its own.
     """
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 2**10, 1)  # kB
-    except OSError:
-        pass
+    peak = _status_mib("VmHWM")
+    if peak is not None:
+        return peak
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)
 
 
 def current_rss_mib() -> float:
     """Resident set size of this process now, in MiB (0 where ``/proc`` cannot tell)."""
+    now = _status_mib("VmRSS")
+    return 0.0 if now is None else now
+
+
+def _status_mib(field: str) -> float | None:
+    """A memory line of ``/proc/self/status`` (``VmHWM``, ``VmRSS``) in MiB; None off Linux."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return round(int(line.split()[1]) / 2**10, 1)  # kB
     except OSError:
         pass
-    return 0.0
+    return None
