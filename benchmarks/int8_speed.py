@@ -60,6 +60,8 @@ SCOPES = {  # module class -> profile scope, for the class names the families us
     "RMSNorm": "norm",
 }
 INT8_OP = "lmcompress::int8_linear"
+# what int8_ops.linear runs after _int_mm (the quantization divides, rounds and clamps)
+RESCALE_OPS = ("aten::mul", "aten::mul_", "aten::addcmul", "aten::add_")
 
 
 def bucket(op: str, scopes: tuple[str, ...]) -> str:
@@ -69,6 +71,10 @@ def bucket(op: str, scopes: tuple[str, ...]) -> str:
         return "int8 matmul (torch._int_mm)" if op == "aten::_int_mm" else "rescale + bias (fp32)"
     modules = [s for s in scopes if not s.startswith(("aten::", "lmcompress::"))]
     inner = modules[-1] if modules else ""
+    if inner == "int8 linear" and op == "aten::_int_mm":
+        return "int8 matmul (torch._int_mm)"
+    if inner == "int8 linear" and op in RESCALE_OPS:
+        return "rescale + bias (fp32)"
     if inner == "int8 linear":
         return "quantize activations (absmax, round, clamp, to int8)"
     if inner == "lm_head":

@@ -5,8 +5,9 @@ channel or per group of input channels. Activations are quantized in ``forward``
 from each row's absmax (``dynamic``), or with one per-tensor scale from calibration
 (``static``). Two forward paths compute the same function:
 
-- ``path="int"``: ``torch.ops.lmcompress.int8_linear`` — int8 × int8 → int32 with
-  ``torch._int_mm`` (exact), then the float32 rescale. The fast path on CPUs with VNNI/AMX.
+- ``path="int"``: :func:`lmcompress.kernels.int8_ops.linear` (the body of
+  ``torch.ops.lmcompress.int8_linear``) — int8 × int8 → int32 with ``torch._int_mm`` (exact),
+  then the float32 rescale. The fast path on CPUs with VNNI/AMX.
 - ``path="simulated"``: dequantize, matmul in float64, cast
   (:func:`~lmcompress.compressor.formats.quant.simulated_int8_linear`): the reference, runs anywhere
   float64 does.
@@ -22,11 +23,11 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-import lmcompress.kernels.int8_ops  # noqa: F401  (registers torch.ops.lmcompress.int8_linear)
 from lmcompress.compressor.formats import quant
 from lmcompress.compressor.formats.base import CompressedLinear
 from lmcompress.compressor.formats.registry import register_format
 from lmcompress.compressor.model.surgery import weight_matrix
+from lmcompress.kernels import int8_ops
 from lmcompress.errors import ConfigError, LmcompressError, ModelLoadError
 
 ACTIVATIONS = ("dynamic", "static")
@@ -53,7 +54,7 @@ def int8_forward(
     x_q = quant.quantize(x_2d, x_scale)
     args = (x_q, x_scale, weight_q, weight_scale, bias, x.dtype)
     if path == "int":
-        y = torch.ops.lmcompress.int8_linear(*args)
+        y = int8_ops.linear(*args)
     else:
         y = quant.simulated_int8_linear(*args)
     return y.reshape(*x.shape[:-1], out_features)
