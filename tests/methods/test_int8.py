@@ -117,6 +117,31 @@ def test_save_and_replay_reproduce_the_full_scheme(family, tmp_path):
     torch.testing.assert_close(loaded(ids).logits, expected, rtol=1e-5, atol=1e-5)
 
 
+@torch.no_grad()
+def test_int8_head_quantizes_a_tied_head_and_keeps_the_embedding_float(tmp_path):
+    model = make_tiny_model("llama")
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
+    embedding = model.model.embed_tokens.weight.clone()
+    ids = _data()
+    float_head = model(ids).logits
+    report = compress(model, Int8Config(head="int8"))
+    assert isinstance(model.lm_head, QuantLinear)
+    assert torch.equal(model.model.embed_tokens.weight, embedding)
+    assert model.config.tie_word_embeddings is False
+    expected = model(ids).logits
+    assert 0 < (expected - float_head).abs().max() < 0.05  # the head's own rounding
+    save_compressed(model, tmp_path / "out", report)
+    assert not json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"]
+    loaded, _, _ = load_compressed(tmp_path / "out", runtime="packed")
+    assert isinstance(loaded.lm_head, QuantLinear)
+    assert torch.equal(loaded.model.embed_tokens.weight, embedding)
+    torch.testing.assert_close(loaded(ids).logits, expected, rtol=0, atol=0)
+    # the default leaves the head float (and a tied head is refused by --include)
+    model = make_tiny_model("llama")
+    compress(model, Int8Config())
+    assert not isinstance(model.lm_head, QuantLinear)
+
+
 def test_scales_stay_float32_in_a_bf16_save(tmp_path):
     from safetensors import safe_open
 

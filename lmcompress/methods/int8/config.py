@@ -50,6 +50,13 @@ class Int8Config(MethodConfig):
             "before quantizing (0: off; the paper uses 0.5); llama, mistral, qwen2"
         },
     )
+    head: Literal["float", "int8"] = field(
+        default="float",
+        metadata={
+            "help": "the output head (lm_head) in float, or W8A8 too: its own int8 codes, a "
+            "tied input embedding stays float (faster decoding, a larger error)"
+        },
+    )
     path: Literal["int", "simulated"] = field(
         default="int",
         metadata={"help": "int8 matmuls (torch._int_mm) or quantize-dequantize in float"},

@@ -24,6 +24,7 @@ from lmcompress.compressor.formats.int8_softmax import Int8Softmax, SoftmaxQuant
 from lmcompress.compressor.formats.quant import absmax_scale
 from lmcompress.compressor.method import Method, Stats
 from lmcompress.compressor.model.attention import attention_hook
+from lmcompress.compressor.model.families import family_of
 from lmcompress.compressor.model.surgery import replace_modules, weight_matrix
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.compressor.util.progress import bar_disabled
@@ -58,6 +59,11 @@ class Int8(Method):
 
     def validate(self, model: nn.Module) -> dict[str, nn.Module]:
         layers = super().validate(model)
+        if self.config.head == "int8":
+            # after the selection, which refuses a tied head: int8 codes are a copy, and the
+            # embedding that shares the float weight keeps it
+            head = family_of(model).head
+            layers[head] = model.get_submodule(head)
         if self.config.smooth_alpha > 0:
             check_smoothable(model)
         group = self.config.group_size
@@ -160,6 +166,9 @@ class Int8(Method):
             absmax = {k.removesuffix(f".{ABSMAX}"): v for k, v in stats.tensors.items()}
             factors = smooth_(model, absmax, config.smooth_alpha)
         replace_modules(model, layers, quantize)
+        if config.head == "int8":  # the head has its own codes now: the export says so
+            model.config.tie_word_embeddings = False
+            model.config.get_text_config().tie_word_embeddings = False
         report.extra = {
             "activations": config.activations,
             "path": config.path,
