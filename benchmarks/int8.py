@@ -39,6 +39,7 @@ JOBS = [  # name, compress-model flags after --method int8
         "name": "W8A8 static, SmoothQuant 0.5",
         "flags": ("--activations", "static", "--smooth-alpha", "0.5", *CALIB),
     },
+    {"name": "W8A8 dynamic, int8 head", "flags": ("--head", "int8")},
     {"name": "W8A8 dynamic + softmax8", "flags": SOFTMAX},
     {
         "name": "+ bias correction per layer",

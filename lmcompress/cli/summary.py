@@ -9,6 +9,7 @@ from typing import Any
 
 from lmcompress.compressor.io.layout import COMPRESSED_TENSORS, MANIFEST, output_sizes
 from lmcompress.compressor.report import CompressionReport
+from lmcompress.evaluation.speed_report import speed_table
 from lmcompress.methods import get_method
 
 
@@ -37,6 +38,8 @@ def print_summary(results: dict[str, Any]) -> None:
         print(f"lm-eval {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
     if results.get("output"):
         print(f"saved to {results['output']}: {describe_output(Path(results['output']))}")
+    if results.get("speed"):
+        print("\n" + speed_table(results["speed"]), end="")
 
 
 def print_stages_summary(results: dict[str, Any]) -> None:
@@ -68,6 +71,8 @@ def print_stages_summary(results: dict[str, Any]) -> None:
     )
     if results.get("output"):
         print(f"saved to {results['output']}: {describe_output(Path(results['output']))}")
+    if results.get("speed"):
+        print("\n" + speed_table(results["speed"]), end="")
 
 
 def changed_options(report: CompressionReport) -> str:

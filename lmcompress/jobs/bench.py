@@ -3,18 +3,29 @@ job (device, checkpoint, each export's manifest), written atomically if asked.""
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lmcompress.compressor.io.layout import MANIFEST, MODEL_CARD
 from lmcompress.compressor.io.load import read_manifest
+from lmcompress.compressor.io.model_card import model_card
 from lmcompress.compressor.model.checkpoint import check_checkpoint
 from lmcompress.compressor.model.loading import check_device
-from lmcompress.compressor.util.fsutil import atomic_dir
+from lmcompress.compressor.util.fsutil import atomic_dir, atomic_file
 from lmcompress.evaluation.speed import SpeedOptions, bench
-from lmcompress.evaluation.speed_report import write_speed
+from lmcompress.evaluation.speed_report import (
+    SPEED_JSON,
+    SPEED_MD,
+    SPEED_PNG,
+    plot_speed,
+    speed_table,
+    write_speed,
+)
 from lmcompress.jobs.preflight import check_output
 
 
@@ -41,4 +52,28 @@ def bench_job(
         with atomic_dir(Path(output)) as tmp:
             write_speed(record, tmp)
         record["output"] = output
+    return record
+
+
+def bench_into_export(checkpoint: str, export: str | Path, options: SpeedOptions) -> dict[str, Any]:
+    """``compress-model ... --bench``: time the export just written against ``checkpoint``
+    (dense fp32 and bf16), then add the record to its ``compression.json`` (``results.speed``),
+    its model card (a Speed section) and ``speed.{json,md,png}`` beside them. Each file is
+    replaced whole (written beside it, then renamed): an interrupted bench leaves the export as
+    it was."""
+    export = Path(export)
+    record = bench(checkpoint, [export], options)
+    manifest = json.loads((export / MANIFEST).read_text())  # as written, not upgraded
+    manifest.setdefault("results", {})["speed"] = record
+    with atomic_file(export / SPEED_JSON) as handle:
+        handle.write(json.dumps(record, indent=2) + "\n")
+    with atomic_file(export / SPEED_MD) as handle:
+        handle.write(speed_table(record))
+    plot = export / f".tmp-{SPEED_PNG}"
+    plot_speed(record, plot)
+    os.replace(plot, export / SPEED_PNG)
+    with atomic_file(export / MANIFEST) as handle:
+        handle.write(json.dumps(manifest, indent=2) + "\n")
+    with atomic_file(export / MODEL_CARD, encoding="utf-8") as handle:
+        handle.write(model_card(manifest, export.name))
     return record

@@ -31,6 +31,13 @@ class RunOptions:
     eval_batch_size: int = field(default=4, metadata={"help": "windows per forward pass"})
     skip_dense: bool = field(default=False, metadata={"help": "do not score the dense model"})
     lm_eval_tasks: tuple[str, ...] = field(default=(), metadata={"help": "lm-eval tasks to run"})
+    bench: bool = field(
+        default=False,
+        metadata={
+            "help": "after saving, time the export against the dense model (compress-model "
+            "bench's table) and add it to the model card"
+        },
+    )
     output: str | None = field(
         default=None, metadata={"help": "output directory", "default_text": "not saved"}
     )
@@ -81,5 +88,7 @@ class RunOptions:
         if self.eval_tokens < 0:
             raise ConfigError(f"eval_tokens must be >= 0 (0 = whole split), got {self.eval_tokens}")
         check_choices(self)
+        if self.bench and not self.output:
+            raise ConfigError("--bench times the saved export: add -o OUT")
         if self.offload_activations is not None and not self.streaming:
             raise ConfigError("--offload-activations works with --streaming only")

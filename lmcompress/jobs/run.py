@@ -31,6 +31,8 @@ from lmcompress.compressor.report import CompressionReport
 from lmcompress.compressor.training import distributed
 from lmcompress.errors import ConfigError, ModelLoadError
 from lmcompress.evaluation.lm_eval_adapter import run_lm_eval
+from lmcompress.evaluation.speed import SpeedOptions
+from lmcompress.jobs.bench import bench_into_export
 from lmcompress.jobs.evaluate import JobText, evaluate
 from lmcompress.jobs.options import RunOptions
 from lmcompress.jobs.recipe import check_stages, recipe_of, stage_method
@@ -165,8 +167,24 @@ def _run(
     results["seconds"] = time.perf_counter() - start
     if options.output:
         target.export(report, results, kept)  # and records results["output"]
+        if options.bench:
+            speed = _speed_options(options)
+            results["speed"] = bench_into_export(options.checkpoint, options.output, speed)
     results["report"] = report
     return results
+
+
+def _speed_options(options: RunOptions) -> SpeedOptions:
+    """``--bench``'s settings: ``compress-model bench``'s defaults (prefill 4 × 256, 32 new
+    tokens after a 64-token prompt), shortened to fit ``--seq-len`` (the job checked it against
+    the model's positions)."""
+    prompt = min(64, options.seq_len // 2)
+    return SpeedOptions(
+        prefill=(4, min(256, options.seq_len)),
+        prompt=prompt,
+        decode=min(32, options.seq_len - prompt - 1),
+        device=options.device,
+    )
 
 
 def _new_results(options: RunOptions, configs: list[MethodConfig], stages: bool) -> dict[str, Any]:

@@ -69,6 +69,28 @@ def test_cli_bench_writes_and_prints(tiny_checkpoint, export, tmp_path, capsys):
     assert json.loads((out / SPEED_JSON).read_text())["rows"][2]["name"] == "out24"
 
 
+def test_compress_with_bench_adds_the_table_to_the_export(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = [str(tiny_checkpoint), "--method", "magnitude", "--sparsity", "2:4", "--eval"]
+    argv += ["--seq-len", "32"]
+    assert main([*argv, "--bench", "-o", str(out), "-q"]) == 0
+    printed = capsys.readouterr().out
+    assert "| out | float32 |" in printed and "| dense bfloat16 |" in printed
+    card = (out / "README.md").read_text()
+    assert "## Speed" in card and "| out | float32 |" in card
+    rows = json.loads((out / "compression.json").read_text())["results"]["speed"]["rows"]
+    assert [r["name"] for r in rows] == ["dense float32", "dense bfloat16", "out"]
+    assert json.loads((out / SPEED_JSON).read_text())["rows"] == rows
+    assert (out / SPEED_PNG).stat().st_size > 0 and (out / SPEED_MD).is_file()
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary left
+
+
+def test_compress_bench_needs_an_output(tiny_checkpoint, capsys):
+    assert main([str(tiny_checkpoint), "--method", "magnitude", "--bench", "-q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--bench times the saved export: add -o OUT" in err and len(err.splitlines()) == 1
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

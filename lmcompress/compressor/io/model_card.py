@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from lmcompress.compressor.io.layout import REPORT_PNG
+from lmcompress.evaluation.speed_report import SPEED_PNG, speed_table
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -34,6 +35,7 @@ def model_card(manifest: dict[str, Any], name: str) -> str:
         _perplexity_section(results),
         _stages_section(results),
         _lm_eval_section(results.get("lm_eval") or {}),
+        _speed_section(results.get("speed")),
         f"![per-layer report and perplexity]({REPORT_PNG})\n\n"
         f"`{REPORT_PNG}`: {_plot_caption(report)}",
         _options_section(manifest, results),
@@ -152,6 +154,17 @@ def _lm_eval_section(lm_eval: dict[str, dict[str, float]]) -> str:
     for task, metrics in lm_eval.items():
         rows += [f"| {task} | {metric} | {value:.4g} |" for metric, value in metrics.items()]
     return "## lm-eval (compressed model)\n\n" + "\n".join(rows)
+
+
+def _speed_section(record: dict[str, Any] | None) -> str:
+    """``compress-model ... --bench``'s table (:mod:`lmcompress.evaluation.speed_report`)."""
+    if not record:
+        return ""
+    return (
+        "## Speed\n\nMeasured after saving (`--bench`: the dense checkpoint at fp32 and bf16 "
+        "and this export in its compressed runtime, in one process; `speed.json`, "
+        f"`{SPEED_PNG}`):\n\n{speed_table(record)}"
+    )
 
 
 def _plot_caption(report: dict[str, Any]) -> str:
