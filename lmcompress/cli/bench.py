@@ -7,6 +7,7 @@ import json
 from collections.abc import Sequence
 
 from lmcompress.cli.terminal import PROG, Parser, setup_logging
+from lmcompress.compressor.io.load import RUNTIMES
 from lmcompress.evaluation.speed import SpeedOptions, parse_prefill
 from lmcompress.evaluation.speed_report import speed_table
 from lmcompress.jobs.bench import bench_job
@@ -48,6 +49,14 @@ def bench_command(argv: Sequence[str]) -> int:
         help="also time each row under torch.compile (static KV cache; compiling takes ~1 min "
         "a row on 2 cores); a compiled row is compared with the best compiled dense row",
     )
+    parser.add_argument(
+        "--runtime",
+        nargs="+",
+        choices=RUNTIMES,
+        default=list(defaults.runtimes),
+        help="each export in these runtimes: packed (its compressed form), expanded (packed N:M "
+        "layers unpacked once: faster, more memory), dense (default: %(default)s)",
+    )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("-o", "--output", help="write speed.json, speed.md and speed.png here")
@@ -65,6 +74,7 @@ def bench_command(argv: Sequence[str]) -> int:
         dense_dtypes=tuple(args.dense_dtypes),
         device=args.device,
         compile=args.compile,
+        runtimes=tuple(args.runtime),
     )
     record = bench_job(
         args.checkpoint, args.exports, options, args.output, args.threads, args.overwrite

@@ -22,9 +22,10 @@ def evaluate_command(argv: Sequence[str]) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
         "--runtime",
-        choices=("packed", "dense"),
+        choices=("packed", "dense", "expanded"),
         help="for a compress-model output: keep compressed layers in their compressed modules "
-        "(packed, the default) or rebuild plain dense layers (dense); ignored for checkpoints",
+        "(packed, the default), rebuild plain dense layers (dense), or unpack packed N:M layers "
+        "once for speed (expanded, its memory cost logged); ignored for checkpoints",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("-q", "--quiet", action="store_true")

@@ -27,7 +27,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import DynamicCache, StaticCache
 
-from lmcompress.compressor.io.load import load_compressed
+from lmcompress.compressor.io.load import RUNTIMES, load_compressed
 from lmcompress.compressor.model.families import family_of
 from lmcompress.compressor.model.loading import load_model
 from lmcompress.compressor.util.memory import current_rss_mib, peak_rss_mib
@@ -50,6 +50,7 @@ class SpeedOptions:
     device: str = "cpu"
     seed: int = 0
     compile: bool = False  # also time every row under torch.compile (static KV cache)
+    runtimes: tuple[str, ...] = ("packed",)  # each export in each (load_compressed's runtimes)
 
     def __post_init__(self) -> None:
         for name in ("decode", "prompt", "repeats"):
@@ -57,6 +58,10 @@ class SpeedOptions:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if len(self.prefill) != 2 or min(self.prefill) < 1:
             raise ConfigError(f"prefill must be BATCHxTOKENS with both >= 1, got {self.prefill}")
+        if not self.runtimes or not set(self.runtimes) <= set(RUNTIMES):
+            raise ConfigError(
+                f"runtimes must be some of {', '.join(RUNTIMES)}, got {list(self.runtimes)}"
+            )
         if self.warmup < 0:
             raise ConfigError(f"warmup must be >= 0, got {self.warmup}")
 
@@ -167,21 +172,24 @@ def time_decode(
 
 
 def load_rows(checkpoint: str, exports: Sequence[str | Path], options: SpeedOptions) -> list[Row]:
-    """The dense model in each of ``options.dense_dtypes``, then each export in its packed
-    (compressed) runtime; the RSS each load added."""
+    """The dense model in each of ``options.dense_dtypes``, then each export in each of
+    ``options.runtimes`` (``packed``: its compressed runtime; a row of another runtime is named
+    ``"NAME (runtime)"``); the RSS each load added."""
     rows = []
     loads = [
         (f"dense {dtype}", lambda d=dtype: load_model(checkpoint, d, options.device)[0], dtype)
         for dtype in options.dense_dtypes
     ]
     for export in exports:
-        loads.append(
-            (
-                Path(export).name,
-                lambda e=export: load_compressed(e, "packed", options.device)[0],
-                "",
+        for runtime in options.runtimes:
+            name = Path(export).name + ("" if runtime == "packed" else f" ({runtime})")
+            loads.append(
+                (
+                    name,
+                    lambda e=export, r=runtime: load_compressed(e, r, options.device)[0],
+                    "",
+                )
             )
-        )
     for name, load, dtype in loads:
         before = current_rss_mib()
         model = load().eval()

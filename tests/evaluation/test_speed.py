@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -109,3 +110,29 @@ def test_parse_prefill():
     assert parse_prefill("4x256") == (4, 256)
     with pytest.raises(ConfigError):
         parse_prefill("4x")
+
+
+def test_expanded_runtime_rows_compute_the_same_and_hold_more(tiny_checkpoint, tmp_path):
+    from lmcompress import Int8Config, RunOptions, run
+    from lmcompress.compressor.formats.int8 import QuantLinear
+    from lmcompress.compressor.formats.nm_packed_int8 import PackedNMInt8Linear
+    from lmcompress.compressor.io.load import load_compressed
+
+    options = RunOptions(checkpoint=str(tiny_checkpoint), eval=(), seq_len=32)
+    configs = [MagnitudeConfig(sparsity="2:4"), Int8Config()]  # composed: nm_packed_int8
+    run(dataclasses.replace(options, output=str(tmp_path / "both")), configs)
+    packed = load_compressed(tmp_path / "both", "packed")[0]
+    expanded = load_compressed(tmp_path / "both", "expanded")[0]
+    assert any(isinstance(m, PackedNMInt8Linear) for m in packed.modules())
+    assert not any(isinstance(m, PackedNMInt8Linear) for m in expanded.modules())
+    assert any(isinstance(m, QuantLinear) for m in expanded.modules())
+    ids = torch.randint(3, 200, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(expanded(ids).logits, packed(ids).logits, rtol=0, atol=0)
+    assert weight_bytes(expanded) > weight_bytes(packed)
+    options = dataclasses.replace(FAST, runtimes=("packed", "expanded"))
+    record = bench(str(tiny_checkpoint), [tmp_path / "both"], options)
+    rows = {r["name"]: r for r in record["rows"]}
+    assert rows["both (expanded)"]["weight_bytes"] > rows["both"]["weight_bytes"]
+    with pytest.raises(ConfigError, match="runtimes must be some of"):
+        SpeedOptions(runtimes=("fast",))

@@ -102,6 +102,14 @@ class CompressedLinear(nn.Module):
             layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
         return layer
 
+    def expanded(self) -> nn.Module:
+        """The ``expanded`` runtime's module: the same function from storage that its matmul
+        reads without unpacking on every call, at the memory that costs. A format whose storage
+        already is that (int8 codes, low-rank factors) returns itself; a packed one unpacks once
+        (:class:`~lmcompress.compressor.formats.nm_packed.PackedNMLinear`: a dense linear of its
+        values' dtype; ``nm_packed_int8``: the unpacked int8 codes)."""
+        return self
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
 

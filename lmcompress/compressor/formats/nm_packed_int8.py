@@ -92,6 +92,20 @@ class PackedNMInt8Linear(Int8CodedLinear):
         """The int8 codes (out, in), zeros where pruned."""
         return unpack_nm(self.values, self.indices, self.n, self.m, self.in_features)
 
+    @torch.no_grad()
+    def expanded(self) -> QuantLinear:
+        """Unpacked once: the :class:`QuantLinear` of the same codes and scales (the same
+        computation; 1 byte per weight instead of 2:4's 0.625)."""
+        return QuantLinear(
+            self.weight_codes(),
+            self.weight_scale,
+            self.input_scale,
+            self.bias,
+            conv1d=self.conv1d,
+            path=self.path,
+            dtype=self.dtype,
+        )
+
     def code_tensors(self) -> dict[str, torch.Tensor]:
         return {"values": self.values, "indices": self.indices}
 

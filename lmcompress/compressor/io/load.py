@@ -14,6 +14,7 @@ form, which is the source of truth in both runtimes.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from itertools import chain
 from pathlib import Path
@@ -41,13 +42,15 @@ from lmcompress.compressor.model.surgery import in_out_features, replace_modules
 from lmcompress.compressor.report import CompressionReport
 from lmcompress.errors import ConfigError, ModelLoadError, first_line
 
+logger = logging.getLogger(__name__)
+
 try:  # transformers >= 5: the table from_pretrained renames checkpoint keys with
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightRenaming, rename_source_key
 except ImportError:  # older versions save and load under the model's own names
     get_model_conversion_mapping = None
 
-RUNTIMES = ("packed", "dense")
+RUNTIMES = ("packed", "dense", "expanded")
 
 
 def read_manifest(out_dir: str | Path) -> dict[str, Any]:
@@ -80,7 +83,9 @@ def load_compressed(
         runtime: ``"packed"`` keeps every compressed layer in its compressed module
             (``PackedNMLinear``, ``LowRankLinear``, ...); ``"dense"`` gives plain linear layers
             rebuilt from the compressed form (the default: what code written for plain
-            transformers models, including another compression run, expects).
+            transformers models, including another compression run, expects);
+            ``"expanded"`` unpacks packed layers once, for speed, at the memory that costs
+            (:meth:`~lmcompress.compressor.formats.base.CompressedLinear.expanded`; logged).
         device: where the model lives; tensors are read from disk straight onto it.
 
     Works without the dense copy (``save_compressed(..., dense_copy=False)``). Raises
@@ -94,6 +99,8 @@ def load_compressed(
     model = build_model(out_dir, manifest, device)
     if runtime == "dense":
         replace_modules(model, manifest["compressed_layers"], lambda _, module: module.to_dense())
+    elif runtime == "expanded":
+        expand(model, list(manifest["compressed_layers"]))
     transforms = manifest.get("transforms", [])  # e.g. an 8-bit softmax
     if transforms:
         with open_safetensors(out_dir / COMPRESSED_TENSORS, device) as packed:
@@ -110,6 +117,20 @@ def load_compressed(
                 transform_class(entry["kind"]).from_state(tensors, entry["meta"]).install(model)
     tokenizer = load_tokenizer(str(out_dir), False, {"trust_remote_code": False})
     return model, tokenizer, CompressionReport.from_dict(manifest["report"])
+
+
+def expand(model: nn.Module, names: list[str]) -> None:
+    """The ``expanded`` runtime: each compressed layer replaced by its ``expanded()`` module;
+    logs what it costs in memory."""
+    before = runtime_bytes(model, names)["resident_bytes"]
+    replace_modules(model, names, lambda _, module: module.expanded())
+    after = runtime_bytes(model, names)["resident_bytes"]
+    logger.info(
+        "expanded runtime: %d compressed layers hold %.1f MiB, %+.1f MiB over the packed form",
+        len(names),
+        after / 2**20,
+        (after - before) / 2**20,
+    )
 
 
 def build_model(
