@@ -27,7 +27,9 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import DynamicCache, StaticCache
 
-from lmcompress.compressor.io.load import RUNTIMES, load_compressed
+from lmcompress.compressor.formats.base import CompressedLinear
+from lmcompress.compressor.formats.catalog import format_class
+from lmcompress.compressor.io.load import RUNTIMES, load_compressed, read_manifest
 from lmcompress.compressor.model.families import family_of
 from lmcompress.compressor.model.loading import load_model
 from lmcompress.compressor.util.memory import current_rss_mib, peak_rss_mib
@@ -182,6 +184,8 @@ def load_rows(checkpoint: str, exports: Sequence[str | Path], options: SpeedOpti
     ]
     for export in exports:
         for runtime in options.runtimes:
+            if runtime == "expanded" and not _expands(export):
+                continue  # the same modules as the packed row
             name = Path(export).name + ("" if runtime == "packed" else f" ({runtime})")
             loads.append(
                 (
@@ -209,6 +213,13 @@ def load_rows(checkpoint: str, exports: Sequence[str | Path], options: SpeedOpti
             fresh = {"prefill_s": [], "ttft_s": [], "decode_s": []}  # not the eager row's lists
             rows.append(dataclasses.replace(row, **compiled, **fresh))
     return rows
+
+
+def _expands(export: str | Path) -> bool:
+    """Whether ``export``'s expanded runtime differs from its packed one (a format with an
+    ``expanded()`` of its own)."""
+    formats = {entry["format"] for entry in read_manifest(export)["compressed_layers"].values()}
+    return any(format_class(f).expanded is not CompressedLinear.expanded for f in formats)
 
 
 def bench(

@@ -27,8 +27,8 @@ from lmcompress.compressor.formats import quant
 from lmcompress.compressor.formats.base import CompressedLinear
 from lmcompress.compressor.formats.registry import register_format
 from lmcompress.compressor.model.surgery import weight_matrix
-from lmcompress.kernels import int8_ops
 from lmcompress.errors import ConfigError, LmcompressError, ModelLoadError
+from lmcompress.kernels import int8_ops
 
 ACTIVATIONS = ("dynamic", "static")
 PATHS = ("int", "simulated")
