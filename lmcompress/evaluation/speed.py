@@ -112,8 +112,8 @@ def bytes_read_per_token(model: nn.Module) -> int:
     total = weight_bytes(model)
     family = family_of(model)
     embedding = model.get_input_embeddings().weight
-    head = model.get_submodule(family.head).weight
-    if embedding.untyped_storage().data_ptr() != head.untyped_storage().data_ptr():
+    head = getattr(model.get_submodule(family.head), "weight", None)  # None: a compressed head
+    if head is None or embedding.untyped_storage().data_ptr() != head.untyped_storage().data_ptr():
         total -= embedding.untyped_storage().nbytes()
     return total
 

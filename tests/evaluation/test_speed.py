@@ -41,6 +41,11 @@ def test_weight_bytes_count_each_storage_once():
     untied = make_tiny_model("mistral")  # a lookup reads one row of an untied embedding
     table = untied.get_input_embeddings().weight.nbytes
     assert bytes_read_per_token(untied) == weight_bytes(untied) - table
+    from lmcompress import Int8Config
+
+    compress(model, Int8Config(head="int8"))  # the head's own int8 codes: the table is read once
+    table = model.get_input_embeddings().weight.nbytes
+    assert bytes_read_per_token(model) == weight_bytes(model) - table
 
 
 def test_bench_records_every_row_against_the_best_dense_one(tiny_checkpoint, export):
