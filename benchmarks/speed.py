@@ -63,7 +63,9 @@ def measure(args: argparse.Namespace, _names: list[str], _previous: dict) -> Any
     outputs = args.work / "outputs"
     exports = []
     for name, flags in EXPORTS:
-        out = outputs / name.replace(" ", "_").replace(":", "of").replace("+", "and")
+        out = outputs / name.replace(",", "").replace(" ", "_").replace(":", "of").replace(
+            "+", "and"
+        )
         run_job(export_job(name, flags, out, args.checkpoint), args.work)
         exports.append((name, out))
     command = [*CLI, "bench", args.checkpoint, *(str(out) for _, out in exports)]

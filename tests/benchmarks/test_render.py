@@ -34,14 +34,19 @@ def test_render_only_rewrites_the_md_and_png_and_nothing_else(tmp_path, name):
     drawn = [f"{module.NAME}.md", *pngs]
     for file in drawn:
         (tmp_path / file).unlink()
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    before = _files(tmp_path)
 
     assert module.main(["--render-only", "--results-dir", str(tmp_path)]) == 0
-    after = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    after = _files(tmp_path)
     assert sorted(set(after) - set(before)) == sorted(drawn)
     assert all(after[f] == before[f] for f in before)  # the JSON files untouched
     for file in drawn:  # the committed md (and PNG) again, byte for byte
         assert after[file] == (RESULTS_DIR / file).read_bytes(), file
+
+
+def _files(root):
+    """Every file under ``root`` (``compress-model bench -o`` outputs are directories)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
 def test_merge_rows_replaces_by_key_and_keeps_the_table_order():
