@@ -42,17 +42,30 @@ def linear(
     ``torch.compile`` fuses: the activation quantization before ``_int_mm`` and the rescale and
     bias after it become one generated loop each. It trusts its arguments (a layer checks its
     shapes once, when it is built); the op checks them on every call."""
-    x_scale, w_scale = x_scale.float(), w_scale.float()
     if w_scale.shape[1] == 1:
-        y = torch.mul(int8_matmul(x_q, w_q), x_scale)  # int32 · fp32 -> fp32 (tokens, out)
-        if bias is None:
-            y.mul_(w_scale.t())  # (1, out)
-        else:  # bias + y · w_scale in one pass over the output (memory-bound on CPU)
-            torch.addcmul(bias.float(), y, w_scale.t(), out=y)
-    else:
-        y = _per_group(x_q, w_q, w_scale).mul_(x_scale)
-        if bias is not None:
-            y.add_(bias.float())
+        return rescale(int8_matmul(x_q, w_q), x_scale, w_scale, bias, out_dtype)
+    y = _per_group(x_q, w_q, w_scale.float()).mul_(x_scale.float())
+    if bias is not None:
+        y.add_(bias.float())
+    return y.to(out_dtype)
+
+
+def rescale(
+    acc: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``acc · x_scale · w_scaleᵀ + bias`` in float32, cast to ``out_dtype``: the float half of
+    a per-channel int8 linear, for the int32 products ``acc`` (tokens, out) of any integer
+    matmul (``_int_mm``, or the packed N:M kernel: the same integers give the same output)."""
+    x_scale, w_scale = x_scale.float(), w_scale.float()
+    y = torch.mul(acc, x_scale)  # int32 · fp32 -> fp32 (tokens, out)
+    if bias is None:
+        y.mul_(w_scale.t())  # (1, out)
+    else:  # bias + y · w_scale in one pass over the output (memory-bound on CPU)
+        torch.addcmul(bias.float(), y, w_scale.t(), out=y)
     return y.to(out_dtype)
 
 

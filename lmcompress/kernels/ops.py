@@ -3,8 +3,12 @@
 One op name per computation, so that every call site (``PackedNMLinear.forward``, tests,
 benchmarks) runs everywhere through the same dispatcher entry:
 
-- the default implementation (CPU, and any device without a kernel of its own) is the
-  pure-torch reference in :mod:`lmcompress.kernels.reference`, the specification;
+- the default implementation (any device without a kernel of its own) is the pure-torch
+  reference in :mod:`lmcompress.kernels.reference`, the specification;
+- on CPU, :func:`nm_linear_cpu`: the compiled kernels of :mod:`lmcompress.kernels.nm_cpu`
+  (read the packed form for a few tokens; unpack once per call, then torch's matmul, for
+  more), the reference where they are unavailable. ``PackedNMLinear`` calls it directly in
+  eager mode (no dispatch cost, ~20 µs a call);
 - ``register_fake`` gives shapes and dtypes without computing, so ``torch.compile(fullgraph=True)``
   traces through the op instead of breaking the graph;
 - ``register_autograd`` gives the backward in closed form (custom ops are opaque to autograd);
@@ -22,7 +26,10 @@ import logging
 
 import torch
 
-from lmcompress.kernels import reference
+import torch.nn.functional as F
+
+from lmcompress.kernels import nm_cpu, reference
+from lmcompress.kernels.int8_ops import int8_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +51,104 @@ def nm_linear(
     """
     _check(x, values, n, m, in_features)
     return reference.nm_linear(x, values, indices, n, m, in_features, bias)
+
+
+def eager_cpu(x: torch.Tensor) -> bool:
+    """Whether a layer may call a CPU computation directly instead of through its op: on CPU,
+    not while ``torch.compile`` traces (the compiled kernels are opaque to it: the op is
+    what a graph holds), and not where autograd needs the op's backward."""
+    return (
+        x.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and not (x.requires_grad and torch.is_grad_enabled())
+    )
+
+
+@torch.library.custom_op("lmcompress::nm_int8_matmul", mutates_args=())
+def nm_int8_matmul(
+    x_q: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, n: int, m: int, in_features: int
+) -> torch.Tensor:
+    """``x_q @ W.T`` as exact int32, for int8 ``x_q`` (tokens, in) and ``W`` the packed N:M
+    int8 codes ``values``/``indices``: the integer half of a 2:4 + int8 layer. Equal to
+    ``torch._int_mm`` of the unpacked codes (integers: the order of the sum does not matter)."""
+    torch._check(
+        x_q.dim() == 2 and x_q.shape[1] == in_features and values.dtype == torch.int8,
+        lambda: f"nm_int8_matmul: x {tuple(x_q.shape)}, values {values.dtype}, in={in_features}",
+    )
+    return nm_int8_matmul_cpu(x_q, values, indices, n, m, in_features)
+
+
+def nm_int8_matmul_cpu(
+    x_q: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, n: int, m: int, in_features: int
+) -> torch.Tensor:
+    """:func:`nm_int8_matmul`'s computation: the compiled kernel for few tokens on CPU,
+    else unpack and ``_int_mm``."""
+    if (
+        x_q.device.type == "cpu"
+        and x_q.shape[0] <= nm_cpu.MAX_TOKENS
+        and nm_cpu.library() is not None
+    ):
+        return nm_cpu.int8_matmul(x_q, values, indices, n, m, reference.index_bits(m))
+    codes = unpack_nm(values, indices, n, m, in_features)
+    return int8_matmul(x_q, codes)
+
+
+@nm_int8_matmul.register_fake
+def _nm_int8_matmul_fake(x_q, values, indices, n, m, in_features):  # noqa: ARG001
+    return x_q.new_empty((x_q.shape[0], values.shape[0]), dtype=torch.int32)
+
+
+def nm_linear_cpu(
+    x: torch.Tensor,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    n: int,
+    m: int,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The CPU computation of :func:`nm_linear`, as a plain function (it trusts its arguments:
+    a layer checks its shapes once, the op on every call). For at most
+    ``nm_cpu.MAX_TOKENS`` tokens the compiled kernel reads the packed weight (fp32
+    accumulation, so equal to the reference to float rounding, not bit for bit); for more,
+    the weight is unpacked (by the compiled kernel where there is one) and multiplied by
+    torch."""
+    tokens = x.numel() // in_features
+    floats = nm_cpu.FLOAT_KINDS
+    if (
+        tokens <= nm_cpu.MAX_TOKENS
+        and x.dtype in floats
+        and values.dtype in floats
+        and (bias is None or bias.dtype in floats)
+        and nm_cpu.library() is not None
+    ):
+        y = nm_cpu.matmul(
+            x.reshape(tokens, in_features), values, indices, n, m, reference.index_bits(m), bias
+        )
+        return y.reshape(*x.shape[:-1], values.shape[0])
+    weight = unpack_nm(values, indices, n, m, in_features)
+    return F.linear(x, weight.to(x.dtype), bias)
+
+
+def unpack_nm(
+    values: torch.Tensor, indices: torch.Tensor, n: int, m: int, in_features: int
+) -> torch.Tensor:
+    """:func:`reference.unpack_nm`, by the compiled CPU kernel where it applies (the same
+    tensor: unpacking is a copy)."""
+    if (
+        values.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and values.element_size() in (1, 2, 4)
+        and nm_cpu.library() is not None
+    ):
+        return nm_cpu.unpack(values, indices, n, m, reference.index_bits(m), in_features)
+    return reference.unpack_nm(values, indices, n, m, in_features)
+
+
+@nm_linear.register_kernel("cpu")
+def _nm_linear_cpu(x, values, indices, n, m, in_features, bias=None):
+    _check(x, values, n, m, in_features)
+    return nm_linear_cpu(x, values, indices, n, m, in_features, bias)
 
 
 @nm_linear.register_kernel("cuda")

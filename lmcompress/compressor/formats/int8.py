@@ -46,18 +46,22 @@ def int8_forward(
     (:class:`QuantLinear`, and the composed formats that unpack their codes first).
     ``input_scale`` ``None``: per-token dynamic activation scales."""
     out_features, in_features = weight_q.shape
-    x_2d = x.reshape(-1, in_features)  # (tokens, in)
-    if input_scale is None:
-        x_scale = quant.per_token_scale(x_2d)  # (tokens, 1)
-    else:
-        x_scale = input_scale  # (1,)
-    x_q = quant.quantize(x_2d, x_scale)
+    x_q, x_scale = quantize_activations(x.reshape(-1, in_features), input_scale)
     args = (x_q, x_scale, weight_q, weight_scale, bias, x.dtype)
     if path == "int":
         y = int8_ops.linear(*args)
     else:
         y = quant.simulated_int8_linear(*args)
     return y.reshape(*x.shape[:-1], out_features)
+
+
+def quantize_activations(
+    x_2d: torch.Tensor, input_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_q, x_scale)`` of ``x_2d`` (tokens, in): int8 codes with per-token absmax scales
+    (tokens, 1) when ``input_scale`` is ``None``, else with the static scale (1,)."""
+    x_scale = quant.per_token_scale(x_2d) if input_scale is None else input_scale
+    return quant.quantize(x_2d, x_scale), x_scale
 
 
 class Int8CodedLinear(CompressedLinear):

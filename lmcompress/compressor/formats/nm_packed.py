@@ -3,7 +3,9 @@
 The layer keeps the ``n`` kept weights of every group of ``m`` inputs and their 2-bit (for
 2:4) positions (layout in :mod:`lmcompress.kernels.reference`): at fp16, 56.25 % of the dense
 bytes for 2:4. It never materialises the dense weight as a buffer; its forward calls
-``torch.ops.lmcompress.nm_linear``, whose CPU implementation unpacks on the fly and whose CUDA
+``torch.ops.lmcompress.nm_linear`` (in eager mode on CPU its computation directly,
+:func:`~lmcompress.kernels.ops.nm_linear_cpu`), whose CPU implementation reads the packed form
+with a compiled kernel for a few tokens and unpacks once per call for more, and whose CUDA
 implementation is a Triton kernel reading the packed form directly
 (:mod:`lmcompress.kernels.nm_linear_triton`).
 """
@@ -16,12 +18,12 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-import lmcompress.kernels.ops  # noqa: F401  (registers torch.ops.lmcompress.nm_linear)
 from lmcompress.compressor.formats.base import CompressedLinear
 from lmcompress.compressor.formats.registry import register_format
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.errors import ModelLoadError
-from lmcompress.kernels.reference import index_bits, pack_nm, unpack_nm
+from lmcompress.kernels import ops  # registers torch.ops.lmcompress.nm_linear
+from lmcompress.kernels.reference import index_bits, pack_nm
 
 
 @register_format
@@ -103,13 +105,17 @@ class PackedNMLinear(CompressedLinear):
         )
 
     def dense_weight(self) -> torch.Tensor:
-        return unpack_nm(self.values, self.indices, self.n, self.m, self.in_features)  # (out, in)
+        return ops.unpack_nm(self.values, self.indices, self.n, self.m, self.in_features)
 
     def expanded(self) -> nn.Module:
         """Unpacked once: a dense linear in the values' dtype (2:4: 1/0.5625 the bytes)."""
         return self.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if ops.eager_cpu(x):  # the op's CPU computation, without the dispatch
+            return ops.nm_linear_cpu(
+                x, self.values, self.indices, self.n, self.m, self.in_features, self.bias
+            )
         return torch.ops.lmcompress.nm_linear(
             x, self.values, self.indices, self.n, self.m, self.in_features, self.bias
         )

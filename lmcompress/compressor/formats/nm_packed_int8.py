@@ -7,10 +7,10 @@ scales. For 2:4 a group of 4 weights takes 2 codes × 8 bits + 2 positions × 2 
 instead of 32: 62.5 % of the int8 codes' bytes (the fp32 scales, one per row, are the same in
 both).
 
-The computation is the int8 layer's: unpack the codes (the packed format's reference unpack)
-and run :func:`~lmcompress.compressor.formats.int8.int8_forward`, so the module's outputs are
-those of the :class:`~lmcompress.compressor.formats.int8.QuantLinear` it was packed from, bit
-for bit.
+The computation is the int8 layer's: the int32 products of the activation codes with the
+packed codes (read directly by a compiled CPU kernel for a few tokens, unpacked for more), then
+the same rescale, so the module's outputs are those of the
+:class:`~lmcompress.compressor.formats.int8.QuantLinear` it was packed from, bit for bit.
 """
 
 from __future__ import annotations
@@ -20,10 +20,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmcompress.compressor.formats.int8 import Int8CodedLinear, QuantLinear
+from lmcompress.compressor.formats.int8 import (
+    Int8CodedLinear,
+    QuantLinear,
+    quantize_activations,
+)
 from lmcompress.compressor.formats.registry import register_format
 from lmcompress.errors import ModelLoadError
-from lmcompress.kernels.reference import index_bits, pack_nm, unpack_nm
+from lmcompress.kernels import int8_ops, ops
+from lmcompress.kernels.reference import index_bits, pack_nm
 
 
 @register_format
@@ -90,7 +95,23 @@ class PackedNMInt8Linear(Int8CodedLinear):
 
     def weight_codes(self) -> torch.Tensor:
         """The int8 codes (out, in), zeros where pruned."""
-        return unpack_nm(self.values, self.indices, self.n, self.m, self.in_features)
+        return ops.unpack_nm(self.values, self.indices, self.n, self.m, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-channel scales on the integer path: the int32 products from the packed codes
+        (``torch.ops.lmcompress.nm_int8_matmul``; a compiled kernel reads them for a few tokens
+        on CPU), then the int8 layer's rescale: the same integers, so the same output as
+        :class:`QuantLinear`'s, bit for bit. Other paths unpack and run the int8 layer's."""
+        if self.path != "int" or self.weight_scale.shape[1] != 1:
+            return super().forward(x)
+        x_q, x_scale = quantize_activations(x.reshape(-1, self.in_features), self.input_scale)
+        args = (x_q, self.values, self.indices, self.n, self.m, self.in_features)
+        if ops.eager_cpu(x):
+            acc = ops.nm_int8_matmul_cpu(*args)
+        else:
+            acc = torch.ops.lmcompress.nm_int8_matmul(*args)
+        y = int8_ops.rescale(acc, x_scale, self.weight_scale, self.bias, x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     @torch.no_grad()
     def expanded(self) -> QuantLinear:

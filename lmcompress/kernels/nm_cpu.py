@@ -1,0 +1,189 @@
+"""CPU kernels that read packed N:M weights directly (:file:`nm_cpu.cpp`).
+
+Without them a packed layer on CPU unpacks its whole weight on every call and then multiplies:
+at batch-1 decoding that is ~10× slower than the dense layer. With them, decoding reads the
+packed bytes once (2:4 in bf16: 56 % of the dense bytes) and, on SmolLM2's 210 decoder linears,
+runs ~2× faster than the dense bf16 matmuls (``benchmarks/results/speed.md``).
+
+The C++ source is compiled once per machine with the system compiler (``$CXX``, else ``c++``,
+``g++`` or ``clang++``; ``-O3 -march=native -fopenmp``), the same toolchain ``torch.compile``
+uses on CPU, into ``<cache>/kernels`` under a name that hashes the source, the compiler, the
+flags and the CPU (a cache shared by different machines never loads code built for another),
+and loaded with :mod:`ctypes`. It needs no ninja and no torch headers (~1 s to build). Where
+there is no compiler, the build fails, or ``LMCOMPRESS_CPU_KERNELS=0``, :func:`library` is
+``None`` (logged once) and callers use the pure-torch reference.
+
+The functions here trust their arguments' layout (:mod:`lmcompress.kernels.ops` checks them)
+and make tensors contiguous; results are new tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from lmcompress.compressor.util.cache import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("nm_cpu.cpp")
+FLAG_SETS = (  # tried in order: clang without libomp builds single-threaded
+    ["-O3", "-march=native", "-fopenmp"],
+    ["-O3", "-fopenmp"],
+    ["-O3"],
+)
+MAX_TOKENS = 12  # above this, unpack once per call and run torch's matmul (measured crossover)
+FLOAT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_VOID, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+SIGNATURES = {
+    "lmc_nm_simd": [],
+    "lmc_nm_matmul_float": [_VOID, _INT, _I64, _I64, _VOID, _INT, _VOID, _I64, _I64]
+    + [_INT, _INT, _INT, _VOID, _INT, _VOID, _INT, _INT],
+    "lmc_nm_matmul_int8": [_VOID, _I64, _I64, _VOID, _VOID, _I64, _I64, _INT, _INT, _INT]
+    + [_VOID, _INT],
+    "lmc_nm_unpack": [_VOID, _INT, _VOID, _I64, _I64, _I64, _INT, _INT, _INT, _VOID, _INT],
+}
+
+
+def enabled() -> bool:
+    """``False`` where ``LMCOMPRESS_CPU_KERNELS=0`` asks for the pure-torch reference."""
+    return os.environ.get("LMCOMPRESS_CPU_KERNELS", "1") != "0"
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first use; ``None`` where they cannot be (logged once)."""
+    if not enabled():
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        logger.warning(
+            "packed N:M CPU kernels unavailable (%s): packed layers unpack on every call", err
+        )
+        return None
+    for name, args in SIGNATURES.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = _INT if name == "lmc_nm_simd" else None
+    logger.debug("packed N:M CPU kernels loaded (AVX-512 2:4 loops: %s)", bool(lib.lmc_nm_simd()))
+    return lib
+
+
+def _compiler() -> str:
+    for candidate in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if candidate and shutil.which(candidate):
+            return shutil.which(candidate)
+    raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+
+
+def _cpu_identity() -> str:
+    """What ``-march=native`` depends on: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = ("model name", "flags", "Features", "CPU part")
+    lines = {line.split(":")[0].strip(): line for line in text.splitlines() if ":" in line}
+    return "\n".join(lines.get(key, "") for key in keep) + platform.machine()
+
+
+def _build() -> Path:
+    """The shared library for this source, compiler and CPU: cached, else compiled into a
+    temporary file and renamed into place (two processes building at once both succeed)."""
+    compiler = _compiler()
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=60, check=False
+    ).stdout
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + version.encode() + _cpu_identity().encode()).hexdigest()
+    target = cache_dir() / "kernels" / f"nm_cpu-{digest[:16]}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("building the packed N:M CPU kernels (once per machine) into %s", target.parent)
+    errors = []
+    for flags in FLAG_SETS:
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        command = [compiler, *flags, "-shared", "-fPIC", "-std=c++17", str(SOURCE), "-o", tmp]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+        if done.returncode == 0:
+            os.replace(tmp, target)
+            return target
+        os.unlink(tmp)
+        errors.append(done.stderr.strip().splitlines()[-1:] or ["?"])
+    raise RuntimeError(f"{Path(compiler).name} failed: {errors[0][0]}")
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def matmul(
+    x: torch.Tensor,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    n: int,
+    m: int,
+    bits: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W.T + bias`` for packed ``W`` with float values, ``x`` (tokens, in) fp32 or bf16
+    (fp16 runs in fp32): (tokens, out) in ``x``'s dtype, accumulated in fp32."""
+    lib = library()
+    dtype = x.dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    x, values, indices = x.contiguous(), values.contiguous(), indices.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    tokens, in_features = x.shape
+    y = x.new_empty((tokens, values.shape[0]))
+    lib.lmc_nm_matmul_float(
+        x.data_ptr(), FLOAT_KINDS[x.dtype], tokens, in_features,
+        values.data_ptr(), FLOAT_KINDS[values.dtype], indices.data_ptr(), indices.shape[1],
+        values.shape[0], n, m, bits,
+        _ptr(bias), FLOAT_KINDS[bias.dtype] if bias is not None else 0,
+        y.data_ptr(), FLOAT_KINDS[y.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    return y if y.dtype == dtype else y.to(dtype)
+
+
+def int8_matmul(
+    x_q: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, n: int, m: int, bits: int
+) -> torch.Tensor:
+    """``x_q @ W.T`` as exact int32 for int8 ``x_q`` (tokens, in) and packed int8 codes: equal
+    to ``torch._int_mm(x_q, unpack(W).t())``."""
+    lib = library()
+    x_q, values, indices = x_q.contiguous(), values.contiguous(), indices.contiguous()
+    tokens, in_features = x_q.shape
+    acc = torch.empty((tokens, values.shape[0]), dtype=torch.int32)
+    lib.lmc_nm_matmul_int8(
+        x_q.data_ptr(), tokens, in_features, values.data_ptr(), indices.data_ptr(),
+        indices.shape[1], values.shape[0], n, m, bits, acc.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return acc
+
+
+def unpack(
+    values: torch.Tensor, indices: torch.Tensor, n: int, m: int, bits: int, in_features: int
+) -> torch.Tensor:
+    """The dense (out, in) weight in ``values``' dtype (1, 2 or 4-byte elements)."""
+    lib = library()
+    values, indices = values.contiguous(), indices.contiguous()
+    dense = values.new_empty((values.shape[0], in_features))
+    lib.lmc_nm_unpack(
+        values.data_ptr(), values.element_size(), indices.data_ptr(), indices.shape[1],
+        values.shape[0], in_features, n, m, bits, dense.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return dense
