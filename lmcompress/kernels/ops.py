@@ -25,7 +25,6 @@ import functools
 import logging
 
 import torch
-
 import torch.nn.functional as F
 
 from lmcompress.kernels import nm_cpu, reference
