@@ -34,7 +34,7 @@ from lmcompress.compressor.model.families import family_of
 from lmcompress.compressor.model.loading import load_model
 from lmcompress.compressor.util.memory import current_rss_mib, peak_rss_mib
 from lmcompress.compressor.util.progress import bar_disabled
-from lmcompress.errors import ConfigError
+from lmcompress.errors import ConfigError, LmcompressError
 from lmcompress.evaluation.host import machine
 
 
@@ -232,19 +232,30 @@ def bench(
     options = options or SpeedOptions()
     device = torch.device(options.device)
     rows = load_rows(checkpoint, exports, options)
-    # every compiled row recompiles the same forward (its model class's) for its own weights,
-    # for prefill and decode shapes: past dynamo's recompile limit (8) later rows would
-    # silently run eager
     compiled = sum(row.compiled for row in rows)
-    limits = torch._dynamo.config.patch(
-        recompile_limit=max(torch._dynamo.config.recompile_limit, 4 * compiled),
-        accumulated_recompile_limit=max(
-            torch._dynamo.config.accumulated_recompile_limit, 8 * compiled
-        ),
-    )
-    with limits:
-        bandwidth = _time_rows(rows, options, device)
+    try:
+        with compile_limits(compiled):
+            bandwidth = _time_rows(rows, options, device)
+    except torch._dynamo.exc.FailOnRecompileLimitHit as err:
+        raise LmcompressError(
+            "torch.compile hit dynamo's recompile limit: a compiled row would have been timed "
+            "running eager"
+        ) from err
     return _record(rows, options, bandwidth)
+
+
+def compile_limits(compiled_rows: int):
+    """Dynamo's settings for ``compiled_rows`` compiled rows: every one recompiles the same
+    forward (its model class's) for its own weights, for prefill and decode shapes, and past
+    dynamo's recompile limit (8) later rows would silently run eager. The limits are raised to
+    what the rows need, and hitting them anyway is an error, not an eager row timed as a
+    compiled one."""
+    config = torch._dynamo.config
+    return config.patch(
+        recompile_limit=max(config.recompile_limit, 4 * compiled_rows),
+        accumulated_recompile_limit=max(config.accumulated_recompile_limit, 8 * compiled_rows),
+        fail_on_recompile_limit_hit=True,
+    )
 
 
 def _time_rows(rows: list[Row], options: SpeedOptions, device: torch.device) -> float | None:

@@ -16,6 +16,7 @@ from lmcompress.evaluation.speed import (
     SpeedOptions,
     bench,
     bytes_read_per_token,
+    compile_limits,
     parse_prefill,
     weight_bytes,
 )
@@ -141,3 +142,19 @@ def test_expanded_runtime_rows_compute_the_same_and_hold_more(tiny_checkpoint, t
     assert rows["both (expanded)"]["weight_bytes"] > rows["both"]["weight_bytes"]
     with pytest.raises(ConfigError, match="runtimes must be some of"):
         SpeedOptions(runtimes=("fast",))
+
+
+def test_a_compiled_row_past_the_recompile_limit_is_an_error_not_an_eager_row():
+    """Past dynamo's recompile limit a compiled function silently runs eager (a first compiled
+    bench had its later rows timed that way); under bench's limits it raises instead."""
+    double = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        torch._dynamo.reset()
+        with compile_limits(0), pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+            for size in range(1, 5):  # a new shape: a new graph
+                double(torch.ones(size))
+        torch._dynamo.reset()
+        with compile_limits(1):  # 4 graphs a compiled row
+            for size in range(1, 5):
+                double(torch.ones(size))
+    torch._dynamo.reset()
