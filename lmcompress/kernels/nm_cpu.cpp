@@ -14,7 +14,7 @@
 // 2:4 on AVX-512 takes 32 inputs at a time: their 16 kept values, their 16 2-bit positions
 // (4 bytes) turned into lane indices 0..31, and one two-register permute of x per token
 // (vpermt2ps) feeding one fused multiply-add; int8 codes take 64 inputs at a time in 16-bit
-// lanes (vpermt2w, then vpdpwssd). Every other N:M, and 2:4 without
+// lanes (vpermt2w, then vpdpwssd; needs AVX-512 BW). Every other N:M, and 2:4 without
 // AVX-512, runs the scalar loop, which also finishes what the vector loop leaves.
 
 #include <stdint.h>
@@ -147,26 +147,6 @@ static int64_t row_24_int8_bw(const int16_t* x, int64_t in, const int8_t* values
 }
 #endif
 
-#ifndef __AVX512BW__
-template <int T>
-static int64_t row_24_int8(const int32_t* x, int64_t in, const int8_t* values,
-                           const uint8_t* row_idx, int32_t* acc) {
-  __m512i sum[T];
-  for (int64_t t = 0; t < T; t++) sum[t] = _mm512_setzero_si512();
-  int64_t blocks = in / 32;
-  for (int64_t b = 0; b < blocks; b++) {
-    __m512i pos = positions_24(row_idx + 4 * b);
-    __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(values + 16 * b)));
-    for (int64_t t = 0; t < T; t++) {
-      const int32_t* xb = x + t * in + 32 * b;
-      __m512i xg = _mm512_permutex2var_epi32(_mm512_loadu_si512(xb), pos, _mm512_loadu_si512(xb + 16));
-      sum[t] = _mm512_add_epi32(sum[t], _mm512_mullo_epi32(v, xg));
-    }
-  }
-  for (int64_t t = 0; t < T; t++) acc[t] += _mm512_reduce_add_epi32(sum[t]);
-  return 16 * blocks;
-}
-#endif
 #endif
 
 extern "C" int lmc_nm_simd(void) {  // 1: the AVX-512 2:4 loops were compiled in
@@ -224,17 +204,11 @@ extern "C" void lmc_nm_matmul_float(const void* x_in, int x_kind, int64_t T, int
   if (x != x_in) free(x);
 }
 
-#ifdef __AVX512BW__
-typedef int16_t XCode;  // activation codes widened for vpermt2w
-#else
-typedef int32_t XCode;  // for vpermt2d
-#endif
-
 extern "C" void lmc_nm_matmul_int8(const int8_t* x_q, int64_t T, int64_t in, const int8_t* values,
                                    const uint8_t* idx, int64_t idx_stride, int64_t out, int n,
                                    int m, int bits, int32_t* acc_out, int threads) {
   int64_t kept = in / m * n;
-  XCode* x = (XCode*)malloc(sizeof(XCode) * T * in);  // widened once, for the permutes
+  int16_t* x = (int16_t*)malloc(sizeof(int16_t) * T * in);  // widened once, for vpermt2w
   for (int64_t i = 0; i < T * in; i++) x[i] = x_q[i];
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t o = 0; o < out; o++) {
@@ -242,22 +216,15 @@ extern "C" void lmc_nm_matmul_int8(const int8_t* x_q, int64_t T, int64_t in, con
     const int8_t* row_values = values + o * kept;
     for (int64_t t0 = 0; t0 < T; t0 += TILE) {
       int64_t tn = T - t0 < TILE ? T - t0 : TILE;
-      const XCode* xt = x + t0 * in;
+      const int16_t* xt = x + t0 * in;
       int32_t acc[TILE] = {0};
       int64_t done = 0;
-#if defined(__AVX512BW__)
+#ifdef __AVX512BW__
       if (n == 2 && m == 4) {
         if (tn == 4) done = row_24_int8_bw<4>(xt, in, row_values, row_idx, acc);
         else if (tn == 3) done = row_24_int8_bw<3>(xt, in, row_values, row_idx, acc);
         else if (tn == 2) done = row_24_int8_bw<2>(xt, in, row_values, row_idx, acc);
         else done = row_24_int8_bw<1>(xt, in, row_values, row_idx, acc);
-      }
-#elif defined(__AVX512F__)
-      if (n == 2 && m == 4) {
-        if (tn == 4) done = row_24_int8<4>(xt, in, row_values, row_idx, acc);
-        else if (tn == 3) done = row_24_int8<3>(xt, in, row_values, row_idx, acc);
-        else if (tn == 2) done = row_24_int8<2>(xt, in, row_values, row_idx, acc);
-        else done = row_24_int8<1>(xt, in, row_values, row_idx, acc);
       }
 #endif
       for (int64_t g = done / n, j = done; j < kept; g++) {
