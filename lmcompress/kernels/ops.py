@@ -5,7 +5,7 @@ benchmarks) runs everywhere through the same dispatcher entry:
 
 - the default implementation (any device without a kernel of its own) is the pure-torch
   reference in :mod:`lmcompress.kernels.reference`, the specification;
-- on CPU, :func:`nm_linear_cpu`: the compiled kernels of :mod:`lmcompress.kernels.nm_cpu`
+- on CPU, :func:`nm_linear_cpu`: the compiled kernels of :mod:`lmcompress.kernels.cpu_kernels`
   (read the packed form for a few tokens; unpack once per call, then torch's matmul, for
   more), the reference where they are unavailable. ``PackedNMLinear`` calls it directly in
   eager mode (no dispatch cost, ~20 µs a call);
@@ -27,7 +27,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from lmcompress.kernels import nm_cpu, reference
+from lmcompress.kernels import cpu_kernels, reference
 from lmcompress.kernels.int8_ops import int8_matmul
 
 logger = logging.getLogger(__name__)
@@ -63,6 +63,34 @@ def eager_cpu(x: torch.Tensor) -> bool:
     )
 
 
+def few_tokens_cpu(x: torch.Tensor, in_features: int, max_tokens: int) -> bool:
+    """Whether a layer may run one of :mod:`~lmcompress.kernels.cpu_kernels`' few-token
+    kernels on ``x`` (..., in): :func:`eager_cpu`, ``x`` fp32 or bf16, at most ``max_tokens``
+    rows, and the kernels built."""
+    return (
+        eager_cpu(x)
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.numel() <= max_tokens * in_features
+        and cpu_kernels.library() is not None
+    )
+
+
+def low_rank_linear(
+    x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``(x Aᵀ) Bᵀ + bias`` for ``x`` (..., in): the low-rank kernel for a few tokens on CPU
+    (fp32 accumulation, so equal to torch's two linears to float rounding), else torch."""
+    in_features = A.shape[1]
+    if (
+        few_tokens_cpu(x, in_features, cpu_kernels.LOW_RANK_MAX_TOKENS)
+        and A.dtype == B.dtype == x.dtype
+        and not ((A.requires_grad or B.requires_grad) and torch.is_grad_enabled())
+    ):
+        y = cpu_kernels.lowrank(x.reshape(-1, in_features), A, B, bias)
+        return y.reshape(*x.shape[:-1], B.shape[0])
+    return F.linear(F.linear(x, A), B, bias)  # (..., r) then (..., out)
+
+
 @torch.library.custom_op("lmcompress::nm_int8_matmul", mutates_args=())
 def nm_int8_matmul(
     x_q: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, n: int, m: int, in_features: int
@@ -84,10 +112,10 @@ def nm_int8_matmul_cpu(
     else unpack and ``_int_mm``."""
     if (
         x_q.device.type == "cpu"
-        and x_q.shape[0] <= nm_cpu.MAX_TOKENS
-        and nm_cpu.library() is not None
+        and x_q.shape[0] <= cpu_kernels.MAX_TOKENS
+        and cpu_kernels.library() is not None
     ):
-        return nm_cpu.int8_matmul(x_q, values, indices, n, m, reference.index_bits(m))
+        return cpu_kernels.int8_matmul(x_q, values, indices, n, m, reference.index_bits(m))
     codes = unpack_nm(values, indices, n, m, in_features)
     return int8_matmul(x_q, codes)
 
@@ -108,20 +136,20 @@ def nm_linear_cpu(
 ) -> torch.Tensor:
     """The CPU computation of :func:`nm_linear`, as a plain function (it trusts its arguments:
     a layer checks its shapes once, the op on every call). For at most
-    ``nm_cpu.MAX_TOKENS`` tokens the compiled kernel reads the packed weight (fp32
+    ``cpu_kernels.MAX_TOKENS`` tokens the compiled kernel reads the packed weight (fp32
     accumulation, so equal to the reference to float rounding, not bit for bit); for more,
     the weight is unpacked (by the compiled kernel where there is one) and multiplied by
     torch."""
     tokens = x.numel() // in_features
-    floats = nm_cpu.FLOAT_KINDS
+    floats = cpu_kernels.FLOAT_KINDS
     if (
-        tokens <= nm_cpu.MAX_TOKENS
+        tokens <= cpu_kernels.MAX_TOKENS
         and x.dtype in floats
         and values.dtype in floats
         and (bias is None or bias.dtype in floats)
-        and nm_cpu.library() is not None
+        and cpu_kernels.library() is not None
     ):
-        y = nm_cpu.matmul(
+        y = cpu_kernels.matmul(
             x.reshape(tokens, in_features), values, indices, n, m, reference.index_bits(m), bias
         )
         return y.reshape(*x.shape[:-1], values.shape[0])
@@ -138,9 +166,9 @@ def unpack_nm(
         values.device.type == "cpu"
         and not torch.compiler.is_compiling()
         and values.element_size() in (1, 2, 4)
-        and nm_cpu.library() is not None
+        and cpu_kernels.library() is not None
     ):
-        return nm_cpu.unpack(values, indices, n, m, reference.index_bits(m), in_features)
+        return cpu_kernels.unpack(values, indices, n, m, reference.index_bits(m), in_features)
     return reference.unpack_nm(values, indices, n, m, in_features)
 
 

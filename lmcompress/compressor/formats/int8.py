@@ -28,7 +28,7 @@ from lmcompress.compressor.formats.base import CompressedLinear
 from lmcompress.compressor.formats.registry import register_format
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.errors import ConfigError, LmcompressError, ModelLoadError
-from lmcompress.kernels import int8_ops
+from lmcompress.kernels import cpu_kernels, int8_ops, ops
 
 ACTIVATIONS = ("dynamic", "static")
 PATHS = ("int", "simulated")
@@ -46,6 +46,15 @@ def int8_forward(
     (:class:`QuantLinear`, and the composed formats that unpack their codes first).
     ``input_scale`` ``None``: per-token dynamic activation scales."""
     out_features, in_features = weight_q.shape
+    if (
+        path == "int"
+        and weight_scale.shape[1] == 1
+        and ops.few_tokens_cpu(x, in_features, cpu_kernels.MAX_TOKENS)
+    ):  # one fused pass, bit-identical to the torch computation below
+        y = cpu_kernels.int8_linear(
+            x.reshape(-1, in_features), weight_scale, input_scale, bias, weight_q
+        )
+        return y.reshape(*x.shape[:-1], out_features)
     x_q, x_scale = quantize_activations(x.reshape(-1, in_features), input_scale)
     args = (x_q, x_scale, weight_q, weight_scale, bias, x.dtype)
     if path == "int":

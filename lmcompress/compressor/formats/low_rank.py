@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -21,6 +20,7 @@ from lmcompress.compressor.formats.base import CompressedLinear
 from lmcompress.compressor.formats.registry import register_format
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.errors import ConfigError, ModelLoadError
+from lmcompress.kernels import ops
 
 
 @torch.no_grad()
@@ -125,7 +125,7 @@ class LowRankLinear(CompressedLinear):
         return (self.B.to(compute) @ self.A.to(compute)).to(self.A.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        return F.linear(F.linear(x, self.A), self.B, self.bias)  # (..., r) then (..., out)
+        return ops.low_rank_linear(x, self.A, self.B, self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, bias={self.bias is not None}"

@@ -27,7 +27,7 @@ from lmcompress.compressor.formats.int8 import (
 )
 from lmcompress.compressor.formats.registry import register_format
 from lmcompress.errors import ModelLoadError
-from lmcompress.kernels import int8_ops, ops
+from lmcompress.kernels import cpu_kernels, int8_ops, ops
 from lmcompress.kernels.reference import index_bits, pack_nm
 
 
@@ -104,6 +104,12 @@ class PackedNMInt8Linear(Int8CodedLinear):
         :class:`QuantLinear`'s, bit for bit. Other paths unpack and run the int8 layer's."""
         if self.path != "int" or self.weight_scale.shape[1] != 1:
             return super().forward(x)
+        if ops.few_tokens_cpu(x, self.in_features, cpu_kernels.MAX_TOKENS):  # one fused pass
+            y = cpu_kernels.int8_linear(
+                x.reshape(-1, self.in_features), self.weight_scale, self.input_scale, self.bias,
+                self.values, self.indices, self.n, self.m,
+            )  # fmt: skip
+            return y.reshape(*x.shape[:-1], self.out_features)
         x_q, x_scale = quantize_activations(x.reshape(-1, self.in_features), self.input_scale)
         args = (x_q, self.values, self.indices, self.n, self.m, self.in_features)
         if ops.eager_cpu(x):

@@ -1,4 +1,4 @@
-"""The compiled CPU kernels for packed N:M weights (``lmcompress/kernels/nm_cpu.cpp``) against
+"""The compiled CPU kernels for packed N:M weights (``lmcompress/kernels/cpu_kernels.cpp``) against
 the reference: float matmuls to float32 rounding, int8 matmuls and unpacking bit for bit, for
 2:4 (the AVX-512 loops and the scalar loop that finishes them) and every other N:M (scalar);
 the packed layers that call them; the build (cached, per compiler and CPU) and its fallback."""
@@ -14,16 +14,16 @@ from lmcompress.compressor.formats.int8 import QuantLinear
 from lmcompress.compressor.formats.nm_packed import PackedNMLinear
 from lmcompress.compressor.formats.nm_packed_int8 import PackedNMInt8Linear
 from lmcompress.compressor.sparsity import nm_mask
-from lmcompress.kernels import nm_cpu, ops
+from lmcompress.kernels import cpu_kernels, ops
 from lmcompress.kernels import reference as R
 
-pytestmark = pytest.mark.skipif(nm_cpu.library() is None, reason="no C++ compiler here")
+pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler here")
 
 # (n, m, in): 2:4 with in features that end inside a 64-input (int8) and a 32-input (float)
 # block, and layouts that only the scalar loop reads (positions of 1, 2, 4 and 8 bits).
 LAYOUTS = [(2, 4, 200), (2, 4, 96), (2, 4, 8), (1, 4, 100), (3, 4, 100), (1, 2, 60), (2, 8, 96)]
 LAYOUTS += [(4, 8, 96), (2, 6, 102), (3, 16, 96)]
-TOKENS = [1, 2, 3, 4, 5, 9, nm_cpu.MAX_TOKENS, nm_cpu.MAX_TOKENS + 1]
+TOKENS = [1, 2, 3, 4, 5, 9, cpu_kernels.MAX_TOKENS, cpu_kernels.MAX_TOKENS + 1]
 
 
 def _sparse(out_features, in_features, n, m, seed, dtype=torch.float32):
@@ -54,10 +54,10 @@ def test_float_matmul_matches_the_reference(n, m, in_features, values_dtype):
     for tokens in TOKENS:
         x = torch.randn(tokens, in_features, generator=g)
         want = x.double() @ W.T + bias.double()
-        got = nm_cpu.matmul(x, values, indices, n, m, R.index_bits(m), bias)
+        got = cpu_kernels.matmul(x, values, indices, n, m, R.index_bits(m), bias)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
-        got_bf16 = nm_cpu.matmul(x.bfloat16(), values, indices, n, m, R.index_bits(m), None)
+        got_bf16 = cpu_kernels.matmul(x.bfloat16(), values, indices, n, m, R.index_bits(m), None)
         want_bf16 = x.bfloat16().double() @ W.T  # the kernel widens bf16 inputs exactly
         assert got_bf16.dtype == torch.bfloat16
         torch.testing.assert_close(got_bf16.double(), want_bf16, rtol=1e-2, atol=1e-2)
@@ -70,7 +70,7 @@ def test_int8_matmul_is_int_mm_of_the_unpacked_codes(n, m, in_features):
     g = torch.Generator().manual_seed(5)
     for tokens in TOKENS:
         x_q = torch.randint(-128, 128, (tokens, in_features), dtype=torch.int8, generator=g)
-        got = nm_cpu.int8_matmul(x_q, values, indices, n, m, R.index_bits(m))
+        got = cpu_kernels.int8_matmul(x_q, values, indices, n, m, R.index_bits(m))
         assert got.dtype == torch.int32
         assert torch.equal(got, torch._int_mm(x_q, codes.t()))
         assert torch.equal(ops.nm_int8_matmul(x_q, values, indices, n, m, in_features), got)
@@ -83,7 +83,7 @@ def test_extreme_int8_codes_sum_exactly():
     codes[:, 1::2] = 0
     values, indices = R.pack_nm(codes, 2, 4)
     x_q = torch.full((2, in_features), -128, dtype=torch.int8)
-    got = nm_cpu.int8_matmul(x_q, values, indices, 2, 4, 2)
+    got = cpu_kernels.int8_matmul(x_q, values, indices, 2, 4, 2)
     assert torch.equal(got, torch.full((2, 3), 128 * 128 * in_features // 2, dtype=torch.int32))
 
 
@@ -93,8 +93,8 @@ def test_out_of_range_positions_are_skipped_not_read():
     values, indices = R.pack_nm(_sparse(4, 12, 2, 6, 6), 2, 6)
     indices = torch.full_like(indices, 0xFF)
     x = torch.randn(1, 12)
-    assert torch.equal(nm_cpu.matmul(x, values, indices, 2, 6, 4), torch.zeros(1, 4))
-    assert torch.equal(nm_cpu.unpack(values, indices, 2, 6, 4, 12), torch.zeros(4, 12))
+    assert torch.equal(cpu_kernels.matmul(x, values, indices, 2, 6, 4), torch.zeros(1, 4))
+    assert torch.equal(cpu_kernels.unpack(values, indices, 2, 6, 4, 12), torch.zeros(4, 12))
 
 
 def test_packed_layers_call_the_kernels_and_agree_with_the_op():
@@ -107,7 +107,7 @@ def test_packed_layers_call_the_kernels_and_agree_with_the_op():
     packed = PackedNMLinear.from_linear(linear, 2, 4)
     quant = QuantLinear.from_linear(linear)
     packed_int8 = PackedNMInt8Linear.from_quant(quant, 2, 4)
-    for tokens in (1, 3, nm_cpu.MAX_TOKENS + 5):
+    for tokens in (1, 3, cpu_kernels.MAX_TOKENS + 5):
         x = torch.randn(2, tokens, 128)
         with torch.no_grad():
             op = torch.ops.lmcompress.nm_linear(
@@ -120,22 +120,22 @@ def test_packed_layers_call_the_kernels_and_agree_with_the_op():
 
 def test_the_build_is_cached_and_keyed_by_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("LMCOMPRESS_CACHE", str(tmp_path))
-    first = nm_cpu._build()
+    first = cpu_kernels._build()
     assert first.parent == tmp_path / "kernels" and first.is_file()
     mtime = first.stat().st_mtime_ns
-    assert nm_cpu._build() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
-    monkeypatch.setattr(nm_cpu, "_cpu_identity", lambda: "another CPU")
-    assert nm_cpu._build() != first  # code built for one CPU is never loaded on another
+    assert cpu_kernels._build() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    monkeypatch.setattr(cpu_kernels, "_cpu_identity", lambda: "another CPU")
+    assert cpu_kernels._build() != first  # code built for one CPU is never loaded on another
     assert sorted(p.suffix for p in (tmp_path / "kernels").iterdir()) == [".so", ".so"]
 
 
 def test_no_compiler_falls_back_to_the_reference_with_one_warning(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("LMCOMPRESS_CACHE", str(tmp_path))
-    monkeypatch.setattr(nm_cpu, "_compiler", lambda: "/bin/false")  # fails every build
-    nm_cpu.library.cache_clear()
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: "/bin/false")  # fails every build
+    cpu_kernels.library.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="lmcompress.kernels.nm_cpu"):
-            assert nm_cpu.library() is None
+        with caplog.at_level(logging.WARNING, logger="lmcompress.kernels.cpu_kernels"):
+            assert cpu_kernels.library() is None
             values, indices = R.pack_nm(_sparse(5, 16, 2, 4, 7), 2, 4)
             x = torch.randn(1, 16)
             want = R.nm_linear(x, values, indices, 2, 4, 16)
@@ -143,15 +143,15 @@ def test_no_compiler_falls_back_to_the_reference_with_one_warning(tmp_path, monk
         assert len(caplog.records) == 1 and "unpack on every call" in caplog.text
         assert list((tmp_path / "kernels").iterdir()) == []  # no half-written library left
     finally:
-        nm_cpu.library.cache_clear()
+        cpu_kernels.library.cache_clear()
 
 
 def test_disabled_by_the_environment(monkeypatch):
     monkeypatch.setenv("LMCOMPRESS_CPU_KERNELS", "0")
-    nm_cpu.library.cache_clear()
+    cpu_kernels.library.cache_clear()
     try:
-        assert nm_cpu.library() is None
+        assert cpu_kernels.library() is None
     finally:
         monkeypatch.delenv("LMCOMPRESS_CPU_KERNELS")
-        nm_cpu.library.cache_clear()
-    assert nm_cpu.library() is not None
+        cpu_kernels.library.cache_clear()
+    assert cpu_kernels.library() is not None

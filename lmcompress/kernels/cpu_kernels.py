@@ -1,9 +1,18 @@
-"""CPU kernels that read packed N:M weights directly (:file:`nm_cpu.cpp`).
+"""CPU kernels for the compressed runtimes at few tokens (:file:`cpu_kernels.cpp`).
 
-Without them a packed layer on CPU unpacks its whole weight on every call and then multiplies:
-at batch-1 decoding that is ~10× slower than the dense layer. With them, decoding reads the
-packed bytes once (2:4 in bf16: 56 % of the dense bytes) and, on SmolLM2's 210 decoder linears,
-runs ~2× faster than the dense bf16 matmuls (``benchmarks/results/speed.md``).
+At batch-1 decoding every layer multiplies one token: torch's matmuls there cost a fixed
+~100 µs a layer (bf16) or run several float passes around the integer product (int8), and a
+packed N:M layer without a kernel unpacks its whole weight on every call. These kernels read
+each compressed weight once per call for up to four tokens at a time:
+
+- packed N:M (float values, or int8 codes): the packed values and positions directly (2:4 in
+  bf16: 56 % of the dense bytes); and the unpacking itself, for more tokens;
+- int8 W8A8: activation quantization, the integer products and the rescale in one pass,
+  bit-identical to the torch computation;
+- low rank: both factors' products in one call.
+
+On SmolLM2's 210 decoder linears at one token they run 2–4× faster than torch's
+(``benchmarks/results/speed.md``).
 
 The C++ source is compiled once per machine with the system compiler (``$CXX``, else ``c++``,
 ``g++`` or ``clang++``; ``-O3 -march=native -fopenmp``), the same toolchain ``torch.compile``
@@ -33,16 +42,19 @@ from pathlib import Path
 import torch
 
 from lmcompress.compressor.util.cache import cache_dir
+from lmcompress.kernels import reference
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("nm_cpu.cpp")
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAG_SETS = (  # tried in order: clang without libomp builds single-threaded
     ["-O3", "-march=native", "-fopenmp"],
     ["-O3", "-fopenmp"],
     ["-O3"],
 )
-MAX_TOKENS = 12  # above this, unpack once per call and run torch's matmul (measured crossover)
+# Above these token counts torch's matmul is faster (measured crossovers on SmolLM2's shapes):
+MAX_TOKENS = 12  # packed N:M (then unpack once per call) and int8
+LOW_RANK_MAX_TOKENS = 4
 FLOAT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _VOID, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 SIGNATURES = {
@@ -52,6 +64,10 @@ SIGNATURES = {
     "lmc_nm_matmul_int8": [_VOID, _I64, _I64, _VOID, _VOID, _I64, _I64, _INT, _INT, _INT]
     + [_VOID, _INT],
     "lmc_nm_unpack": [_VOID, _INT, _VOID, _I64, _I64, _I64, _INT, _INT, _INT, _VOID, _INT],
+    "lmc_int8_linear": [_VOID, _INT, _I64, _I64, _VOID, _VOID, _VOID, _I64, _INT, _INT, _INT]
+    + [_I64, _VOID, _VOID, _INT, _VOID, _INT, _INT],
+    "lmc_lowrank_float": [_VOID, _INT, _I64, _I64, _VOID, _VOID, _INT, _I64, _I64, _VOID, _INT]
+    + [_VOID, _INT, _INT],
 }
 
 
@@ -69,13 +85,15 @@ def library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(_build()))
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         logger.warning(
-            "packed N:M CPU kernels unavailable (%s): packed layers unpack on every call", err
+            "compiled CPU kernels unavailable (%s): the compressed layers run torch's ops "
+            "(packed N:M layers unpack on every call)",
+            err,
         )
         return None
     for name, args in SIGNATURES.items():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = _INT if name == "lmc_nm_simd" else None
-    logger.debug("packed N:M CPU kernels loaded (AVX-512 2:4 loops: %s)", bool(lib.lmc_nm_simd()))
+    logger.debug("compiled CPU kernels loaded (AVX-512 2:4 loops: %s)", bool(lib.lmc_nm_simd()))
     return lib
 
 
@@ -106,11 +124,11 @@ def _build() -> Path:
     ).stdout
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + version.encode() + _cpu_identity().encode()).hexdigest()
-    target = cache_dir() / "kernels" / f"nm_cpu-{digest[:16]}.so"
+    target = cache_dir() / "kernels" / f"cpu_kernels-{digest[:16]}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("building the packed N:M CPU kernels (once per machine) into %s", target.parent)
+    logger.info("building the CPU kernels (once per machine) into %s", target.parent)
     errors = []
     for flags in FLAG_SETS:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
@@ -187,3 +205,62 @@ def unpack(
         values.shape[0], in_features, n, m, bits, dense.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return dense
+
+
+def int8_linear(
+    x: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    codes: torch.Tensor,
+    indices: torch.Tensor | None = None,
+    n: int = 1,
+    m: int = 1,
+) -> torch.Tensor:
+    """The whole int8 linear of ``x`` (tokens, in), fp32 or bf16, in one pass: per-token (or
+    the static ``input_scale``) activation codes, their int32 products with the int8 weight
+    ``codes`` (dense (out, in), or packed N:M with ``indices``), the rescale by ``weight_scale``
+    (out, 1) and the bias. Bit-identical to
+    :func:`lmcompress.compressor.formats.int8.int8_forward` on the ``int`` path; (tokens, out)
+    in ``x``'s dtype."""
+    lib = library()
+    x, codes = x.contiguous(), codes.contiguous()
+    tokens, in_features = x.shape
+    packed = indices is not None
+    if packed:
+        indices = indices.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    y = x.new_empty((tokens, codes.shape[0]))
+    lib.lmc_int8_linear(
+        x.data_ptr(), FLOAT_KINDS[x.dtype], tokens, in_features,
+        _ptr(input_scale), codes.data_ptr(),
+        indices.data_ptr() if packed else None, indices.shape[1] if packed else 0,
+        n, m, reference.index_bits(m) if packed else 0,
+        codes.shape[0], weight_scale.contiguous().data_ptr(),
+        _ptr(bias), FLOAT_KINDS[bias.dtype] if bias is not None else 0,
+        y.data_ptr(), FLOAT_KINDS[y.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
+def lowrank(
+    x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(x Aᵀ) Bᵀ + bias`` for ``x`` (tokens, in) and factors ``A`` (rank, in), ``B`` (out,
+    rank) of one dtype, ``x`` fp32 or bf16: each factor's rows are read once for up to four
+    tokens, accumulated in fp32, the intermediate rounded to ``x``'s dtype as two torch linears
+    round it. (tokens, out) in ``x``'s dtype."""
+    lib = library()
+    x, A, B = x.contiguous(), A.contiguous(), B.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    tokens, in_features = x.shape
+    y = x.new_empty((tokens, B.shape[0]))
+    lib.lmc_lowrank_float(
+        x.data_ptr(), FLOAT_KINDS[x.dtype], tokens, in_features,
+        A.data_ptr(), B.data_ptr(), FLOAT_KINDS[A.dtype], A.shape[0], B.shape[0],
+        _ptr(bias), FLOAT_KINDS[bias.dtype] if bias is not None else 0,
+        y.data_ptr(), FLOAT_KINDS[y.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    return y

@@ -1,0 +1,499 @@
+// CPU kernels for the compressed runtimes at few tokens: packed N:M weights (the layout of
+// lmcompress/kernels/reference.py) read directly instead of unpacked to a dense weight on every
+// call, the int8 linear in one pass, and both products of a low-rank layer in one call.
+//
+// Built once per machine by lmcompress/kernels/cpu_kernels.py (c++ -O3 -march=native -fopenmp)
+// and called through ctypes; every function takes contiguous row-major buffers.
+//
+//   lmc_nm_matmul_float  y (T, out) = x (T, in) @ W^T + bias, x and y fp32 or bf16, values fp32,
+//                        bf16 or fp16, accumulated in fp32. For few tokens (decoding): each
+//                        output row reads its packed weights once for up to TILE tokens.
+//   lmc_nm_matmul_int8   acc (T, out) int32 = x_q (T, in) int8 @ W^T, W int8: exact integers,
+//                        equal to torch._int_mm of the unpacked codes.
+//   lmc_int8_linear      y = rescale(Q(x) @ W^T) + bias for dense or packed int8 codes,
+//                        bit-identical to the torch computation of the int8 layers.
+//   lmc_lowrank_float    y = (x A^T) B^T + bias.
+//   lmc_nm_unpack        the dense (out, in) weight, any 1, 2 or 4-byte element (prefill).
+//
+// 2:4 on AVX-512 takes 32 inputs at a time: their 16 kept values, their 16 2-bit positions
+// (4 bytes) turned into lane indices 0..31, and one two-register permute of x per token
+// (vpermt2ps) feeding one fused multiply-add; int8 codes take 64 inputs at a time in 16-bit
+// lanes (vpermt2w, then vpdpwssd; needs AVX-512 BW). Dense rows take 16 float or 32 int8
+// weights a step. Every other N:M, and every layout without AVX-512, runs the scalar loop,
+// which also finishes what the vector loops leave.
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+enum Kind { F32 = 0, BF16 = 1, F16 = 2 };
+static const int TILE = 4;  // tokens per pass over a row's packed weights
+
+static inline float bf16_to_f32(uint16_t v) {
+  uint32_t u = (uint32_t)v << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023, u;
+  if (exp == 0) {
+    if (man == 0) {
+      u = sign;
+    } else {  // subnormal: normalise
+      exp = 127 - 15 + 1;
+      while (!(man & 1024)) {
+        man <<= 1;
+        exp--;
+      }
+      u = sign | (exp << 23) | ((man & 1023) << 13);
+    }
+  } else if (exp == 31) {
+    u = sign | (255u << 23) | (man << 13);
+  } else {
+    u = sign | ((exp - 15 + 127) << 23) | (man << 13);
+  }
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline float load_value(const void* values, int kind, int64_t i) {
+  if (kind == F32) return ((const float*)values)[i];
+  if (kind == BF16) return bf16_to_f32(((const uint16_t*)values)[i]);
+  return f16_to_f32(((const uint16_t*)values)[i]);
+}
+
+static inline void store_value(void* y, int kind, int64_t i, float v) {
+  if (kind == F32) ((float*)y)[i] = v;
+  else ((uint16_t*)y)[i] = f32_to_bf16(v);  // callers pass fp32 or bf16 outputs
+}
+
+// Position (0..m-1) of kept value j of a row inside its group.
+static inline int position(const uint8_t* row_idx, int64_t j, int bits) {
+  int64_t bit = j * bits;
+  return (row_idx[bit >> 3] >> (bit & 7)) & ((1 << bits) - 1);
+}
+
+#ifdef __AVX512F__
+// Lane i of 16 kept 2:4 values (8 groups, 32 inputs): the input it multiplies, 0..31.
+static inline __m512i positions_24(const uint8_t* four_bytes) {
+  const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i group = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+  uint32_t word;
+  memcpy(&word, four_bytes, 4);
+  __m512i pos = _mm512_srlv_epi32(_mm512_set1_epi32((int)word), shifts);
+  return _mm512_add_epi32(group, _mm512_and_si512(pos, _mm512_set1_epi32(3)));
+}
+
+static inline __m512 load16(const void* values, int kind, int64_t i) {
+  if (kind == F32) return _mm512_loadu_ps((const float*)values + i);
+  __m256i half = _mm256_loadu_si256((const __m256i*)((const uint16_t*)values + i));
+  if (kind == BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  return _mm512_cvtph_ps(half);
+}
+
+// 2:4, tokens x[0..T) of one row: returns how many kept values it consumed. T is a template
+// argument so that the accumulators stay in registers (the loops over t unroll).
+template <int T>
+static int64_t row_24_float(const float* x, int64_t in, const void* values, int kind,
+                            const uint8_t* row_idx, float* acc) {
+  __m512 sum[T];
+  for (int64_t t = 0; t < T; t++) sum[t] = _mm512_setzero_ps();
+  int64_t blocks = in / 32;
+  for (int64_t b = 0; b < blocks; b++) {
+    __m512i pos = positions_24(row_idx + 4 * b);
+    __m512 v = load16(values, kind, 16 * b);
+    for (int64_t t = 0; t < T; t++) {
+      const float* xb = x + t * in + 32 * b;
+      __m512 xg = _mm512_permutex2var_ps(_mm512_loadu_ps(xb), pos, _mm512_loadu_ps(xb + 16));
+      sum[t] = _mm512_fmadd_ps(v, xg, sum[t]);
+    }
+  }
+  for (int64_t t = 0; t < T; t++) acc[t] += _mm512_reduce_add_ps(sum[t]);
+  return 16 * blocks;
+}
+
+#ifdef __AVX512BW__
+// int8 2:4 with 16-bit lanes: 32 kept values (64 inputs) a step, one vpermt2w of x (widened to
+// int16) and one multiply-add of pairs into int32 (vpdpwssd with VNNI, else vpmaddwd + add):
+// exact, |a product| <= 2^14.
+template <int T>
+static int64_t row_24_int8_bw(const int16_t* x, int64_t in, const int8_t* values,
+                              const uint8_t* row_idx, int32_t* acc) {
+  __m512i sum[T];
+  for (int t = 0; t < T; t++) sum[t] = _mm512_setzero_si512();
+  const __m512i upper = _mm512_set1_epi32(32);
+  int64_t blocks = in / 64;
+  for (int64_t b = 0; b < blocks; b++) {
+    __m256i lo = _mm512_cvtepi32_epi16(positions_24(row_idx + 8 * b));
+    __m256i hi = _mm512_cvtepi32_epi16(_mm512_add_epi32(positions_24(row_idx + 8 * b + 4), upper));
+    __m512i pos = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(values + 32 * b)));
+    for (int t = 0; t < T; t++) {
+      const int16_t* xb = x + t * in + 64 * b;
+      __m512i xg = _mm512_permutex2var_epi16(_mm512_loadu_si512(xb), pos, _mm512_loadu_si512(xb + 32));
+#ifdef __AVX512VNNI__
+      sum[t] = _mm512_dpwssd_epi32(sum[t], v, xg);
+#else
+      sum[t] = _mm512_add_epi32(sum[t], _mm512_madd_epi16(v, xg));
+#endif
+    }
+  }
+  for (int t = 0; t < T; t++) acc[t] += _mm512_reduce_add_epi32(sum[t]);
+  return 32 * blocks;
+}
+// Dense int8 row: 32 codes a step widened to 16-bit lanes, one multiply-add of pairs per token.
+template <int T>
+static int64_t row_dense_int8(const int16_t* x, int64_t in, const int8_t* row, int32_t* acc) {
+  __m512i sum[T];
+  for (int t = 0; t < T; t++) sum[t] = _mm512_setzero_si512();
+  int64_t blocks = in / 32;
+  for (int64_t b = 0; b < blocks; b++) {
+    __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(row + 32 * b)));
+    for (int t = 0; t < T; t++) {
+      __m512i xv = _mm512_loadu_si512(x + t * in + 32 * b);
+#ifdef __AVX512VNNI__
+      sum[t] = _mm512_dpwssd_epi32(sum[t], v, xv);
+#else
+      sum[t] = _mm512_add_epi32(sum[t], _mm512_madd_epi16(v, xv));
+#endif
+    }
+  }
+  for (int t = 0; t < T; t++) acc[t] += _mm512_reduce_add_epi32(sum[t]);
+  return 32 * blocks;
+}
+#endif
+
+// Dense float row: 16 weights a step (fp32, or bf16/fp16 widened), one FMA per token.
+template <int T>
+static int64_t row_dense_float(const float* x, int64_t in, const void* row, int kind, float* acc) {
+  __m512 sum[T];
+  for (int t = 0; t < T; t++) sum[t] = _mm512_setzero_ps();
+  int64_t blocks = in / 16;
+  for (int64_t b = 0; b < blocks; b++) {
+    __m512 v = load16(row, kind, 16 * b);
+    for (int t = 0; t < T; t++)
+      sum[t] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + t * in + 16 * b), sum[t]);
+  }
+  for (int t = 0; t < T; t++) acc[t] += _mm512_reduce_add_ps(sum[t]);
+  return 16 * blocks;
+}
+
+#endif
+
+extern "C" int lmc_nm_simd(void) {  // 1: the AVX-512 2:4 loops were compiled in
+#ifdef __AVX512F__
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// acc[0..tn) += the products of tn fp32 tokens xt (tokens, in) with float row o of W: packed
+// N:M values and positions, or (idx null) a dense row of `in` values.
+static void row_float(const float* xt, int64_t tn, int64_t in, const void* values, int v_kind,
+                      const uint8_t* idx, int64_t idx_stride, int n, int m, int bits, int64_t o,
+                      float* acc) {
+  int elem = v_kind == F32 ? 4 : 2;
+  if (!idx) {
+    const char* row = (const char*)values + o * in * elem;
+    int64_t done = 0;
+#ifdef __AVX512F__
+    if (tn == 4) done = row_dense_float<4>(xt, in, row, v_kind, acc);
+    else if (tn == 3) done = row_dense_float<3>(xt, in, row, v_kind, acc);
+    else if (tn == 2) done = row_dense_float<2>(xt, in, row, v_kind, acc);
+    else done = row_dense_float<1>(xt, in, row, v_kind, acc);
+#endif
+    for (int64_t i = done; i < in; i++) {
+      float v = load_value(row, v_kind, i);
+      for (int64_t t = 0; t < tn; t++) acc[t] += v * xt[t * in + i];
+    }
+    return;
+  }
+  int64_t kept = in / m * n;
+  const uint8_t* row_idx = idx + o * idx_stride;
+  const char* row_values = (const char*)values + o * kept * elem;
+  int64_t done = 0;
+#ifdef __AVX512F__
+  if (n == 2 && m == 4) {
+    if (tn == 4) done = row_24_float<4>(xt, in, row_values, v_kind, row_idx, acc);
+    else if (tn == 3) done = row_24_float<3>(xt, in, row_values, v_kind, row_idx, acc);
+    else if (tn == 2) done = row_24_float<2>(xt, in, row_values, v_kind, row_idx, acc);
+    else done = row_24_float<1>(xt, in, row_values, v_kind, row_idx, acc);
+  }
+#endif
+  for (int64_t g = done / n, j = done; j < kept; g++) {  // done is a whole number of groups
+    for (int k = 0; k < n; k++, j++) {
+      int pos = position(row_idx, j, bits);
+      if (pos >= m) continue;  // never stored by pack_nm; loaders refuse it (memory safety)
+      float v = load_value(row_values, v_kind, j);
+      for (int64_t t = 0; t < tn; t++) acc[t] += v * xt[t * in + g * m + pos];
+    }
+  }
+}
+
+// y (T, out) = x (T, in, fp32) @ W^T + bias for W as row_float reads it; y fp32 or bf16.
+static void matmul_float(const float* x, int64_t T, int64_t in, const void* values, int v_kind,
+                         const uint8_t* idx, int64_t idx_stride, int64_t out, int n, int m,
+                         int bits, const void* bias, int b_kind, void* y, int y_kind, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t o = 0; o < out; o++) {
+    for (int64_t t0 = 0; t0 < T; t0 += TILE) {
+      int64_t tn = T - t0 < TILE ? T - t0 : TILE;
+      float acc[TILE] = {0};
+      row_float(x + t0 * in, tn, in, values, v_kind, idx, idx_stride, n, m, bits, o, acc);
+      float b = bias ? load_value(bias, b_kind, o) : 0.0f;
+      for (int64_t t = 0; t < tn; t++) store_value(y, y_kind, (t0 + t) * out + o, acc[t] + b);
+    }
+  }
+}
+
+static float* widened(const void* x_in, int x_kind, int64_t count) {  // every row reads all of x
+  if (x_kind == F32) return (float*)x_in;
+  float* x = (float*)malloc(sizeof(float) * count);
+  for (int64_t i = 0; i < count; i++) x[i] = load_value(x_in, x_kind, i);
+  return x;
+}
+
+extern "C" void lmc_nm_matmul_float(const void* x_in, int x_kind, int64_t T, int64_t in,
+                                    const void* values, int v_kind, const uint8_t* idx,
+                                    int64_t idx_stride, int64_t out, int n, int m, int bits,
+                                    const void* bias, int b_kind, void* y, int y_kind,
+                                    int threads) {
+  float* x = widened(x_in, x_kind, T * in);
+  matmul_float(x, T, in, values, v_kind, idx, idx_stride, out, n, m, bits, bias, b_kind, y, y_kind,
+               threads);
+  if (x != x_in) free(x);
+}
+
+// Low rank, y (T, out) = (x A^T) B^T + bias with A (rank, in) and B (out, rank) dense rows of
+// one float kind: the intermediate (T, rank) is rounded to y's kind between the two products,
+// as two torch linears in that dtype round it.
+extern "C" void lmc_lowrank_float(const void* x_in, int x_kind, int64_t T, int64_t in,
+                                  const void* A, const void* B, int w_kind, int64_t rank,
+                                  int64_t out, const void* bias, int b_kind, void* y, int y_kind,
+                                  int threads) {
+  float* x = widened(x_in, x_kind, T * in);
+  float* h = (float*)malloc(sizeof(float) * T * rank);
+  matmul_float(x, T, in, A, w_kind, 0, 0, rank, 1, 1, 0, 0, 0, h, F32, threads);
+  if (y_kind == BF16)
+    for (int64_t i = 0; i < T * rank; i++) h[i] = bf16_to_f32(f32_to_bf16(h[i]));
+  matmul_float(h, T, rank, B, w_kind, 0, 0, out, 1, 1, 0, bias, b_kind, y, y_kind, threads);
+  free(h);
+  if (x != x_in) free(x);
+}
+
+// acc[0..tn) += the int32 products of tn tokens of int16 codes xt (tokens, in) with packed int8
+// row o (idx null: dense codes, a row of `in`).
+static void row_int8(const int16_t* xt, int64_t tn, int64_t in, const int8_t* values,
+                     const uint8_t* idx, int64_t idx_stride, int n, int m, int bits, int64_t o,
+                     int32_t* acc) {
+  if (!idx) {
+    const int8_t* row = values + o * in;
+    int64_t done = 0;
+#ifdef __AVX512BW__
+    if (tn == 4) done = row_dense_int8<4>(xt, in, row, acc);
+    else if (tn == 3) done = row_dense_int8<3>(xt, in, row, acc);
+    else if (tn == 2) done = row_dense_int8<2>(xt, in, row, acc);
+    else done = row_dense_int8<1>(xt, in, row, acc);
+#endif
+    for (int64_t i = done; i < in; i++)
+      for (int64_t t = 0; t < tn; t++) acc[t] += (int32_t)row[i] * (int32_t)xt[t * in + i];
+    return;
+  }
+  int64_t kept = in / m * n;
+  const uint8_t* row_idx = idx + o * idx_stride;
+  const int8_t* row_values = values + o * kept;
+  int64_t done = 0;
+#ifdef __AVX512BW__
+  if (n == 2 && m == 4) {
+    if (tn == 4) done = row_24_int8_bw<4>(xt, in, row_values, row_idx, acc);
+    else if (tn == 3) done = row_24_int8_bw<3>(xt, in, row_values, row_idx, acc);
+    else if (tn == 2) done = row_24_int8_bw<2>(xt, in, row_values, row_idx, acc);
+    else done = row_24_int8_bw<1>(xt, in, row_values, row_idx, acc);
+  }
+#endif
+  for (int64_t g = done / n, j = done; j < kept; g++) {
+    for (int k = 0; k < n; k++, j++) {
+      int pos = position(row_idx, j, bits);
+      if (pos >= m) continue;  // never stored by pack_nm; loaders refuse it (memory safety)
+      int32_t v = row_values[j];
+      for (int64_t t = 0; t < tn; t++) acc[t] += v * (int32_t)xt[t * in + g * m + pos];
+    }
+  }
+}
+
+extern "C" void lmc_nm_matmul_int8(const int8_t* x_q, int64_t T, int64_t in, const int8_t* values,
+                                   const uint8_t* idx, int64_t idx_stride, int64_t out, int n,
+                                   int m, int bits, int32_t* acc_out, int threads) {
+  int16_t* x = (int16_t*)malloc(sizeof(int16_t) * T * in);  // widened once, for vpermt2w
+  for (int64_t i = 0; i < T * in; i++) x[i] = x_q[i];
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t o = 0; o < out; o++) {
+    for (int64_t t0 = 0; t0 < T; t0 += TILE) {
+      int64_t tn = T - t0 < TILE ? T - t0 : TILE;
+      int32_t acc[TILE] = {0};
+      row_int8(x + t0 * in, tn, in, values, idx, idx_stride, n, m, bits, o, acc);
+      for (int64_t t = 0; t < tn; t++) acc_out[(t0 + t) * out + o] = acc[t];
+    }
+  }
+  free(x);
+}
+
+// The whole int8 linear for a few tokens, in one pass: y (T, out) = rescale(Q(x) @ W^T) + bias,
+// computed exactly as lmcompress.compressor.formats.int8.int8_forward computes it in torch
+// (per-token absmax / 127 floored at 1e-12, or the static scale; x / scale rounded half to
+// even and clamped to [-128, 127]; the int32 products; acc * x_scale, then * w_scale, or
+// fma(acc * x_scale, w_scale, bias) as torch.addcmul does), so the output is bit-identical.
+// W: dense int8 codes (out, in) when idx is null, else packed N:M codes. w_scale (out,) fp32.
+extern "C" void lmc_int8_linear(const void* x_in, int x_kind, int64_t T, int64_t in,
+                                const float* static_scale, const int8_t* values,
+                                const uint8_t* idx, int64_t idx_stride, int n, int m, int bits,
+                                int64_t out, const float* w_scale, const void* bias, int b_kind,
+                                void* y, int y_kind, int threads) {
+  int16_t* xq = (int16_t*)malloc(sizeof(int16_t) * T * in);
+  float* xs = (float*)malloc(sizeof(float) * T);
+  for (int64_t t = 0; t < T; t++) {
+    float s;
+    if (static_scale) {
+      s = *static_scale;
+    } else {
+      float hi = -INFINITY, lo = INFINITY;
+      for (int64_t i = 0; i < in; i++) {
+        float v = load_value(x_in, x_kind, t * in + i);
+        hi = v > hi ? v : hi;
+        lo = v < lo ? v : lo;
+      }
+      float absmax = hi > -lo ? hi : -lo;
+      s = absmax / 127.0f;
+      if (s < 1e-12f) s = 1e-12f;
+    }
+    xs[t] = s;
+    for (int64_t i = 0; i < in; i++) {
+      float q = nearbyintf(load_value(x_in, x_kind, t * in + i) / s);
+      q = q < -128.0f ? -128.0f : (q > 127.0f ? 127.0f : q);
+      xq[t * in + i] = (int16_t)q;
+    }
+  }
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t o = 0; o < out; o++) {
+    for (int64_t t0 = 0; t0 < T; t0 += TILE) {
+      int64_t tn = T - t0 < TILE ? T - t0 : TILE;
+      int32_t acc[TILE] = {0};
+      row_int8(xq + t0 * in, tn, in, values, idx, idx_stride, n, m, bits, o, acc);
+      for (int64_t t = 0; t < tn; t++) {
+        float v = (float)acc[t] * xs[t0 + t];
+        v = bias ? fmaf(v, w_scale[o], load_value(bias, b_kind, o)) : v * w_scale[o];
+        store_value(y, y_kind, (t0 + t) * out + o, v);
+      }
+    }
+  }
+  free(xs);
+  free(xq);
+}
+
+#ifdef __AVX512F__
+// The 32-bit mask of the inputs a 2:4 block keeps: bit g*4+p for each position p of group g.
+// One byte of codes holds two groups, so one table lookup a byte.
+struct Mask24 {
+  uint8_t of_byte[256];
+  Mask24() {
+    for (int v = 0; v < 256; v++) {
+      int lo = (1 << (v & 3)) | (1 << ((v >> 2) & 3));
+      int hi = (1 << ((v >> 4) & 3)) | (1 << ((v >> 6) & 3));
+      of_byte[v] = (uint8_t)(lo | hi << 4);
+    }
+  }
+};
+static const Mask24 MASK24;
+
+static inline uint32_t mask_24(const uint8_t* four_bytes) {
+  return (uint32_t)MASK24.of_byte[four_bytes[0]] | (uint32_t)MASK24.of_byte[four_bytes[1]] << 8 |
+         (uint32_t)MASK24.of_byte[four_bytes[2]] << 16 | (uint32_t)MASK24.of_byte[four_bytes[3]] << 24;
+}
+
+// 2:4 rows by masked expand-loads: the kept values are sorted within their group, so they are
+// the set bits of the block's mask in order. Returns the kept values consumed (whole blocks).
+// A group whose two positions repeat (never stored by pack_nm) sets one bit: fewer values are
+// read, never more, and the next block starts at its own offset.
+static int64_t unpack_24(const void* values, int elem, const uint8_t* row_idx, int64_t in,
+                         void* dense) {
+  int64_t blocks = in / 32;
+  if (elem == 4) {
+    for (int64_t b = 0; b < blocks; b++) {
+      uint32_t mask = mask_24(row_idx + 4 * b);
+      const float* src = (const float*)values + 16 * b;
+      float* dst = (float*)dense + 32 * b;
+      _mm512_storeu_ps(dst, _mm512_maskz_expandloadu_ps((__mmask16)mask, src));
+      _mm512_storeu_ps(dst + 16, _mm512_maskz_expandloadu_ps(
+                                      (__mmask16)(mask >> 16), src + _mm_popcnt_u32(mask & 0xffff)));
+    }
+    return 16 * blocks;
+  }
+#ifdef __AVX512VBMI2__
+  if (elem == 2) {
+    for (int64_t b = 0; b < blocks; b++)
+      _mm512_storeu_si512((uint16_t*)dense + 32 * b,
+                          _mm512_maskz_expandloadu_epi16(mask_24(row_idx + 4 * b),
+                                                         (const uint16_t*)values + 16 * b));
+    return 16 * blocks;
+  }
+  if (elem == 1) {
+    for (int64_t b = 0; b < blocks; b++)
+      _mm256_storeu_si256((__m256i*)((uint8_t*)dense + 32 * b),
+                          _mm256_maskz_expandloadu_epi8(mask_24(row_idx + 4 * b),
+                                                        (const uint8_t*)values + 16 * b));
+    return 16 * blocks;
+  }
+#endif
+  return 0;
+}
+#endif
+
+template <typename T>
+static void unpack_rows(const T* values, const uint8_t* idx, int64_t idx_stride, int64_t out,
+                        int64_t in, int n, int m, int bits, T* dense, int threads) {
+  int64_t kept = in / m * n;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t o = 0; o < out; o++) {
+    const uint8_t* row_idx = idx + o * idx_stride;
+    const T* src = values + o * kept;
+    T* dst = dense + o * in;
+    int64_t done = 0;
+#ifdef __AVX512F__
+    if (n == 2 && m == 4) done = unpack_24(src, sizeof(T), row_idx, in, dst);
+#endif
+    memset(dst + done / n * m, 0, (in - done / n * m) * sizeof(T));
+    for (int64_t g = done / n, j = done; j < kept; g++) {
+      for (int k = 0; k < n; k++, j++) {
+        int pos = position(row_idx, j, bits);
+        if (pos < m) dst[g * m + pos] = src[j];  // pos >= m: never stored by pack_nm (loaders
+      }                                          // refuse it); skipped for memory safety
+    }
+  }
+}
+
+extern "C" void lmc_nm_unpack(const void* values, int elem, const uint8_t* idx,
+                              int64_t idx_stride, int64_t out, int64_t in, int n, int m, int bits,
+                              void* dense, int threads) {
+  if (elem == 1)
+    unpack_rows((const uint8_t*)values, idx, idx_stride, out, in, n, m, bits, (uint8_t*)dense, threads);
+  else if (elem == 2)
+    unpack_rows((const uint16_t*)values, idx, idx_stride, out, in, n, m, bits, (uint16_t*)dense, threads);
+  else
+    unpack_rows((const uint32_t*)values, idx, idx_stride, out, in, n, m, bits, (uint32_t*)dense, threads);
+}
