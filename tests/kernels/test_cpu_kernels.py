@@ -1,7 +1,9 @@
-"""The compiled CPU kernels for packed N:M weights (``lmcompress/kernels/cpu_kernels.cpp``) against
-the reference: float matmuls to float32 rounding, int8 matmuls and unpacking bit for bit, for
-2:4 (the AVX-512 loops and the scalar loop that finishes them) and every other N:M (scalar);
-the packed layers that call them; the build (cached, per compiler and CPU) and its fallback."""
+"""The compiled CPU kernels (``lmcompress/kernels/cpu_kernels.cpp``) against the reference:
+packed N:M float matmuls to float32 rounding, int8 matmuls and unpacking bit for bit, for 2:4
+(the AVX-512 loops and the scalar loop that finishes them) and every other N:M (scalar); the
+fused int8 linear (dense and packed codes) bit for bit against the torch computation; the
+low-rank kernel against two linears; the layers that call them; the build (cached, per
+compiler and CPU) and its fallback."""
 
 from __future__ import annotations
 
@@ -9,12 +11,14 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from lmcompress.compressor.formats.int8 import QuantLinear
+from lmcompress.compressor.formats.int8 import QuantLinear, quantize_activations
+from lmcompress.compressor.formats.low_rank import LowRankLinear
 from lmcompress.compressor.formats.nm_packed import PackedNMLinear
 from lmcompress.compressor.formats.nm_packed_int8 import PackedNMInt8Linear
 from lmcompress.compressor.sparsity import nm_mask
-from lmcompress.kernels import cpu_kernels, ops
+from lmcompress.kernels import cpu_kernels, int8_ops, ops
 from lmcompress.kernels import reference as R
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler here")
@@ -85,6 +89,109 @@ def test_extreme_int8_codes_sum_exactly():
     x_q = torch.full((2, in_features), -128, dtype=torch.int8)
     got = cpu_kernels.int8_matmul(x_q, values, indices, 2, 4, 2)
     assert torch.equal(got, torch.full((2, 3), 128 * 128 * in_features // 2, dtype=torch.int32))
+
+
+def _torch_int8(x, codes, weight_scale, input_scale, bias):
+    """The int8 layers' torch computation: activation codes, ``_int_mm``, the rescale."""
+    x_q, x_scale = quantize_activations(x, input_scale)
+    acc = torch._int_mm(x_q, codes.t())
+    return int8_ops.rescale(acc, x_scale, weight_scale, bias, x.dtype)
+
+
+@pytest.mark.parametrize("in_features", [8, 31, 64, 100, 576])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("static", [False, True])
+def test_fused_int8_linear_is_the_torch_computation_bit_for_bit(in_features, dtype, static):
+    """Dense codes, with and without a bias, per-token and static activation scales, fp32 and
+    bf16 activations (a zero token takes the floor scale; a large static scale saturates)."""
+    g = torch.Generator().manual_seed(in_features)
+    codes = torch.randint(-128, 128, (37, in_features), dtype=torch.int8, generator=g)
+    weight_scale = torch.rand(37, 1, generator=g) / 50 + 1e-4
+    input_scale = torch.tensor([0.01]) if static else None
+    for tokens in TOKENS:
+        x = (torch.randn(tokens, in_features, generator=g) * 3).to(dtype)
+        x[0] = 0
+        for bias in (None, torch.randn(37, generator=g).to(dtype)):
+            want = _torch_int8(x, codes, weight_scale, input_scale, bias)
+            got = cpu_kernels.int8_linear(x, weight_scale, input_scale, bias, codes)
+            assert got.dtype == dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("n", "m", "in_features"), LAYOUTS)
+def test_fused_int8_linear_of_packed_codes_is_the_torch_computation(n, m, in_features):
+    values, indices = R.pack_nm(_sparse(23, in_features, n, m, 8, torch.int8), n, m)
+    codes = R.unpack_nm(values, indices, n, m, in_features)
+    g = torch.Generator().manual_seed(9)
+    weight_scale = torch.rand(23, 1, generator=g) / 50 + 1e-4
+    bias = torch.randn(23, generator=g)
+    for tokens in TOKENS:
+        x = torch.randn(tokens, in_features, generator=g)
+        want = _torch_int8(x, codes, weight_scale, None, bias)
+        got = cpu_kernels.int8_linear(x, weight_scale, None, bias, values, indices, n, m)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    ("rank", "in_features", "out_features"), [(7, 100, 37), (48, 576, 192), (1, 16, 3), (5, 35, 9)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_rank_kernel_matches_two_linears(rank, in_features, out_features, dtype):
+    """fp32 accumulation; the intermediate is rounded to ``dtype`` as two torch linears do."""
+    g = torch.Generator().manual_seed(rank)
+    A = (torch.randn(rank, in_features, generator=g) / in_features**0.5).to(dtype)
+    B = (torch.randn(out_features, rank, generator=g) / rank**0.5).to(dtype)
+    for tokens in range(1, cpu_kernels.LOW_RANK_MAX_TOKENS + 2):
+        x = torch.randn(tokens, in_features, generator=g).to(dtype)
+        for bias in (None, torch.randn(out_features, generator=g).to(dtype)):
+            h = F.linear(x.double(), A.double()).to(dtype).double()
+            want = F.linear(h, B.double(), None if bias is None else bias.double())
+            got = cpu_kernels.lowrank(x, A, B, bias)
+            assert got.dtype == dtype
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+def test_low_rank_kernel_rounds_the_intermediate_as_torch_does():
+    """h = 1 + 2⁻⁹ is a tie in bf16 and rounds to 1, so h - 1 is 0 in torch's bf16 linears."""
+    x = torch.tensor([[1.0, 2.0**-9]], dtype=torch.bfloat16)
+    A, B = torch.ones(1, 2, dtype=torch.bfloat16), torch.ones(1, 1, dtype=torch.bfloat16)
+    bias = torch.tensor([-1.0], dtype=torch.bfloat16)
+    assert F.linear(F.linear(x, A), B, bias).item() == 0.0
+    assert cpu_kernels.lowrank(x, A, B, bias).item() == 0.0
+    assert cpu_kernels.lowrank(x.float(), A.float(), B.float(), bias.float()).item() == 2.0**-9
+
+
+def test_layers_take_the_few_token_kernels_only_where_they_apply(monkeypatch):
+    """Low rank and int8 layers call their kernels for few eager CPU tokens, and torch for
+    more tokens, the simulated int8 path, and factors that need gradients."""
+    calls = []
+    for name in ("lowrank", "int8_linear"):
+        original = getattr(cpu_kernels, name)
+        monkeypatch.setattr(
+            cpu_kernels, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k)
+        )
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(64, 24)
+    low_rank = LowRankLinear.from_linear(linear, 8)
+    quant = QuantLinear.from_linear(linear)
+    few, many = torch.randn(2, 1, 64), torch.randn(2, cpu_kernels.MAX_TOKENS, 64)
+    with torch.no_grad():
+        want = F.linear(F.linear(few, low_rank.A), low_rank.B, low_rank.bias)
+        torch.testing.assert_close(low_rank(few), want, rtol=1e-5, atol=1e-6)
+        assert torch.equal(
+            quant(few),
+            _torch_int8(
+                few.reshape(2, 64), quant.weight_q, quant.weight_scale, None, quant.bias
+            ).reshape(2, 1, 24),
+        )
+        assert calls == ["lowrank", "int8_linear"]
+        low_rank(many), quant(many)
+        quant.path = "simulated"
+        quant(few)
+    assert calls == ["lowrank", "int8_linear"]
+    low_rank.A.requires_grad_(True)
+    low_rank(few).sum().backward()
+    assert calls == ["lowrank", "int8_linear"] and low_rank.A.grad is not None
 
 
 def test_out_of_range_positions_are_skipped_not_read():
