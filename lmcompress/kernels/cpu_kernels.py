@@ -52,9 +52,10 @@ FLAG_SETS = (  # tried in order: clang without libomp builds single-threaded
     ["-O3", "-fopenmp"],
     ["-O3"],
 )
-# Above these token counts torch's matmul is faster (measured crossovers on SmolLM2's shapes):
+# Above these token counts torch's matmul is faster (measured crossovers on SmolLM2's shapes,
+# `python -m benchmarks.layer_speed`):
 MAX_TOKENS = 12  # packed N:M (then unpack once per call) and int8
-LOW_RANK_MAX_TOKENS = 4
+LOW_RANK_MAX_TOKENS = 8
 FLOAT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _VOID, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 SIGNATURES = {
