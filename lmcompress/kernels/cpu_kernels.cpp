@@ -12,6 +12,9 @@
 //                        equal to torch._int_mm of the unpacked codes.
 //   lmc_int8_linear      y = rescale(Q(x) @ W^T) + bias for dense or packed int8 codes,
 //                        bit-identical to the torch computation of the int8 layers.
+//   lmc_int8_quantize    per-token activation codes and scales, and lmc_int8_rescale the int32
+//                        products' rescale and bias, each in one pass (many tokens: the
+//                        product between them is torch._int_mm).
 //   lmc_lowrank_float    y = (x A^T) B^T + bias.
 //   lmc_nm_unpack        the dense (out, in) weight, any 1, 2 or 4-byte element (prefill).
 //
@@ -354,12 +357,75 @@ extern "C" void lmc_nm_matmul_int8(const int8_t* x_q, int64_t T, int64_t in, con
   free(x);
 }
 
+// Activation codes of row t of x (in values) into q, and their scale: the per-token absmax /
+// 127 floored at 1e-12, or *static_scale; x / scale rounded half to even, clamped to
+// [-128, 127] (quant.per_token_scale and quant.quantize, as torch computes them).
+template <typename Q>
+static float quantize_row(const void* x_in, int x_kind, int64_t t, int64_t in,
+                          const float* static_scale, Q* q) {
+  float s;
+  const float* xf = (const float*)x_in + t * in;  // read where x_kind == F32 (AVX-512)
+  (void)xf;
+  int64_t vec = 0;
+#ifdef __AVX512F__
+  if (x_kind == F32) vec = in / 16 * 16;
+#endif
+  if (static_scale) {
+    s = *static_scale;
+  } else {
+    float hi = -INFINITY, lo = INFINITY;
+#ifdef __AVX512F__
+    if (vec) {
+      __m512 vhi = _mm512_set1_ps(-INFINITY), vlo = _mm512_set1_ps(INFINITY);
+      for (int64_t i = 0; i < vec; i += 16) {
+        __m512 v = _mm512_loadu_ps(xf + i);
+        vhi = _mm512_max_ps(vhi, v);
+        vlo = _mm512_min_ps(vlo, v);
+      }
+      hi = _mm512_reduce_max_ps(vhi);
+      lo = _mm512_reduce_min_ps(vlo);
+    }
+#endif
+    for (int64_t i = vec; i < in; i++) {
+      float v = load_value(x_in, x_kind, t * in + i);
+      hi = v > hi ? v : hi;
+      lo = v < lo ? v : lo;
+    }
+    float absmax = hi > -lo ? hi : -lo;
+    s = absmax / 127.0f;
+    if (s < 1e-12f) s = 1e-12f;
+  }
+#ifdef __AVX512F__
+  if (vec) {
+    const __m512 vs = _mm512_set1_ps(s), qmin = _mm512_set1_ps(-128.0f), qmax = _mm512_set1_ps(127.0f);
+    for (int64_t i = 0; i < vec; i += 16) {
+      __m512 c = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(xf + i), vs),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      __m512i ci = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(c, qmin), qmax));
+      if (sizeof(Q) == 1) _mm_storeu_si128((__m128i*)(q + i), _mm512_cvtsepi32_epi8(ci));
+      else _mm256_storeu_si256((__m256i*)(q + i), _mm512_cvtsepi32_epi16(ci));
+    }
+  }
+#endif
+  for (int64_t i = vec; i < in; i++) {
+    float c = nearbyintf(load_value(x_in, x_kind, t * in + i) / s);
+    q[i] = (Q)(c < -128.0f ? -128.0f : (c > 127.0f ? 127.0f : c));
+  }
+  return s;
+}
+
+// The float half of an int8 linear for output o of token t: acc * x_scale, then * w_scale, or
+// fma(acc * x_scale, w_scale, bias) (int8_ops.rescale: torch.mul, then mul_ or addcmul).
+static inline float rescaled(int32_t acc, float x_scale, const float* w_scale, const void* bias,
+                             int b_kind, int64_t o) {
+  float v = (float)acc * x_scale;
+  return bias ? fmaf(v, w_scale[o], load_value(bias, b_kind, o)) : v * w_scale[o];
+}
+
 // The whole int8 linear for a few tokens, in one pass: y (T, out) = rescale(Q(x) @ W^T) + bias,
-// computed exactly as lmcompress.compressor.formats.int8.int8_forward computes it in torch
-// (per-token absmax / 127 floored at 1e-12, or the static scale; x / scale rounded half to
-// even and clamped to [-128, 127]; the int32 products; acc * x_scale, then * w_scale, or
-// fma(acc * x_scale, w_scale, bias) as torch.addcmul does), so the output is bit-identical.
-// W: dense int8 codes (out, in) when idx is null, else packed N:M codes. w_scale (out,) fp32.
+// computed exactly as lmcompress.compressor.formats.int8.int8_forward computes it in torch, so
+// the output is bit-identical. W: dense int8 codes (out, in) when idx is null, else packed N:M
+// codes. w_scale (out,) fp32.
 extern "C" void lmc_int8_linear(const void* x_in, int x_kind, int64_t T, int64_t in,
                                 const float* static_scale, const int8_t* values,
                                 const uint8_t* idx, int64_t idx_stride, int n, int m, int bits,
@@ -367,43 +433,55 @@ extern "C" void lmc_int8_linear(const void* x_in, int x_kind, int64_t T, int64_t
                                 void* y, int y_kind, int threads) {
   int16_t* xq = (int16_t*)malloc(sizeof(int16_t) * T * in);
   float* xs = (float*)malloc(sizeof(float) * T);
-  for (int64_t t = 0; t < T; t++) {
-    float s;
-    if (static_scale) {
-      s = *static_scale;
-    } else {
-      float hi = -INFINITY, lo = INFINITY;
-      for (int64_t i = 0; i < in; i++) {
-        float v = load_value(x_in, x_kind, t * in + i);
-        hi = v > hi ? v : hi;
-        lo = v < lo ? v : lo;
-      }
-      float absmax = hi > -lo ? hi : -lo;
-      s = absmax / 127.0f;
-      if (s < 1e-12f) s = 1e-12f;
-    }
-    xs[t] = s;
-    for (int64_t i = 0; i < in; i++) {
-      float q = nearbyintf(load_value(x_in, x_kind, t * in + i) / s);
-      q = q < -128.0f ? -128.0f : (q > 127.0f ? 127.0f : q);
-      xq[t * in + i] = (int16_t)q;
-    }
-  }
+  for (int64_t t = 0; t < T; t++) xs[t] = quantize_row(x_in, x_kind, t, in, static_scale, xq + t * in);
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t o = 0; o < out; o++) {
     for (int64_t t0 = 0; t0 < T; t0 += TILE) {
       int64_t tn = T - t0 < TILE ? T - t0 : TILE;
       int32_t acc[TILE] = {0};
       row_int8(xq + t0 * in, tn, in, values, idx, idx_stride, n, m, bits, o, acc);
-      for (int64_t t = 0; t < tn; t++) {
-        float v = (float)acc[t] * xs[t0 + t];
-        v = bias ? fmaf(v, w_scale[o], load_value(bias, b_kind, o)) : v * w_scale[o];
-        store_value(y, y_kind, (t0 + t) * out + o, v);
-      }
+      for (int64_t t = 0; t < tn; t++)
+        store_value(y, y_kind, (t0 + t) * out + o,
+                    rescaled(acc[t], xs[t0 + t], w_scale, bias, b_kind, o));
     }
   }
   free(xs);
   free(xq);
+}
+
+// For many tokens (the integer product is then torch._int_mm): the activation codes (T, in) and
+// scales (T,) in one pass, and the rescale in one pass.
+extern "C" void lmc_int8_quantize(const void* x_in, int x_kind, int64_t T, int64_t in,
+                                  const float* static_scale, int8_t* q, float* scales,
+                                  int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t t = 0; t < T; t++)
+    scales[t] = quantize_row(x_in, x_kind, t, in, static_scale, q + t * in);
+}
+
+extern "C" void lmc_int8_rescale(const int32_t* acc, int64_t T, int64_t out, const float* x_scale,
+                                 int per_token, const float* w_scale, const void* bias,
+                                 int b_kind, void* y, int y_kind, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t t = 0; t < T; t++) {
+    float xs = x_scale[per_token ? t : 0];
+    int64_t done = 0;
+#ifdef __AVX512F__
+    if (y_kind == F32 && (!bias || b_kind != F16)) {  // fp32 outputs, fp32 or bf16 bias
+      const __m512 vx = _mm512_set1_ps(xs);
+      float* yt = (float*)y + t * out;
+      for (done = 0; done + 16 <= out; done += 16) {
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + t * out + done)), vx);
+        __m512 ws = _mm512_loadu_ps(w_scale + done);
+        v = bias ? _mm512_fmadd_ps(v, ws, load16(bias, b_kind, done)) : _mm512_mul_ps(v, ws);
+        _mm512_storeu_ps(yt + done, v);
+      }
+    }
+#endif
+    for (int64_t o = done; o < out; o++)
+      store_value(y, y_kind, t * out + o,
+                  rescaled(acc[t * out + o], xs, w_scale, bias, b_kind, o));
+  }
 }
 
 #ifdef __AVX512F__

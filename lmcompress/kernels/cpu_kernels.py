@@ -67,6 +67,8 @@ SIGNATURES = {
     "lmc_nm_unpack": [_VOID, _INT, _VOID, _I64, _I64, _I64, _INT, _INT, _INT, _VOID, _INT],
     "lmc_int8_linear": [_VOID, _INT, _I64, _I64, _VOID, _VOID, _VOID, _I64, _INT, _INT, _INT]
     + [_I64, _VOID, _VOID, _INT, _VOID, _INT, _INT],
+    "lmc_int8_quantize": [_VOID, _INT, _I64, _I64, _VOID, _VOID, _VOID, _INT],
+    "lmc_int8_rescale": [_VOID, _I64, _I64, _VOID, _INT, _VOID, _VOID, _INT, _VOID, _INT, _INT],
     "lmc_lowrank_float": [_VOID, _INT, _I64, _I64, _VOID, _VOID, _INT, _I64, _I64, _VOID, _INT]
     + [_VOID, _INT, _INT],
 }
@@ -241,6 +243,48 @@ def int8_linear(
         codes.shape[0], weight_scale.contiguous().data_ptr(),
         _ptr(bias), FLOAT_KINDS[bias.dtype] if bias is not None else 0,
         y.data_ptr(), FLOAT_KINDS[y.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
+def int8_quantize(
+    x: torch.Tensor, input_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``formats.int8.quantize_activations`` in one pass: int8 codes of ``x`` (tokens, in),
+    fp32 or bf16, and their scales, per token (tokens, 1) or ``input_scale``. Bit-identical."""
+    lib = library()
+    x = x.contiguous()
+    tokens, in_features = x.shape
+    codes = torch.empty((tokens, in_features), dtype=torch.int8)
+    scales = torch.empty((tokens, 1), dtype=torch.float32)
+    lib.lmc_int8_quantize(
+        x.data_ptr(), FLOAT_KINDS[x.dtype], tokens, in_features, _ptr(input_scale),
+        codes.data_ptr(), scales.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return codes, (scales if input_scale is None else input_scale)
+
+
+def int8_rescale(
+    acc: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``kernels.int8_ops.rescale`` in one pass: ``acc`` int32 (tokens, out), ``x_scale`` fp32
+    (tokens, 1) or (1,), ``weight_scale`` fp32 (out, 1); (tokens, out) in ``out_dtype`` (fp32
+    or bf16). Bit-identical."""
+    lib = library()
+    acc, x_scale = acc.contiguous(), x_scale.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    tokens, out_features = acc.shape
+    y = torch.empty((tokens, out_features), dtype=out_dtype)
+    lib.lmc_int8_rescale(
+        acc.data_ptr(), tokens, out_features, x_scale.data_ptr(), int(x_scale.numel() != 1),
+        weight_scale.contiguous().data_ptr(),
+        _ptr(bias), FLOAT_KINDS[bias.dtype] if bias is not None else 0,
+        y.data_ptr(), FLOAT_KINDS[out_dtype], torch.get_num_threads(),
     )  # fmt: skip
     return y
 

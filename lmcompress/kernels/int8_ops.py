@@ -25,6 +25,8 @@ annotations.
 import torch
 import torch.nn.functional as F
 
+from lmcompress.kernels import cpu_kernels
+
 
 def linear(
     x_q: torch.Tensor,
@@ -60,6 +62,16 @@ def rescale(
     """``acc · x_scale · w_scaleᵀ + bias`` in float32, cast to ``out_dtype``: the float half of
     a per-channel int8 linear, for the int32 products ``acc`` (tokens, out) of any integer
     matmul (``_int_mm``, or the packed N:M kernel: the same integers give the same output)."""
+    if (
+        acc.device.type == "cpu"
+        and not torch.compiler.is_compiling()  # compiled, inductor fuses the torch ops below
+        and out_dtype in (torch.float32, torch.bfloat16)
+        and x_scale.dtype == w_scale.dtype == torch.float32
+        and (bias is None or bias.dtype in cpu_kernels.FLOAT_KINDS)
+        and not (torch.is_grad_enabled() and (x_scale.requires_grad or w_scale.requires_grad))
+        and cpu_kernels.library() is not None
+    ):  # one pass instead of three; bit-identical
+        return cpu_kernels.int8_rescale(acc, x_scale, w_scale, bias, out_dtype)
     x_scale, w_scale = x_scale.float(), w_scale.float()
     y = torch.mul(acc, x_scale)  # int32 · fp32 -> fp32 (tokens, out)
     if bias is None:

@@ -13,12 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmcompress.compressor.formats.int8 import QuantLinear, quantize_activations
+from lmcompress.compressor.formats import quant
+from lmcompress.compressor.formats.int8 import QuantLinear
 from lmcompress.compressor.formats.low_rank import LowRankLinear
 from lmcompress.compressor.formats.nm_packed import PackedNMLinear
 from lmcompress.compressor.formats.nm_packed_int8 import PackedNMInt8Linear
 from lmcompress.compressor.sparsity import nm_mask
-from lmcompress.kernels import cpu_kernels, int8_ops, ops
+from lmcompress.kernels import cpu_kernels, ops
 from lmcompress.kernels import reference as R
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler here")
@@ -92,10 +93,13 @@ def test_extreme_int8_codes_sum_exactly():
 
 
 def _torch_int8(x, codes, weight_scale, input_scale, bias):
-    """The int8 layers' torch computation: activation codes, ``_int_mm``, the rescale."""
-    x_q, x_scale = quantize_activations(x, input_scale)
-    acc = torch._int_mm(x_q, codes.t())
-    return int8_ops.rescale(acc, x_scale, weight_scale, bias, x.dtype)
+    """The int8 layers' computation in torch ops alone (no compiled kernel): activation codes,
+    ``_int_mm``, the rescale (``int8_ops.rescale``'s ops)."""
+    x_scale = quant.per_token_scale(x) if input_scale is None else input_scale
+    y = torch.mul(torch._int_mm(quant.quantize(x, x_scale), codes.t()), x_scale)
+    if bias is None:
+        return y.mul_(weight_scale.t()).to(x.dtype)
+    return torch.addcmul(bias.float(), y, weight_scale.t()).to(x.dtype)
 
 
 @pytest.mark.parametrize("in_features", [8, 31, 64, 100, 576])
@@ -114,6 +118,31 @@ def test_fused_int8_linear_is_the_torch_computation_bit_for_bit(in_features, dty
         for bias in (None, torch.randn(37, generator=g).to(dtype)):
             want = _torch_int8(x, codes, weight_scale, input_scale, bias)
             got = cpu_kernels.int8_linear(x, weight_scale, input_scale, bias, codes)
+            assert got.dtype == dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("in_features", [8, 31, 100, 576])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_quantize_and_rescale_are_the_torch_computation_bit_for_bit(in_features, dtype):
+    """The many-token halves around ``_int_mm``: codes and scales, per token and static (a
+    zero token, saturation), and the rescale with and without a bias (fp32 and bf16)."""
+    g = torch.Generator().manual_seed(in_features)
+    for tokens in (1, 3, 40):
+        x = (torch.randn(tokens, in_features, generator=g) * 3).to(dtype)
+        x[0] = 0
+        for input_scale in (None, torch.tensor([0.01])):
+            want = quant.per_token_scale(x) if input_scale is None else input_scale
+            codes, scale = cpu_kernels.int8_quantize(x, input_scale)
+            assert torch.equal(codes, quant.quantize(x, want)) and torch.equal(scale, want)
+        acc = torch.randint(-(2**22), 2**22, (tokens, 37), dtype=torch.int32, generator=g)
+        weight_scale = torch.rand(37, 1, generator=g) / 50
+        for bias in (None, torch.randn(37, generator=g).to(dtype)):
+            y = torch.mul(acc, scale)
+            if bias is None:
+                want = y.mul_(weight_scale.t()).to(dtype)
+            else:  # int8_ops.rescale's ops
+                want = torch.addcmul(bias.float(), y, weight_scale.t()).to(dtype)
+            got = cpu_kernels.int8_rescale(acc, scale, weight_scale, bias, dtype)
             assert got.dtype == dtype and torch.equal(got, want)
 
 

@@ -69,6 +69,15 @@ def quantize_activations(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x_q, x_scale)`` of ``x_2d`` (tokens, in): int8 codes with per-token absmax scales
     (tokens, 1) when ``input_scale`` is ``None``, else with the static scale (1,)."""
+    if (
+        x_2d.device.type == "cpu"
+        and not torch.compiler.is_compiling()  # compiled, inductor fuses the torch ops below
+        and x_2d.dtype in (torch.float32, torch.bfloat16)
+        and not (x_2d.requires_grad and torch.is_grad_enabled())  # the scales' gradient
+        and (input_scale is None or input_scale.dtype == torch.float32)
+        and cpu_kernels.library() is not None
+    ):  # one pass instead of six; bit-identical
+        return cpu_kernels.int8_quantize(x_2d, input_scale)
     x_scale = quant.per_token_scale(x_2d) if input_scale is None else input_scale
     return quant.quantize(x_2d, x_scale), x_scale
 
