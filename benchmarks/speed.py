@@ -13,6 +13,9 @@ dtype of an fp32 run) and, where the format has floating weights, at bf16 too. T
 its compressed runtime, rows interleaved, median of the repeats
 (:mod:`lmcompress.evaluation.speed`). The table gives each row against the best dense row,
 beside the goals of issue 22, with the host's CPU flags and the measured memory bandwidth.
+For every row that misses a goal, ``benchmarks.speed_profile --buckets`` then says where its
+prefill and decode time goes, module by module, beside the dense bf16 model's
+(``profile`` in the JSON, "Where the time goes" in the md).
 """
 
 from __future__ import annotations
@@ -82,6 +85,47 @@ def measure(args: argparse.Namespace, _names: list[str], _previous: dict) -> Any
     record["bench_wall_seconds"] = run.wall_seconds
     record["bench_peak_rss_mb"] = run.peak_rss_mb
     yield record
+    missed = [name for name in missed_goals(record) if name in dict(exports)]
+    if missed:
+        command = [sys.executable, "-m", "benchmarks.speed_profile", "--buckets"]
+        command += [args.checkpoint, *(str(dict(exports)[name]) for name in missed)]
+        command += ["--prefill", args.prefill, "--steps", str(args.decode)]
+        profiled = run_job(Job("profile", command, STDOUT), args.work).result
+        by_path = {args.checkpoint: "dense bfloat16", **{str(dict(exports)[n]): n for n in missed}}
+        profiled["models"] = {by_path[path]: v for path, v in profiled["models"].items()}
+        record["profile"] = profiled
+        yield record
+
+
+def missed_goals(record: dict[str, Any]) -> list[str]:
+    """The rows (packed runtime, eager) below a goal of :data:`GOALS`, in their order."""
+    rows = {row["name"]: row for row in record["rows"] if not row.get("compiled")}
+    missed = []
+    for name, what, target in GOALS:
+        value = rows.get(name, {}).get(f"{what}_vs_best_dense")
+        if value is not None and value < target and name not in missed:
+            missed.append(name)
+    return missed
+
+
+# what would close each miss, by export (the profile gives the numbers)
+REMEDIES = {
+    "int8": "The fp32 lm_head (113 MB read per decoded token, a third of the prefill) is most "
+    "of what separates it from `int8, int8 head`; see that row.",
+    "int8, int8 head": "Prefill: the int8 products (`_int_mm`) run at about twice bf16's "
+    "rate, but each layer still writes its int32 products and reads them back to rescale, "
+    "and quantizes its input in a pass of its own; an int8 GEMM with the quantization in its "
+    "prologue and the rescale in its epilogue (oneDNN's, or a blocked VNNI kernel of ours) "
+    "would leave the compressed linears at their `_int_mm` time.",
+    "svd 0.8 bf16": "Prefill: the compressed linears keep 80 % of the parameters, so at "
+    "best they run 1.25× the dense ones, and attention, norms and the bf16 lm_head are "
+    "unchanged; 1.15× for the model needs a lower ratio (or ranks rounded to multiples of "
+    "32–64, 7 % faster per parameter in `benchmarks.layer_speed`).",
+    "2:4 bf16": "Prefill unpacks each layer once per call before torch's matmul: the "
+    "unpacking is the difference from the expanded runtime.",
+    "2:4 bf16 (expanded)": "Not profiled: the expanded runtime is the dense layers by design "
+    "(2:4's decode goal is the packed runtime's).",
+}
 
 
 def export_name(row: str, names: dict[str, str]) -> str:
@@ -135,7 +179,37 @@ def render(record: dict[str, Any]) -> str:
             if any(row.get("compiled") for row in record["rows"])
             else ""
         )
+        + (
+            where_the_time_goes(record["profile"], missed_goals(record))
+            if "profile" in record
+            else ""
+        )
     )
+
+
+def where_the_time_goes(profile: dict[str, Any], missed: list[str]) -> str:
+    """Milliseconds by module for dense bf16 and each row that misses a goal."""
+    from benchmarks.speed_profile import BUCKETS
+
+    names = list(profile["models"])
+    lines = [
+        "\n## Where the time goes (rows that miss a goal)\n",
+        f"`python -m benchmarks.speed_profile --buckets`: one {profile['prefill']} prefill and "
+        f"{profile['decode_steps']} decode steps under `torch.profiler`, milliseconds by the "
+        "module they ran in (each module less the modules inside it; profiling adds "
+        "overhead, so compare the columns, not the totals, with the table above).\n",
+    ]
+    phases = (("prefill, ms", "prefill_ms"), ("decode, ms per step", "decode_ms_per_step"))
+    for phase, key in phases:
+        lines += ["", f"| {phase} | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for bucket, meaning in BUCKETS.items():
+            cells = [f"{profile['models'][n][key][bucket]:.1f}" for n in names]
+            lines.append(f"| {bucket} ({meaning}) | " + " | ".join(cells) + " |")
+        totals = [f"{sum(profile['models'][n][key].values()):.1f}" for n in names]
+        lines.append("| total | " + " | ".join(totals) + " |")
+    lines.append("\nWhat would close each miss:\n")
+    lines += [f"- **{n}**: {REMEDIES[n]}" for n in missed if n in REMEDIES]
+    return "\n".join(lines) + "\n"
 
 
 def plot(record: dict[str, Any], _results_dir: Path, path: Path) -> None:

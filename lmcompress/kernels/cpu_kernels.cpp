@@ -459,9 +459,10 @@ extern "C" void lmc_int8_quantize(const void* x_in, int x_kind, int64_t T, int64
     scales[t] = quantize_row(x_in, x_kind, t, in, static_scale, q + t * in);
 }
 
+// y row t starts at y + t * y_stride (elements): a block of an output's columns.
 extern "C" void lmc_int8_rescale(const int32_t* acc, int64_t T, int64_t out, const float* x_scale,
                                  int per_token, const float* w_scale, const void* bias,
-                                 int b_kind, void* y, int y_kind, int threads) {
+                                 int b_kind, void* y, int64_t y_stride, int y_kind, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t t = 0; t < T; t++) {
     float xs = x_scale[per_token ? t : 0];
@@ -469,7 +470,7 @@ extern "C" void lmc_int8_rescale(const int32_t* acc, int64_t T, int64_t out, con
 #ifdef __AVX512F__
     if (y_kind == F32 && (!bias || b_kind != F16)) {  // fp32 outputs, fp32 or bf16 bias
       const __m512 vx = _mm512_set1_ps(xs);
-      float* yt = (float*)y + t * out;
+      float* yt = (float*)y + t * y_stride;
       for (done = 0; done + 16 <= out; done += 16) {
         __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + t * out + done)), vx);
         __m512 ws = _mm512_loadu_ps(w_scale + done);
@@ -479,7 +480,7 @@ extern "C" void lmc_int8_rescale(const int32_t* acc, int64_t T, int64_t out, con
     }
 #endif
     for (int64_t o = done; o < out; o++)
-      store_value(y, y_kind, t * out + o,
+      store_value(y, y_kind, t * y_stride + o,
                   rescaled(acc[t * out + o], xs, w_scale, bias, b_kind, o));
   }
 }

@@ -68,7 +68,8 @@ SIGNATURES = {
     "lmc_int8_linear": [_VOID, _INT, _I64, _I64, _VOID, _VOID, _VOID, _I64, _INT, _INT, _INT]
     + [_I64, _VOID, _VOID, _INT, _VOID, _INT, _INT],
     "lmc_int8_quantize": [_VOID, _INT, _I64, _I64, _VOID, _VOID, _VOID, _INT],
-    "lmc_int8_rescale": [_VOID, _I64, _I64, _VOID, _INT, _VOID, _VOID, _INT, _VOID, _INT, _INT],
+    "lmc_int8_rescale": [_VOID, _I64, _I64, _VOID, _INT, _VOID, _VOID, _INT, _VOID, _I64, _INT]
+    + [_INT],
     "lmc_lowrank_float": [_VOID, _INT, _I64, _I64, _VOID, _VOID, _INT, _I64, _I64, _VOID, _INT]
     + [_VOID, _INT, _INT],
 }
@@ -270,21 +271,23 @@ def int8_rescale(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``kernels.int8_ops.rescale`` in one pass: ``acc`` int32 (tokens, out), ``x_scale`` fp32
     (tokens, 1) or (1,), ``weight_scale`` fp32 (out, 1); (tokens, out) in ``out_dtype`` (fp32
-    or bf16). Bit-identical."""
+    or bf16), written into ``out`` where given (a block of columns of a larger output: rows
+    may be strided, columns contiguous). Bit-identical."""
     lib = library()
     acc, x_scale = acc.contiguous(), x_scale.contiguous()
     if bias is not None:
         bias = bias.contiguous()
     tokens, out_features = acc.shape
-    y = torch.empty((tokens, out_features), dtype=out_dtype)
+    y = torch.empty((tokens, out_features), dtype=out_dtype) if out is None else out
     lib.lmc_int8_rescale(
         acc.data_ptr(), tokens, out_features, x_scale.data_ptr(), int(x_scale.numel() != 1),
         weight_scale.contiguous().data_ptr(),
         _ptr(bias), FLOAT_KINDS[bias.dtype] if bias is not None else 0,
-        y.data_ptr(), FLOAT_KINDS[out_dtype], torch.get_num_threads(),
+        y.data_ptr(), y.stride(0), FLOAT_KINDS[out_dtype], torch.get_num_threads(),
     )  # fmt: skip
     return y
 

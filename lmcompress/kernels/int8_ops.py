@@ -45,6 +45,8 @@ def linear(
     bias after it become one generated loop each. It trusts its arguments (a layer checks its
     shapes once, when it is built); the op checks them on every call."""
     if w_scale.shape[1] == 1:
+        if _cpu_rescale(x_q, x_scale, w_scale, bias, out_dtype):
+            return _column_blocks(x_q, x_scale, w_q, w_scale, bias, out_dtype)
         return rescale(int8_matmul(x_q, w_q), x_scale, w_scale, bias, out_dtype)
     y = _per_group(x_q, w_q, w_scale.float()).mul_(x_scale.float())
     if bias is not None:
@@ -62,15 +64,7 @@ def rescale(
     """``acc · x_scale · w_scaleᵀ + bias`` in float32, cast to ``out_dtype``: the float half of
     a per-channel int8 linear, for the int32 products ``acc`` (tokens, out) of any integer
     matmul (``_int_mm``, or the packed N:M kernel: the same integers give the same output)."""
-    if (
-        acc.device.type == "cpu"
-        and not torch.compiler.is_compiling()  # compiled, inductor fuses the torch ops below
-        and out_dtype in (torch.float32, torch.bfloat16)
-        and x_scale.dtype == w_scale.dtype == torch.float32
-        and (bias is None or bias.dtype in cpu_kernels.FLOAT_KINDS)
-        and not (torch.is_grad_enabled() and (x_scale.requires_grad or w_scale.requires_grad))
-        and cpu_kernels.library() is not None
-    ):  # one pass instead of three; bit-identical
+    if _cpu_rescale(acc, x_scale, w_scale, bias, out_dtype):  # one pass instead of three
         return cpu_kernels.int8_rescale(acc, x_scale, w_scale, bias, out_dtype)
     x_scale, w_scale = x_scale.float(), w_scale.float()
     y = torch.mul(acc, x_scale)  # int32 · fp32 -> fp32 (tokens, out)
@@ -79,6 +73,48 @@ def rescale(
     else:  # bias + y · w_scale in one pass over the output (memory-bound on CPU)
         torch.addcmul(bias.float(), y, w_scale.t(), out=y)
     return y.to(out_dtype)
+
+
+def _cpu_rescale(
+    acc: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> bool:
+    """Whether the compiled CPU rescale (bit-identical to :func:`rescale`'s torch ops) applies:
+    on CPU, not while compiling (inductor fuses the torch ops), float32 scales and no gradient
+    through them, an fp32 or bf16 output, and the kernels built."""
+    return (
+        acc.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and out_dtype in (torch.float32, torch.bfloat16)
+        and x_scale.dtype == w_scale.dtype == torch.float32
+        and (bias is None or bias.dtype in cpu_kernels.FLOAT_KINDS)
+        and not (torch.is_grad_enabled() and (x_scale.requires_grad or w_scale.requires_grad))
+        and cpu_kernels.library() is not None
+    )
+
+
+BLOCK_BYTES = 4 << 20  # int32 products per column block (measured on SmolLM2's lm_head)
+
+
+def _column_blocks(x_q, x_scale, w_q, w_scale, bias, out_dtype) -> torch.Tensor:
+    """:func:`linear` on CPU by blocks of output columns, each block's int32 products
+    (``BLOCK_BYTES``) rescaled into the output while they are still in cache: one pass over
+    the output instead of writing and reading back all the products (the lm_head's are 200 MB
+    at 1,024 tokens). The same integers and rescale, so the same output bit for bit."""
+    tokens, out_features = x_q.shape[0], w_q.shape[0]
+    block = max(64, BLOCK_BYTES // (4 * tokens) // 64 * 64)
+    if block >= out_features:
+        return cpu_kernels.int8_rescale(int8_matmul(x_q, w_q), x_scale, w_scale, bias, out_dtype)
+    y = torch.empty((tokens, out_features), dtype=out_dtype)
+    for start in range(0, out_features, block):
+        end = min(start + block, out_features)
+        acc = int8_matmul(x_q, w_q[start:end])
+        part = None if bias is None else bias[start:end]
+        cpu_kernels.int8_rescale(acc, x_scale, w_scale[start:end], part, out_dtype, y[:, start:end])
+    return y
 
 
 @torch.library.custom_op("lmcompress::int8_linear", mutates_args=())

@@ -19,7 +19,7 @@ from lmcompress.compressor.formats.low_rank import LowRankLinear
 from lmcompress.compressor.formats.nm_packed import PackedNMLinear
 from lmcompress.compressor.formats.nm_packed_int8 import PackedNMInt8Linear
 from lmcompress.compressor.sparsity import nm_mask
-from lmcompress.kernels import cpu_kernels, ops
+from lmcompress.kernels import cpu_kernels, int8_ops, ops
 from lmcompress.kernels import reference as R
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler here")
@@ -144,6 +144,21 @@ def test_int8_quantize_and_rescale_are_the_torch_computation_bit_for_bit(in_feat
                 want = torch.addcmul(bias.float(), y, weight_scale.t()).to(dtype)
             got = cpu_kernels.int8_rescale(acc, scale, weight_scale, bias, dtype)
             assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_int8_linear_by_column_blocks_is_the_torch_computation(monkeypatch):
+    """Many tokens: ``_int_mm`` a block of output columns at a time, each rescaled into its
+    columns of the output (blocks of 64 here, and a last partial one)."""
+    monkeypatch.setattr(int8_ops, "BLOCK_BYTES", 4 * 40 * 64)
+    g = torch.Generator().manual_seed(11)
+    codes = torch.randint(-128, 128, (150, 96), dtype=torch.int8, generator=g)
+    weight_scale = torch.rand(150, 1, generator=g) / 50
+    x = torch.randn(40, 96, generator=g)
+    x_q, x_scale = cpu_kernels.int8_quantize(x, None)
+    for bias in (None, torch.randn(150, generator=g)):
+        want = _torch_int8(x, codes, weight_scale, None, bias)
+        got = int8_ops.linear(x_q, x_scale, codes, weight_scale, bias, torch.float32)
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize(("n", "m", "in_features"), LAYOUTS)
