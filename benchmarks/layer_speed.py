@@ -11,8 +11,9 @@ per timing, the implementations interleaved in each round, median of the rounds:
 
 - ``decode``: milliseconds for 1–16 tokens through all 210 layers: dense bf16 and fp32
   ``F.linear``; int8 W8A8 as torch computes it (quantize, ``_int_mm``, rescale) and as the
-  fused kernel does; low rank at ratio 0.8 in bf16 as two torch linears and as the kernel;
-  packed 2:4 in bf16 through its kernel and unpacked then ``F.linear``.
+  fused kernel does, and 2:4 + int8 (packed codes) through it; low rank at ratio 0.8 in bf16
+  as two torch linears and as the kernel; packed 2:4 in bf16 through its kernel and unpacked
+  then ``F.linear``.
 - ``ranks``: low rank at ratio 0.8 in bf16, prefill (4 × 256 tokens), at each layer's rank and
   rounded down to multiples of 16, 32 and 64, against dense bf16.
 """
@@ -68,10 +69,13 @@ def layers(seed: int = 0) -> list[dict[str, Any]]:
         rank = rank_at(out_features, in_features)
         sparse = W * nm_mask(W.abs(), 2, 4)
         values, indices = R.pack_nm(sparse.bfloat16(), 2, 4)
+        sparse_codes, sparse_scale = quant.int8_weight(sparse)
+        codes24, indices24 = R.pack_nm(sparse_codes, 2, 4)
         built.append({
             "bf16": W.bfloat16(), "fp32": W, "codes": codes, "scale": scale,
             "A": W[:rank].bfloat16(), "B": W[:, :rank].contiguous().bfloat16(),
             "values": values, "indices": indices, "in": in_features,
+            "codes24": codes24, "indices24": indices24, "scale24": sparse_scale,
         })  # fmt: skip
     return built
 
@@ -93,6 +97,9 @@ def decode_fns() -> dict[str, Callable[[dict, torch.Tensor], Any]]:
         "int8 torch": int8_torch,
         "int8 kernel": lambda layer, x: cpu_kernels.int8_linear(
             x, layer["scale"], None, None, layer["codes"]
+        ),
+        "2:4 + int8 kernel": lambda layer, x: cpu_kernels.int8_linear(
+            x, layer["scale24"], None, None, layer["codes24"], layer["indices24"], 2, 4
         ),
         "low rank bf16 torch": lambda layer, x: F.linear(
             F.linear(x.bfloat16(), layer["A"]), layer["B"]

@@ -196,6 +196,71 @@ static int64_t row_dense_float(const float* x, int64_t in, const void* row, int 
   return 16 * blocks;
 }
 
+#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+#define LMC_BYTE_LANES 1
+// int8 in byte lanes: the activations as unsigned bytes xu = x_q + 128, one vpdpbusd adds 4
+// products a 32-bit lane (64 a step), and 128 * sum(w) (one vpdpbusd of 0x80 bytes with the
+// same weights, shared by the tokens) is subtracted at the end: exact integers.
+
+// Dense rows: 64 codes a step.
+template <int T>
+static int64_t row_dense_int8_bytes(const uint8_t* xu, int64_t in, const int8_t* row,
+                                    int32_t* acc) {
+  __m512i sum[T], wsum = _mm512_setzero_si512();
+  for (int t = 0; t < T; t++) sum[t] = _mm512_setzero_si512();
+  const __m512i x80 = _mm512_set1_epi8((char)0x80);
+  int64_t blocks = in / 64;
+  for (int64_t b = 0; b < blocks; b++) {
+    __m512i w = _mm512_loadu_si512(row + 64 * b);
+    wsum = _mm512_dpbusd_epi32(wsum, x80, w);
+    for (int t = 0; t < T; t++)
+      sum[t] = _mm512_dpbusd_epi32(sum[t], _mm512_loadu_si512(xu + t * in + 64 * b), w);
+  }
+  int32_t correction = _mm512_reduce_add_epi32(wsum);
+  for (int t = 0; t < T; t++) acc[t] += _mm512_reduce_add_epi32(sum[t]) - correction;
+  return 64 * blocks;
+}
+
+// 2:4 rows: 64 kept values (128 inputs) a step. Kept value j's input, 4 * (j / 2) + its 2-bit
+// code, comes from the step's 16 code bytes by one multishift (each byte takes the 8 bits at
+// offset 2j of the code word it sits over); one vpermt2b gathers those activation bytes from
+// two registers. A last half step (64 inputs, 32 kept values) runs with the upper half masked.
+template <int T>
+static int64_t row_24_int8_bytes(const uint8_t* xu, int64_t in, const int8_t* values,
+                                 const uint8_t* row_idx, int32_t* acc) {
+  __m512i sum[T], wsum = _mm512_setzero_si512();
+  for (int t = 0; t < T; t++) sum[t] = _mm512_setzero_si512();
+  const __m512i x80 = _mm512_set1_epi8((char)0x80), three = _mm512_set1_epi8(3);
+  alignas(64) uint8_t base_bytes[64], shift_bytes[64];
+  for (int j = 0; j < 64; j++) {
+    base_bytes[j] = (uint8_t)(4 * (j / 2));
+    shift_bytes[j] = (uint8_t)((2 * j) % 64);
+  }
+  const __m512i base = _mm512_load_si512(base_bytes), shifts = _mm512_load_si512(shift_bytes);
+  const __m512i halves = _mm512_set_epi64(1, 1, 1, 1, 0, 0, 0, 0);  // code word 0, then 1
+  int64_t steps = in / 128, half = (in % 128) >= 64;
+  for (int64_t b = 0; b < steps + half; b++) {
+    bool last_half = b == steps;
+    __m128i codes = last_half ? _mm_loadl_epi64((const __m128i*)(row_idx + 16 * b))
+                              : _mm_loadu_si128((const __m128i*)(row_idx + 16 * b));
+    __m512i words = _mm512_permutexvar_epi64(halves, _mm512_castsi128_si512(codes));
+    __m512i lane = _mm512_add_epi8(base, _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, words), three));
+    __m512i w = last_half ? _mm512_maskz_loadu_epi8(0xffffffffull, values + 64 * b)
+                          : _mm512_loadu_si512(values + 64 * b);
+    wsum = _mm512_dpbusd_epi32(wsum, x80, w);
+    for (int t = 0; t < T; t++) {
+      const uint8_t* xb = xu + t * in + 128 * b;
+      __m512i lo = _mm512_loadu_si512(xb);
+      __m512i hi = last_half ? _mm512_setzero_si512() : _mm512_loadu_si512(xb + 64);
+      sum[t] = _mm512_dpbusd_epi32(sum[t], _mm512_permutex2var_epi8(lo, lane, hi), w);
+    }
+  }
+  int32_t correction = _mm512_reduce_add_epi32(wsum);
+  for (int t = 0; t < T; t++) acc[t] += _mm512_reduce_add_epi32(sum[t]) - correction;
+  return 64 * steps + 32 * half;
+}
+#endif
+
 #endif
 
 extern "C" int lmc_nm_simd(void) {  // 1: the AVX-512 2:4 loops were compiled in
@@ -300,15 +365,34 @@ extern "C" void lmc_lowrank_float(const void* x_in, int x_kind, int64_t T, int64
   if (x != x_in) free(x);
 }
 
+// The activation codes as unsigned bytes, x_q + 128, where the byte-lane loops are compiled in
+// (else null).
+static uint8_t* unsigned_codes(const int16_t* x, int64_t count) {
+#ifdef LMC_BYTE_LANES
+  uint8_t* xu = (uint8_t*)malloc(count);
+  for (int64_t i = 0; i < count; i++) xu[i] = (uint8_t)(x[i] + 128);
+  return xu;
+#else
+  (void)x;
+  (void)count;
+  return 0;
+#endif
+}
+
 // acc[0..tn) += the int32 products of tn tokens of int16 codes xt (tokens, in) with packed int8
 // row o (idx null: dense codes, a row of `in`).
-static void row_int8(const int16_t* xt, int64_t tn, int64_t in, const int8_t* values,
-                     const uint8_t* idx, int64_t idx_stride, int n, int m, int bits, int64_t o,
-                     int32_t* acc) {
+static void row_int8(const int16_t* xt, const uint8_t* xu, int64_t tn, int64_t in,
+                     const int8_t* values, const uint8_t* idx, int64_t idx_stride, int n, int m,
+                     int bits, int64_t o, int32_t* acc) {
   if (!idx) {
     const int8_t* row = values + o * in;
     int64_t done = 0;
-#ifdef __AVX512BW__
+#ifdef LMC_BYTE_LANES
+    if (tn == 4) done = row_dense_int8_bytes<4>(xu, in, row, acc);
+    else if (tn == 3) done = row_dense_int8_bytes<3>(xu, in, row, acc);
+    else if (tn == 2) done = row_dense_int8_bytes<2>(xu, in, row, acc);
+    else done = row_dense_int8_bytes<1>(xu, in, row, acc);
+#elif defined(__AVX512BW__)
     if (tn == 4) done = row_dense_int8<4>(xt, in, row, acc);
     else if (tn == 3) done = row_dense_int8<3>(xt, in, row, acc);
     else if (tn == 2) done = row_dense_int8<2>(xt, in, row, acc);
@@ -322,7 +406,14 @@ static void row_int8(const int16_t* xt, int64_t tn, int64_t in, const int8_t* va
   const uint8_t* row_idx = idx + o * idx_stride;
   const int8_t* row_values = values + o * kept;
   int64_t done = 0;
-#ifdef __AVX512BW__
+#ifdef LMC_BYTE_LANES
+  if (n == 2 && m == 4) {
+    if (tn == 4) done = row_24_int8_bytes<4>(xu, in, row_values, row_idx, acc);
+    else if (tn == 3) done = row_24_int8_bytes<3>(xu, in, row_values, row_idx, acc);
+    else if (tn == 2) done = row_24_int8_bytes<2>(xu, in, row_values, row_idx, acc);
+    else done = row_24_int8_bytes<1>(xu, in, row_values, row_idx, acc);
+  }
+#elif defined(__AVX512BW__)
   if (n == 2 && m == 4) {
     if (tn == 4) done = row_24_int8_bw<4>(xt, in, row_values, row_idx, acc);
     else if (tn == 3) done = row_24_int8_bw<3>(xt, in, row_values, row_idx, acc);
@@ -345,15 +436,18 @@ extern "C" void lmc_nm_matmul_int8(const int8_t* x_q, int64_t T, int64_t in, con
                                    int m, int bits, int32_t* acc_out, int threads) {
   int16_t* x = (int16_t*)malloc(sizeof(int16_t) * T * in);  // widened once, for vpermt2w
   for (int64_t i = 0; i < T * in; i++) x[i] = x_q[i];
+  uint8_t* xu = unsigned_codes(x, T * in);
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t o = 0; o < out; o++) {
     for (int64_t t0 = 0; t0 < T; t0 += TILE) {
       int64_t tn = T - t0 < TILE ? T - t0 : TILE;
       int32_t acc[TILE] = {0};
-      row_int8(x + t0 * in, tn, in, values, idx, idx_stride, n, m, bits, o, acc);
+      row_int8(x + t0 * in, xu ? xu + t0 * in : 0, tn, in, values, idx, idx_stride, n, m, bits,
+               o, acc);
       for (int64_t t = 0; t < tn; t++) acc_out[(t0 + t) * out + o] = acc[t];
     }
   }
+  free(xu);
   free(x);
 }
 
@@ -434,17 +528,20 @@ extern "C" void lmc_int8_linear(const void* x_in, int x_kind, int64_t T, int64_t
   int16_t* xq = (int16_t*)malloc(sizeof(int16_t) * T * in);
   float* xs = (float*)malloc(sizeof(float) * T);
   for (int64_t t = 0; t < T; t++) xs[t] = quantize_row(x_in, x_kind, t, in, static_scale, xq + t * in);
+  uint8_t* xu = unsigned_codes(xq, T * in);
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t o = 0; o < out; o++) {
     for (int64_t t0 = 0; t0 < T; t0 += TILE) {
       int64_t tn = T - t0 < TILE ? T - t0 : TILE;
       int32_t acc[TILE] = {0};
-      row_int8(xq + t0 * in, tn, in, values, idx, idx_stride, n, m, bits, o, acc);
+      row_int8(xq + t0 * in, xu ? xu + t0 * in : 0, tn, in, values, idx, idx_stride, n, m, bits,
+               o, acc);
       for (int64_t t = 0; t < tn; t++)
         store_value(y, y_kind, (t0 + t) * out + o,
                     rescaled(acc[t], xs[t0 + t], w_scale, bias, b_kind, o));
     }
   }
+  free(xu);
   free(xs);
   free(xq);
 }
