@@ -105,6 +105,9 @@ def missed_goals(record: dict[str, Any]) -> list[str]:
         value = rows.get(name, {}).get(f"{what}_vs_best_dense")
         if value is not None and value < target and name not in missed:
             missed.append(name)
+    int8, both = rows.get("int8"), rows.get("2:4 + int8")
+    if int8 and both and both["decode_tokens_per_s"] < int8["decode_tokens_per_s"]:
+        missed.append("2:4 + int8")
     return missed
 
 
@@ -119,8 +122,14 @@ REMEDIES = {
     "would leave the compressed linears at their `_int_mm` time.",
     "svd 0.8 bf16": "Prefill: the compressed linears keep 80 % of the parameters, so at "
     "best they run 1.25× the dense ones, and attention, norms and the bf16 lm_head are "
-    "unchanged; 1.15× for the model needs a lower ratio (or ranks rounded to multiples of "
-    "32–64, 7 % faster per parameter in `benchmarks.layer_speed`).",
+    "unchanged: 1.15× for the model needs a lower ratio. Rounding the ranks to multiples of "
+    "16–64 gives no more speed per parameter here (`benchmarks.layer_speed`).",
+    "2:4 + int8": "At one token the int8 kernels spend about as long in the call (Python, "
+    "ctypes, starting the threads) as in the arithmetic, and 2:4's gather of its "
+    "activations costs the instructions its 40 % fewer weight bytes save: the packed and "
+    "dense int8 kernels run at the same speed (`benchmarks.layer_speed`). A C++ extension "
+    "calling the kernels without Python in between, or one kernel per decoder block, "
+    "would let the bytes show.",
     "2:4 bf16": "Prefill unpacks each layer once per call before torch's matmul: the "
     "unpacking is the difference from the expanded runtime.",
     "2:4 bf16 (expanded)": "Not profiled: the expanded runtime is the dense layers by design "
