@@ -20,7 +20,8 @@ whole measurement runs ``--runs`` times with the load average noted before and a
 
 A CPU profile (``torch.profiler``) of one eager forward of fp32 and of ours says where the time
 goes, bucketed by the module each op ran in (forward hooks open a ``record_function`` range per
-module; see :func:`bucket`).
+module; see :func:`bucket`). The compiled CPU kernels (:mod:`lmcompress.kernels.cpu_kernels`)
+are no torch ops: their time is the int8 layers' own (``KERNELS``).
 Writes ``benchmarks/results/int8_speed.{json,md}``.
 """
 
@@ -60,6 +61,9 @@ SCOPES = {  # module class -> profile scope, for the class names the families us
     "RMSNorm": "norm",
 }
 INT8_OP = "lmcompress::int8_linear"
+# the int8 layers' own time outside torch ops: the compiled CPU kernels (quantization, rescale,
+# and at few tokens the whole layer, called through ctypes) and the layer's Python
+KERNELS = "int8 layer outside torch ops (compiled CPU kernels, Python)"
 # what int8_ops.linear runs after _int_mm (the quantization divides, rounds and clamps)
 RESCALE_OPS = ("aten::mul", "aten::mul_", "aten::addcmul", "aten::add_")
 
@@ -124,6 +128,9 @@ def profile(model: nn.Module, ids: torch.Tensor) -> dict[str, float]:
     labels = set(SCOPES.values()) | {"lm_head"}
     times: dict[str, float] = {}
     for event in prof.events():
+        if event.name == "int8 linear":  # time in no torch op: the compiled CPU kernels' calls
+            own = event.self_cpu_time_total / 1e3
+            times[KERNELS] = times.get(KERNELS, 0.0) + own
         if event.name in labels:
             continue
         scopes, parent = [], event.cpu_parent

@@ -27,6 +27,7 @@ from typing import Any
 
 from benchmarks.harness import Table, add_harness_args, run_table
 from benchmarks.runner import CLI, STDOUT, Job, run_job
+from benchmarks.speed_profile import BUCKETS
 from lmcompress.evaluation.speed_report import plot_speed, speed_table
 
 NAME = "speed"
@@ -198,7 +199,6 @@ def render(record: dict[str, Any]) -> str:
 
 def where_the_time_goes(profile: dict[str, Any], missed: list[str]) -> str:
     """Milliseconds by module for dense bf16 and each row that misses a goal."""
-    from benchmarks.speed_profile import BUCKETS
 
     names = list(profile["models"])
     lines = [

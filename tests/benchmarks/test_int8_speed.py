@@ -10,6 +10,7 @@ from conftest import make_tiny_model
 
 from benchmarks import int8_speed
 from lmcompress.api import compress
+from lmcompress.kernels import cpu_kernels
 from lmcompress.methods.int8 import Int8Config
 
 
@@ -95,7 +96,11 @@ def test_bucket_puts_each_op_in_its_innermost_module(op, scopes, expected):
     assert expected in int8_speed.bucket(op, scopes)
 
 
-def test_profile_of_a_tiny_int8_model_separates_int_mm_quantization_and_rescale():
+def test_profile_of_a_tiny_int8_model_separates_int_mm_quantization_and_rescale(monkeypatch):
+    """The torch ops of the int8 layers (the compiled CPU kernels off: they are no torch ops),
+    then with the kernels, whose time is the layers' own."""
+    kernels = cpu_kernels.library()
+    monkeypatch.setattr(cpu_kernels, "library", lambda: None)
     model = make_tiny_model("llama")
     ids = torch.randint(3, 200, (2, 16))
     dense = int8_speed.profile(model, ids)
@@ -115,6 +120,11 @@ def test_profile_of_a_tiny_int8_model_separates_int_mm_quantization_and_rescale(
     assert "linear (float matmul)" not in quantized  # every decoder linear is int8
     # the hooks are gone afterwards: a second profile sees no stale scopes
     assert int8_speed.profile(model, ids).keys() == quantized.keys()
+    if kernels is not None:
+        monkeypatch.setattr(cpu_kernels, "library", lambda: kernels)
+        with_kernels = int8_speed.profile(model, ids)
+        assert with_kernels[int8_speed.KERNELS] > 0
+        assert "rescale + bias (fp32)" not in with_kernels
 
 
 def test_unknown_rows_are_a_usage_error(capsys):
