@@ -30,7 +30,11 @@ library) is in ``child/``, so a driver's ``--help`` stays cheap:
 - ``streaming``: SparseGPT 2:4 on a random 6.6 GB Llama, streamed block by block against in
   memory: peak RSS over the weight bytes, wall time, bit-for-bit equality of the outputs;
 - ``speed``: prefill and batch-1 decode tokens/s of every compressed runtime against the dense
-  model at fp32 and bf16 (``compress-model bench``), with issue 22's goals;
+  model at fp32 and bf16 (``compress-model bench``), with issue 22's goals, and where the time
+  goes for each row that misses one;
+- ``layer_speed``: the compressed layers alone on SmolLM2's decoder-linear shapes, torch
+  against the compiled CPU kernels at 1–16 tokens (their crossovers), and low rank's ranks
+  rounded for the matmul;
 - ``bad_inputs``: issue 10's bad and hostile inputs on the real model (exit code, time, message,
   what is left behind; kills while saving; file modes and output sizes).
 
@@ -58,5 +62,6 @@ BENCHMARKS = (
     "subnet",
     "recipes",
     "streaming",
+    "layer_speed",
     "speed",
 )

@@ -29,6 +29,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import DynamicCache
 
+from benchmarks.speed import BUCKETS
 from lmcompress.compressor.formats.base import CompressedLinear
 from lmcompress.compressor.io.layout import MANIFEST
 from lmcompress.compressor.io.load import load_compressed
@@ -42,18 +43,6 @@ def decode(model: torch.nn.Module, prompt: torch.Tensor, steps: int) -> None:
     token = model(input_ids=prompt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
     for _ in range(steps):
         token = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-
-
-# bucket -> what its time is, in the order the tables show them
-BUCKETS = {
-    "compressed linears": "the decoder's compressed layers, their kernels included",
-    "dense linears": "the decoder's nn.Linear layers: all of them in a dense model",
-    "lm_head": "the output projection to the vocabulary",
-    "attention": "attention without its projections: rotary, cache, sdpa",
-    "mlp activation": "the MLP without its projections: silu × up",
-    "norms": "RMSNorm",
-    "other": "embedding, residual adds, the model's Python between modules",
-}
 
 
 def scope(name: str, module: nn.Module) -> str | None:
