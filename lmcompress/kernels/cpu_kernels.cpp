@@ -673,3 +673,41 @@ extern "C" void lmc_nm_unpack(const void* values, int elem, const uint8_t* idx,
   else
     unpack_rows((const uint32_t*)values, idx, idx_stride, out, in, n, m, bits, (uint32_t*)dense, threads);
 }
+
+// The first index byte (row, byte) of the first `bytes` bytes of each row whose value `valid`
+// (256 entries, 1 = the byte's codes are whole groups in ascending order below m) rejects:
+// returns 1 and writes where[0..1], or 0. One pass over the index bytes (load-time check).
+extern "C" int lmc_nm_first_bad_byte(const uint8_t* idx, int64_t rows, int64_t stride,
+                                     int64_t bytes, const uint8_t* valid, int64_t* where) {
+  for (int64_t r = 0; r < rows; r++) {
+    const uint8_t* row = idx + r * stride;
+    uint8_t all = 1;
+    for (int64_t b = 0; b < bytes; b++) all &= valid[row[b]];
+    if (all) continue;
+    for (int64_t b = 0; b < bytes; b++) {
+      if (!valid[row[b]]) {
+        where[0] = r;
+        where[1] = b;
+        return 1;
+      }
+    }
+  }
+  return 0;
+}
+
+// 1 when none of `count` values (kind F32, BF16 or F16) is a NaN or an infinity (all exponent
+// bits set), else 0: integer tests of the exponent, in parallel (a load-time check).
+extern "C" int lmc_all_finite(const void* values, int kind, int64_t count, int threads) {
+  int bad = 0;
+  if (kind == F32) {
+    const uint32_t* v = (const uint32_t*)values;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : bad)
+    for (int64_t i = 0; i < count; i++) bad |= (v[i] & 0x7f800000u) == 0x7f800000u;
+  } else {
+    const uint16_t* v = (const uint16_t*)values;
+    const uint16_t exponent = kind == BF16 ? 0x7f80 : 0x7c00;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : bad)
+    for (int64_t i = 0; i < count; i++) bad |= (v[i] & exponent) == exponent;
+  }
+  return !bad;
+}

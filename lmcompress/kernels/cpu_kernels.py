@@ -70,6 +70,8 @@ SIGNATURES = {
     "lmc_int8_quantize": [_VOID, _INT, _I64, _I64, _VOID, _VOID, _VOID, _INT],
     "lmc_int8_rescale": [_VOID, _I64, _I64, _VOID, _INT, _VOID, _VOID, _INT, _VOID, _I64, _INT]
     + [_INT],
+    "lmc_nm_first_bad_byte": [_VOID, _I64, _I64, _I64, _VOID, _VOID],
+    "lmc_all_finite": [_VOID, _INT, _I64, _INT],
     "lmc_lowrank_float": [_VOID, _INT, _I64, _I64, _VOID, _VOID, _INT, _I64, _I64, _VOID, _INT]
     + [_VOID, _INT, _INT],
 }
@@ -96,7 +98,8 @@ def library() -> ctypes.CDLL | None:
         return None
     for name, args in SIGNATURES.items():
         getattr(lib, name).argtypes = args
-        getattr(lib, name).restype = _INT if name == "lmc_nm_simd" else None
+        returns_int = name in ("lmc_nm_simd", "lmc_nm_first_bad_byte", "lmc_all_finite")
+        getattr(lib, name).restype = _INT if returns_int else None
     logger.debug("compiled CPU kernels loaded (AVX-512 2:4 loops: %s)", bool(lib.lmc_nm_simd()))
     return lib
 
@@ -312,3 +315,29 @@ def lowrank(
         y.data_ptr(), FLOAT_KINDS[y.dtype], torch.get_num_threads(),
     )  # fmt: skip
     return y
+
+
+def first_bad_byte(
+    indices: torch.Tensor, bytes_: int, valid: torch.Tensor
+) -> tuple[int, int] | None:
+    """(row, byte) of the first of the first ``bytes_`` index bytes of each row that the
+    256-entry bool table ``valid`` rejects, or ``None``: one pass (a load-time check)."""
+    lib = library()
+    indices = indices.contiguous()
+    table = valid.to(torch.uint8).contiguous()
+    where = torch.zeros(2, dtype=torch.int64)
+    found = lib.lmc_nm_first_bad_byte(
+        indices.data_ptr(), indices.shape[0], indices.stride(0), bytes_, table.data_ptr(),
+        where.data_ptr(),
+    )  # fmt: skip
+    return (int(where[0]), int(where[1])) if found else None
+
+
+def all_finite(values: torch.Tensor) -> bool:
+    """Whether no value of ``values`` (fp32, bf16 or fp16, on CPU) is a NaN or an infinity: one
+    parallel pass of integer tests (a load-time check)."""
+    lib = library()
+    values = values.contiguous()
+    kind = FLOAT_KINDS[values.dtype]
+    threads = torch.get_num_threads()
+    return bool(lib.lmc_all_finite(values.data_ptr(), kind, values.numel(), threads))

@@ -91,6 +91,15 @@ def low_rank_linear(
     return F.linear(F.linear(x, A), B, bias)  # (..., r) then (..., out)
 
 
+def bad_positions(indices: torch.Tensor, n: int, m: int, kept: int) -> str | None:
+    """:func:`reference.bad_positions` (the load-time check of packed position codes), its byte
+    lookups by the compiled CPU kernel where there is one (one pass, ~10× faster)."""
+    fast = None
+    if indices.device.type == "cpu" and cpu_kernels.library() is not None:
+        fast = cpu_kernels.first_bad_byte
+    return reference.bad_positions(indices, n, m, kept, fast)
+
+
 @torch.library.custom_op("lmcompress::nm_int8_matmul", mutates_args=())
 def nm_int8_matmul(
     x_q: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, n: int, m: int, in_features: int

@@ -14,7 +14,9 @@ weights holds at most ``n`` nonzeros:
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -66,6 +68,66 @@ def unpack_nm(
         -1, positions.reshape(out_features, groups, n), values.reshape(out_features, groups, n)
     )
     return dense.reshape(out_features, in_features)
+
+
+def bad_positions(
+    indices: torch.Tensor,
+    n: int,
+    m: int,
+    kept: int,
+    first_bad_byte: Callable[[torch.Tensor, int, torch.Tensor], tuple[int, int] | None]
+    | None = None,
+) -> str | None:
+    """Why ``indices`` is not a layout :func:`pack_nm` writes, or ``None``: every position is
+    below ``m`` and the ``n`` positions of each group strictly ascend (so they are distinct).
+    A file whose codes break this would make the unpacked weight silently wrong (a repeated
+    position drops a value) or index outside its group.
+
+    Where each byte holds whole groups (2:4: two), each byte is looked up in the table of the
+    256 byte values (:func:`valid_bytes`): by ``first_bad_byte(indices, bytes, table)`` where
+    given (the compiled CPU kernel), else in torch; other layouts unpack their codes. The
+    padding codes after the last group are not checked."""
+    bits = index_bits(m)
+    per_byte = 8 // bits
+    full_bytes = kept // per_byte if per_byte % n == 0 else 0
+    if full_bytes:
+        table = valid_bytes(n, m)
+        if first_bad_byte is not None:
+            bad = first_bad_byte(indices, full_bytes, table)
+        else:
+            ok = table[indices[:, :full_bytes].to(torch.int64)]
+            bad = None if bool(ok.all()) else tuple((~ok).nonzero()[0].tolist())
+        if bad is not None:
+            row, byte = bad
+            found = _unpack_bits(indices[row : row + 1, byte : byte + 1], bits, per_byte)
+            return f"row {row}, byte {byte}: positions {found.tolist()[0]}, {_RULE.format(n, m)}"
+    done = full_bytes * per_byte
+    if done < kept:
+        groups = _unpack_bits(indices, bits, kept)[:, done:]
+        groups = groups.reshape(groups.shape[0], -1, n)
+        ok = _valid_groups(groups, m)
+        if not bool(ok.all()):
+            row, group = (~ok).nonzero()[0].tolist()
+            return f"row {row}: positions {groups[row, group].tolist()}, {_RULE.format(n, m)}"
+    return None
+
+
+@functools.cache
+def valid_bytes(n: int, m: int) -> torch.Tensor:
+    """(256,) bool: which index bytes hold whole groups of ``n`` ascending positions below
+    ``m`` (for layouts whose bytes hold whole groups)."""
+    bits = index_bits(m)
+    per_byte = 8 // bits
+    codes = _unpack_bits(torch.arange(256, dtype=torch.uint8).unsqueeze(1), bits, per_byte)
+    return _valid_groups(codes.reshape(256, per_byte // n, n), m).all(-1)
+
+
+def _valid_groups(groups: torch.Tensor, m: int) -> torch.Tensor:
+    """(..., n) codes -> (...) bool: all below ``m`` and strictly ascending."""
+    return (groups < m).all(-1) & (groups[..., 1:] > groups[..., :-1]).all(-1)
+
+
+_RULE = "not {} ascending positions below {} per group"
 
 
 def gather_nm(dense: torch.Tensor, indices: torch.Tensor, n: int, m: int) -> torch.Tensor:

@@ -306,3 +306,52 @@ def test_disabled_by_the_environment(monkeypatch):
         monkeypatch.delenv("LMCOMPRESS_CPU_KERNELS")
         cpu_kernels.library.cache_clear()
     assert cpu_kernels.library() is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_finds_every_nan_and_infinity(dtype):
+    big = torch.finfo(dtype).max
+    values = torch.full((1000,), big, dtype=dtype)  # finite, though a float32 sum overflows
+    assert cpu_kernels.all_finite(values)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in (0, 517, 999):
+            tampered = values.clone()
+            tampered[at] = bad
+            assert not cpu_kernels.all_finite(tampered), (bad, at)
+
+
+def test_check_finite_counts_and_names_the_tensor_with_and_without_the_kernels(monkeypatch):
+    from lmcompress.compressor.formats.base import check_finite
+    from lmcompress.errors import ModelLoadError
+
+    big = torch.full((64,), 3e38)  # its float32 sum overflows: the exact count decides
+    check_finite("low_rank", {"A": big, "bias": None, "codes": torch.zeros(3, dtype=torch.int8)})
+    tampered = big.clone()
+    tampered[[3, 9]] = float("nan")
+    for library in (cpu_kernels.library, lambda: None):
+        monkeypatch.setattr(cpu_kernels, "library", library)
+        check_finite("low_rank", {"A": big})
+        with pytest.raises(ModelLoadError, match="low_rank tensor B holds 2 non-finite"):
+            check_finite("low_rank", {"A": big, "B": tampered})
+
+
+@pytest.mark.parametrize(("n", "m", "in_features"), LAYOUTS)
+def test_position_checks_agree_with_and_without_the_kernel(n, m, in_features):
+    """Valid layouts pass; a repeated or (where the bits allow it) out-of-range position is
+    found at the same place by the torch lookup and by the compiled one."""
+    _, indices = R.pack_nm(_sparse(9, in_features, n, m, 10), n, m)
+    kept = in_features // m * n
+    assert ops.bad_positions(indices, n, m, kept) is None
+    assert R.bad_positions(indices, n, m, kept) is None
+    codes = R._unpack_bits(indices, R.index_bits(m), kept).clone()
+    group = min(2, kept // n - 1)
+    if n > 1:
+        codes[4, n * group + 1] = codes[4, n * group]  # a repeat in a group of row 4
+    elif m < 2 ** R.index_bits(m):
+        codes[4, group] = m
+    else:
+        return  # 1:2, 1:4: every code is a valid position
+    tampered = R._pack_bits(codes, R.index_bits(m))
+    found = ops.bad_positions(tampered, n, m, kept)
+    assert found is not None and found.startswith("row 4")
+    assert found == R.bad_positions(tampered, n, m, kept)

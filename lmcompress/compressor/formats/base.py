@@ -30,6 +30,38 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from lmcompress.errors import ModelLoadError
+from lmcompress.kernels import cpu_kernels
+
+
+def check_finite(format_name: str, tensors: dict[str, torch.Tensor | None]) -> None:
+    """A :class:`ModelLoadError` naming the tensor unless every value of every floating tensor
+    is finite (a NaN or inf weight would only show as a NaN perplexity). Meta tensors (a
+    skeleton, filled later) are skipped: their loader checks them once loaded."""
+    for key, tensor in tensors.items():
+        if tensor is None or tensor.is_meta or not tensor.is_floating_point():
+            continue
+        if _all_finite(tensor):
+            continue
+        count = int((~torch.isfinite(tensor)).sum())
+        if count:
+            raise ModelLoadError(
+                f"{format_name} tensor {key} holds {count} non-finite value(s) (nan or inf)"
+            )
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """One fast pass: the compiled CPU kernel where it reads the tensor, else a float32 sum (a
+    NaN or inf anywhere makes it non-finite; an absurd |value| ~1e38 overflowing it sends the
+    caller to the exact count)."""
+    if (
+        tensor.device.type == "cpu"
+        and tensor.dtype in cpu_kernels.FLOAT_KINDS
+        and cpu_kernels.library() is not None
+    ):
+        return cpu_kernels.all_finite(tensor)
+    return bool(torch.isfinite(tensor.sum(dtype=torch.float32)))
+
 
 class CompressedLinear(nn.Module):
     """Base class of compressed replacements for a linear layer (see the module doc).

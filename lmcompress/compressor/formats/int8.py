@@ -24,7 +24,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from lmcompress.compressor.formats import quant
-from lmcompress.compressor.formats.base import CompressedLinear
+from lmcompress.compressor.formats.base import CompressedLinear, check_finite
 from lmcompress.compressor.formats.registry import register_format
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.errors import ConfigError, LmcompressError, ModelLoadError
@@ -199,6 +199,7 @@ class Int8CodedLinear(CompressedLinear):
                 raise ModelLoadError(f"int8 {key} has shape {list(got)}, expected {list(want)}")
         if weight_q.dtype != torch.int8:
             raise ModelLoadError(f"int8 weight_q is {weight_q.dtype}, expected int8")
+        check_finite("int8", {"bias": bias})
         try:
             for name, scale in (("weight_scale", weight_scale), ("input_scale", input_scale)):
                 if scale is not None and not scale.is_meta:  # meta: a skeleton, checked once loaded

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from lmcompress.compressor.formats.base import CompressedLinear
+from lmcompress.compressor.formats.base import CompressedLinear, check_finite
 from lmcompress.compressor.formats.registry import register_format
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.errors import ConfigError, ModelLoadError
@@ -116,6 +116,7 @@ class LowRankLinear(CompressedLinear):
             got = tuple(tensors[key].shape)
             if got != shape:
                 raise ModelLoadError(f"low_rank tensor {key} has shape {got}, expected {shape}")
+        check_finite("low_rank", tensors)
         return cls(tensors["A"], tensors["B"], tensors.get("bias"), conv1d=bool(meta["conv1d"]))
 
     @torch.no_grad()

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from lmcompress.compressor.formats.base import CompressedLinear
+from lmcompress.compressor.formats.base import CompressedLinear, check_finite
 from lmcompress.compressor.formats.registry import register_format
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.errors import ModelLoadError
@@ -100,6 +100,9 @@ class PackedNMLinear(CompressedLinear):
                 )
         if indices.dtype != torch.uint8:
             raise ModelLoadError(f"nm_packed indices are {indices.dtype}, expected uint8")
+        check_finite("nm_packed", {"values": values, "bias": bias})
+        if not indices.is_meta and (why := ops.bad_positions(indices, n, m, kept)):
+            raise ModelLoadError(f"nm_packed indices: {why}")
         return cls(
             values, indices, n, m, in_features, bias=bias, conv1d=bool(meta.get("conv1d", False))
         )

@@ -171,6 +171,8 @@ class PackedNMInt8Linear(Int8CodedLinear):
                 f"nm_packed_int8: values {values.dtype} / indices {indices.dtype}, expected "
                 "int8 / uint8"
             )
+        if not indices.is_meta and (why := ops.bad_positions(indices, n, m, kept)):
+            raise ModelLoadError(f"nm_packed_int8 indices: {why}")
         codes = torch.empty(out_features, in_features, dtype=torch.int8, device="meta")
         quant_meta = {k: v for k, v in meta.items() if k not in ("n", "m")}
         checked = cls.checked_state({**tensors, "weight_q": codes}, quant_meta)

@@ -133,7 +133,10 @@ class LmcompressHfQuantizer(HfQuantizer):
         for name, entry in self.quantization_config.compressed_layers.items():
             module = model.get_submodule(name)
             meta = {"conv1d": module.conv1d, **entry["meta"]}
-            format_class(entry["format"]).from_state(module.state_tensors(), meta)
+            try:
+                format_class(entry["format"]).from_state(module.state_tensors(), meta)
+            except ModelLoadError as err:
+                raise ModelLoadError(f"compressed layer {name}: {err}") from None
         device = next(model.parameters()).device
         for index, entry in enumerate(self.quantization_config.transforms):
             try:

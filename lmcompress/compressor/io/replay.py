@@ -71,7 +71,10 @@ def replay_layer(
     if entry.get("bias_in_dense") and old.bias is not None:
         tensors["bias"] = dense.get(f"{name}.bias")
     meta = {"conv1d": isinstance(old, Conv1D), **entry["meta"]}
-    new = format_class(entry["format"]).from_state(tensors, meta)
+    try:
+        new = format_class(entry["format"]).from_state(tensors, meta)
+    except ModelLoadError as err:
+        raise ModelLoadError(f"compressed layer {name}: {err}") from None
     if (new.in_features, new.out_features) != in_out_features(old):
         raise ModelLoadError(
             f"compressed layer {name} is {new.out_features}x{new.in_features}, the model's "

@@ -213,3 +213,53 @@ def test_import_lmcompress_imports_neither_transformers_nor_torch():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def _set_codes(tensors, key, edit):
+    """The packed 2-bit (2:4) or 4-bit (2:8) position codes of ``key``'s first byte, edited."""
+    tensors[key][0, 0] = edit(int(tensors[key][0, 0]))
+
+
+LAYER = "model.layers.0.mlp.up_proj"
+TAMPERED = {  # config, tensor edited, edit, message
+    "repeated 2:4 positions": (
+        MagnitudeConfig(sparsity="2:4"),
+        lambda t: _set_codes(t, f"{LAYER}.indices", lambda byte: (byte & 0xF0) | 0b0101),
+        "nm_packed indices: row 0, byte 0: positions \\[1, 1,",
+    ),
+    "2:8 positions out of range": (
+        MagnitudeConfig(sparsity="2:8"),
+        lambda t: _set_codes(t, f"{LAYER}.indices", lambda _byte: 0xFF),
+        "nm_packed indices: row 0, byte 0: positions \\[15, 15\\]",
+    ),
+    "nan in nm_packed values": (
+        MagnitudeConfig(sparsity="2:4"),
+        lambda t: t[f"{LAYER}.values"].view(-1)[3].fill_(float("nan")),
+        "nm_packed tensor values holds 1 non-finite value",
+    ),
+    "inf in a low-rank factor": (
+        SVDConfig(ratio=0.5),
+        lambda t: t[f"{LAYER}.A"].view(-1)[0].fill_(float("inf")),
+        "low_rank tensor A holds 1 non-finite value",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TAMPERED))
+def test_tampered_exports_are_refused_by_every_loader_naming_layer_and_tensor(tmp_path, case):
+    """Positions that pack_nm never writes (repeated, out of range) and non-finite weights are
+    a ModelLoadError at load, before any forward pass, from load_compressed (both runtimes)
+    and from transformers' from_pretrained."""
+    config, edit, message = TAMPERED[case]
+    _, _, out = _export(tmp_path, config)
+    tensors = load_file(out / COMPRESSED_TENSORS)
+    edit(tensors)
+    save_file(tensors, out / COMPRESSED_TENSORS)
+    for load in (
+        lambda: transformers.AutoModelForCausalLM.from_pretrained(out),
+        lambda: load_compressed(out, runtime="packed"),
+        lambda: load_compressed(out, runtime="expanded"),
+        lambda: load_compressed(out, runtime="dense"),
+    ):
+        with pytest.raises(ModelLoadError, match=f"compressed layer {LAYER}: {message}"):
+            load()
