@@ -127,9 +127,9 @@ def missed_goals(record: dict[str, Any]) -> list[str]:
 REMEDIES = {
     "int8": "The fp32 lm_head (113 MB read per decoded token, a third of the prefill) is most "
     "of what separates it from `int8, int8 head`; see that row.",
-    "int8, int8 head": "Prefill: the int8 products (`_int_mm`) run at about twice bf16's "
-    "rate, but each layer still writes its int32 products and reads them back to rescale, "
-    "and quantizes its input in a pass of its own; an int8 GEMM with the quantization in its "
+    "int8, int8 head": "Prefill: beside `_int_mm`, each layer quantizes its input in a pass "
+    "of its own and rescales its int32 products in another (the compiled kernels' passes; "
+    "the lm_head's products by cache-sized blocks); an int8 GEMM with the quantization in its "
     "prologue and the rescale in its epilogue (oneDNN's, or a blocked VNNI kernel of ours) "
     "would leave the compressed linears at their `_int_mm` time.",
     "svd 0.8 bf16": "Prefill: the compressed linears keep 80 % of the parameters, so at "
