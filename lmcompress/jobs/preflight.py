@@ -100,7 +100,11 @@ def check_output(output: str | os.PathLike, overwrite: bool, inputs: list[Path])
     replaces the whole directory); a path under a file; a parent that cannot be written (a
     probe directory is created and removed in the nearest existing ancestor: this catches
     ``/proc``, read-only mounts and missing permissions without trusting ``os.access``).
-    Debris of a killed run next to the output (``.OUT.tmp-*``) is removed here."""
+    Debris of a killed run next to the output (``.OUT.tmp-*``) is removed here. An empty
+    ``-o`` (an unset ``$OUT`` in a script) is refused: it would otherwise read as the working
+    directory here and as "save nothing" in the job."""
+    if not str(output).strip():
+        raise ConfigError("-o is empty (an unset variable?): name the output directory")
     out = Path(output).expanduser().resolve()
     for path in inputs:
         source = path.expanduser().resolve()

@@ -132,6 +132,7 @@ def _cases(tmp_path, good, corpus):  # noqa: PLR0915 - one table
         ),
         "unknown lm-eval task": ([g, "--lm-eval-tasks", "nonexistent_task"], "nonexistent_task"),
         # --- the output ---
+        "empty output": ([g, "--eval", c, "-o", ""], "-o is empty"),
         "non-empty output": ([g, "--eval", c, "-o", str(full)], "not empty"),
         "output is a file": ([g, "--eval", c, "-o", str(a_file)], "a-file"),
         "output under a file": ([g, "--eval", c, "-o", str(a_file / "out")], "not a directory"),
@@ -235,6 +236,7 @@ CASE_NAMES = [
     "unknown corpus",
     "missing calibration file",
     "unknown lm-eval task",
+    "empty output",
     "non-empty output",
     "output is a file",
     "output under a file",
