@@ -39,11 +39,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, record_function
+from torch.profiler import ProfilerActivity
 from torch.profiler import profile as torch_profile
 
 from benchmarks.harness import Table, add_harness_args, run_table
 from benchmarks.render import markdown_table
+from benchmarks.speed_profile import module_ranges
 from lmcompress.api import compress
 from lmcompress.compressor.model.loading import load_model
 from lmcompress.evaluation.corpora import tokenize
@@ -106,25 +107,9 @@ def scope_of(name: str, module: nn.Module) -> str | None:
 
 def profile(model: nn.Module, ids: torch.Tensor) -> dict[str, float]:
     """Self CPU milliseconds of one forward, per :func:`bucket`."""
-    stack, handles = [], []
-    for name, module in model.named_modules():
-        scope = scope_of(name, module)
-        if scope is None:
-            continue
-
-        def enter(_module, _args, scope=scope):
-            stack.append(record_function(scope).__enter__())
-
-        def leave(_module, _args, _out):
-            stack.pop().__exit__(None, None, None)
-
-        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
-    try:
-        with torch.inference_mode(), torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+    with module_ranges(model, scope_of), torch.inference_mode():
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
             model(ids, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
     labels = set(SCOPES.values()) | {"lm_head"}
     times: dict[str, float] = {}
     for event in prof.events():

@@ -16,6 +16,7 @@ the time of the module that calls them, which is why the buckets are modules and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import sys
@@ -63,30 +64,44 @@ def scope(name: str, module: nn.Module) -> str | None:
     return None
 
 
-def buckets(model: nn.Module, run: Callable[[], Any]) -> dict[str, float]:
-    """Milliseconds of ``run()`` by :data:`BUCKETS`: each module range's time less that of the
-    module ranges inside it; ``other`` is the wall time none of them covers."""
+def _bucket_range(name: str, module: nn.Module) -> str | None:
+    bucket = scope(name, module)
+    return None if bucket is None else f"bucket::{bucket}"
+
+
+@contextlib.contextmanager
+def module_ranges(model: nn.Module, label_of: Callable[[str, nn.Module], str | None]):
+    """Within the block, each module that ``label_of(name, module)`` labels runs inside a
+    ``record_function`` range of that label (forward hooks; removed on exit), so a profile
+    can attribute time to modules (:func:`buckets`, ``benchmarks.int8_speed.profile``)."""
     stack, handles = [], []
     for name, module in model.named_modules():
-        label = scope(name, module)
-        if label is None:
+        label = label_of(name, module)
+        if not label:
             continue
 
         def enter(_module, _args, label=label):
-            stack.append(record_function(f"bucket::{label}").__enter__())
+            stack.append(record_function(label).__enter__())
 
         def leave(_module, _args, _out):
             stack.pop().__exit__(None, None, None)
 
         handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
     try:
-        with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
-            start = time.perf_counter()
-            run()
-            wall = (time.perf_counter() - start) * 1e3
+        yield
     finally:
         for handle in handles:
             handle.remove()
+
+
+def buckets(model: nn.Module, run: Callable[[], Any]) -> dict[str, float]:
+    """Milliseconds of ``run()`` by :data:`BUCKETS`: each module range's time less that of the
+    module ranges inside it; ``other`` is the wall time none of them covers."""
+    with module_ranges(model, _bucket_range), torch.inference_mode():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            run()
+            wall = (time.perf_counter() - start) * 1e3
     times = dict.fromkeys(BUCKETS, 0.0)
 
     def inner_ranges(event) -> float:  # the time of the outermost bucket ranges below event

@@ -131,6 +131,15 @@ static int64_t row_24_float(const float* x, int64_t in, const void* values, int 
 }
 
 #ifdef __AVX512BW__
+// sum + the products of a and b's 16-bit lanes, added in pairs into 32-bit lanes (exact).
+static inline __m512i madd16(__m512i sum, __m512i a, __m512i b) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpwssd_epi32(sum, a, b);
+#else
+  return _mm512_add_epi32(sum, _mm512_madd_epi16(a, b));
+#endif
+}
+
 // int8 2:4 with 16-bit lanes: 32 kept values (64 inputs) a step, one vpermt2w of x (widened to
 // int16) and one multiply-add of pairs into int32 (vpdpwssd with VNNI, else vpmaddwd + add):
 // exact, |a product| <= 2^14.
@@ -149,11 +158,7 @@ static int64_t row_24_int8_bw(const int16_t* x, int64_t in, const int8_t* values
     for (int t = 0; t < T; t++) {
       const int16_t* xb = x + t * in + 64 * b;
       __m512i xg = _mm512_permutex2var_epi16(_mm512_loadu_si512(xb), pos, _mm512_loadu_si512(xb + 32));
-#ifdef __AVX512VNNI__
-      sum[t] = _mm512_dpwssd_epi32(sum[t], v, xg);
-#else
-      sum[t] = _mm512_add_epi32(sum[t], _mm512_madd_epi16(v, xg));
-#endif
+      sum[t] = madd16(sum[t], v, xg);
     }
   }
   for (int t = 0; t < T; t++) acc[t] += _mm512_reduce_add_epi32(sum[t]);
@@ -169,11 +174,7 @@ static int64_t row_dense_int8(const int16_t* x, int64_t in, const int8_t* row, i
     __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(row + 32 * b)));
     for (int t = 0; t < T; t++) {
       __m512i xv = _mm512_loadu_si512(x + t * in + 32 * b);
-#ifdef __AVX512VNNI__
-      sum[t] = _mm512_dpwssd_epi32(sum[t], v, xv);
-#else
-      sum[t] = _mm512_add_epi32(sum[t], _mm512_madd_epi16(v, xv));
-#endif
+      sum[t] = madd16(sum[t], v, xv);
     }
   }
   for (int t = 0; t < T; t++) acc[t] += _mm512_reduce_add_epi32(sum[t]);

@@ -154,6 +154,11 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
+def _bias(bias: torch.Tensor | None) -> tuple[int | None, int]:
+    """A (contiguous) bias's pointer and float kind arguments: (NULL, 0) for none."""
+    return (None, 0) if bias is None else (bias.data_ptr(), FLOAT_KINDS[bias.dtype])
+
+
 def matmul(
     x: torch.Tensor,
     values: torch.Tensor,
@@ -178,7 +183,7 @@ def matmul(
         x.data_ptr(), FLOAT_KINDS[x.dtype], tokens, in_features,
         values.data_ptr(), FLOAT_KINDS[values.dtype], indices.data_ptr(), indices.shape[1],
         values.shape[0], n, m, bits,
-        _ptr(bias), FLOAT_KINDS[bias.dtype] if bias is not None else 0,
+        *_bias(bias),
         y.data_ptr(), FLOAT_KINDS[y.dtype], torch.get_num_threads(),
     )  # fmt: skip
     return y if y.dtype == dtype else y.to(dtype)
@@ -245,7 +250,7 @@ def int8_linear(
         indices.data_ptr() if packed else None, indices.shape[1] if packed else 0,
         n, m, reference.index_bits(m) if packed else 0,
         codes.shape[0], weight_scale.contiguous().data_ptr(),
-        _ptr(bias), FLOAT_KINDS[bias.dtype] if bias is not None else 0,
+        *_bias(bias),
         y.data_ptr(), FLOAT_KINDS[y.dtype], torch.get_num_threads(),
     )  # fmt: skip
     return y
@@ -289,7 +294,7 @@ def int8_rescale(
     lib.lmc_int8_rescale(
         acc.data_ptr(), tokens, out_features, x_scale.data_ptr(), int(x_scale.numel() != 1),
         weight_scale.contiguous().data_ptr(),
-        _ptr(bias), FLOAT_KINDS[bias.dtype] if bias is not None else 0,
+        *_bias(bias),
         y.data_ptr(), y.stride(0), FLOAT_KINDS[out_dtype], torch.get_num_threads(),
     )  # fmt: skip
     return y
@@ -311,7 +316,7 @@ def lowrank(
     lib.lmc_lowrank_float(
         x.data_ptr(), FLOAT_KINDS[x.dtype], tokens, in_features,
         A.data_ptr(), B.data_ptr(), FLOAT_KINDS[A.dtype], A.shape[0], B.shape[0],
-        _ptr(bias), FLOAT_KINDS[bias.dtype] if bias is not None else 0,
+        *_bias(bias),
         y.data_ptr(), FLOAT_KINDS[y.dtype], torch.get_num_threads(),
     )  # fmt: skip
     return y
