@@ -123,6 +123,11 @@ class Method:
         weights."""
         return {}
 
+    def stats_bytes(self, model: nn.Module) -> int:  # noqa: ARG002
+        """Bytes of the learned tensors the export keeps beside the model (``stats_in_output``:
+        MaskLLM's logits, ...), from shapes only, for the free-space check. Default: none."""
+        return 0
+
     def calibrate(self, model: nn.Module, data: torch.Tensor | None) -> Stats:  # noqa: ARG002
         """Collect statistics on calibration token ids ``data`` of shape (nsamples, seq_len).
         A method that needs no calibration (``needs_calibration = False``) collects none."""

@@ -13,6 +13,7 @@ it (:func:`check_eval`).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import tempfile
@@ -22,6 +23,7 @@ from pathlib import Path
 from torch import nn
 
 from lmcompress.compressor.io.save import check_output_dir
+from lmcompress.compressor.io.shards import open_safetensors
 from lmcompress.compressor.method import Method
 from lmcompress.compressor.model.budget import (
     RUNTIME_BYTES,
@@ -39,8 +41,8 @@ from lmcompress.compressor.model.checkpoint import (
 )
 from lmcompress.compressor.model.loading import check_device, model_skeleton, resolve_dtype
 from lmcompress.compressor.util.cache import cache_dir
-from lmcompress.compressor.util.fsutil import sweep_stale
-from lmcompress.errors import ConfigError, LmcompressError
+from lmcompress.compressor.util.fsutil import format_bytes, free_bytes, sweep_stale
+from lmcompress.errors import ConfigError, LmcompressError, ModelLoadError
 from lmcompress.evaluation.corpora import load_documents
 from lmcompress.evaluation.lm_eval_adapter import check_tasks
 from lmcompress.jobs.options import RunOptions
@@ -56,6 +58,7 @@ class Plan:
 
     skeleton: nn.Module
     estimate: MemoryEstimate
+    memory_line: str = ""  # logged once every check has passed
 
 
 def preflight(options: RunOptions, method: Method) -> Plan:
@@ -65,6 +68,8 @@ def preflight(options: RunOptions, method: Method) -> Plan:
     check_checkpoint(options.checkpoint)
     if options.output is not None:
         check_output(options.output, options.overwrite, _inputs(options, method))
+    for path, what in _work_dirs(options, method):
+        check_writable(path, what)
     if options.lm_eval_tasks:
         check_tasks(list(options.lm_eval_tasks))
     config = model_config(options.checkpoint, trust_remote_code=options.trust_remote_code)
@@ -73,12 +78,14 @@ def preflight(options: RunOptions, method: Method) -> Plan:
         skeleton = model_skeleton(config, options.dtype, options.trust_remote_code, True)
     else:
         skeleton = model_skeleton(config)
-    method.validate(skeleton)
+    check_weight_shapes(options.checkpoint, skeleton)
+    selected = method.validate(skeleton)
     estimate = estimate_job(skeleton, options, method)
-    check_fits(estimate, device, force=options.force)
+    memory_line = check_fits(estimate, device, force=options.force)
+    check_space(_disk_needs(skeleton, options, method, selected), force=options.force)
     for source in (*options.eval, *((options.calib,) if method.needs_calibration else ())):
         load_documents(source)  # a misspelt corpus fails before the model loads
-    return Plan(skeleton=skeleton, estimate=estimate)
+    return Plan(skeleton=skeleton, estimate=estimate, memory_line=memory_line)
 
 
 def _inputs(options: RunOptions, method: Method) -> list[Path]:
@@ -97,15 +104,11 @@ def check_output(output: str | os.PathLike, overwrite: bool, inputs: list[Path])
     """The output directory can be created or replaced, and replacing it destroys no input.
 
     Refused: an output equal to an input, inside one, or containing one (``--overwrite``
-    replaces the whole directory); a path under a file; a parent that cannot be written (a
-    probe directory is created and removed in the nearest existing ancestor: this catches
-    ``/proc``, read-only mounts and missing permissions without trusting ``os.access``).
-    Debris of a killed run next to the output (``.OUT.tmp-*``) is removed here. An empty
-    ``-o`` (an unset ``$OUT`` in a script) is refused: it would otherwise read as the working
-    directory here and as "save nothing" in the job."""
-    if not str(output).strip():
-        raise ConfigError("-o is empty (an unset variable?): name the output directory")
-    out = Path(output).expanduser().resolve()
+    replaces the whole directory); a path that cannot be written (:func:`check_writable`: an
+    empty ``-o``, a dangling or looping symlink, a name too long, a path under a file, a
+    parent that cannot be written). Debris of a killed run next to the output
+    (``.OUT.tmp-*``) is removed here."""
+    out = check_writable(output, "output", inside=False)
     for path in inputs:
         source = path.expanduser().resolve()
         if out == source:
@@ -120,21 +123,183 @@ def check_output(output: str | os.PathLike, overwrite: bool, inputs: list[Path])
             f"output {output} {relation} the input {path}: writing it would destroy the "
             "input (even with --overwrite); choose another -o"
         )
-    ancestor = out
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise ConfigError(f"output {output}: {ancestor} is a file, not a directory")
     if out.exists():
         check_output_dir(out, overwrite)
+    if out.parent.is_dir():
+        sweep_stale(out)
+
+
+PATH_SHOWN = 100  # characters of a path a message quotes whole
+
+
+def shown_path(path: str | os.PathLike) -> str:
+    """A path as a one-line message quotes it: whole up to :data:`PATH_SHOWN` characters,
+    else its two ends and its length."""
+    text = os.fspath(path)
+    if len(text) <= PATH_SHOWN:
+        return text
+    return f"{text[:50]}…{text[-40:]} ({len(text)} characters)"
+
+
+def check_writable(path: str | os.PathLike, what: str, inside: bool = True) -> Path:
+    """The resolved directory ``path``, after checking that the job can create or write it:
+    one-line :class:`ConfigError` s for an empty path (an unset variable), a name longer than
+    the filesystem allows, a symlink loop, a dangling symlink (in any component), a path under
+    a file, and a place that cannot be written. ``inside``: files go into the directory (a
+    work directory), else beside it (an output, built in a temporary sibling and renamed).
+
+    Writability is probed by creating and removing a directory in the nearest existing
+    ancestor (this catches ``/proc``, read-only mounts and missing permissions without
+    trusting ``os.access``)."""
+    text = os.fspath(path)
+    if not text.strip():
+        flag = "-o" if what == "output" else what
+        raise ConfigError(f"{flag} is empty (an unset variable?): name the {what} directory")
+    shown = shown_path(text)
+    raw = Path(text).expanduser().absolute()
+    limit = os.pathconf("/", "PC_NAME_MAX") if hasattr(os, "pathconf") else 255
+    if any(len(os.fsencode(part)) > limit for part in raw.parts):
+        raise ConfigError(f"{what} {shown}: a name in it is longer than {limit} bytes")
+    try:
+        os.stat(raw)
+    except FileNotFoundError:
+        pass
+    except NotADirectoryError:
+        pass  # found below: which ancestor is a file
+    except OSError as err:
+        reason = {
+            errno.ELOOP: "a symlink loop",
+            errno.ENAMETOOLONG: "the path is longer than the system allows",
+        }.get(err.errno, err.strerror or str(err))
+        raise ConfigError(f"{what} {shown}: {reason}") from None
+    ancestor = raw if inside else raw.parent
+    while not ancestor.exists():
+        if ancestor.is_symlink():
+            raise ConfigError(
+                f"{what} {shown}: {shown_path(ancestor)} is a dangling symlink (to "
+                f"{shown_path(os.readlink(ancestor))}); remove it or choose another path"
+            )
+        ancestor = ancestor.parent
+    if raw.is_symlink() and not raw.exists():
+        raise ConfigError(
+            f"{what} {shown} is a dangling symlink (to {shown_path(os.readlink(raw))}); "
+            "remove it or choose another path"
+        )
+    if not ancestor.is_dir():
+        raise ConfigError(f"{what} {shown}: {shown_path(ancestor)} is a file, not a directory")
+    if raw.exists() and not raw.is_dir():
+        raise ConfigError(f"{what} {shown} exists and is not a directory")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".lmcompress-probe-", dir=ancestor))
     except OSError as err:
         raise ConfigError(
-            f"output {output}: cannot write in {ancestor} ({err.strerror or err})"
+            f"{what} {shown}: cannot write in {shown_path(ancestor)} ({err.strerror or err})"
         ) from None
-    if out.parent.is_dir():
-        sweep_stale(out)
+    return raw.resolve()
+
+
+def _work_dirs(options: RunOptions, method: Method) -> list[tuple[str, str]]:
+    """The directories besides the output that the job writes into: ``--offload-activations``,
+    a learned method's ``--checkpoint-dir``, and the cache when the model's safetensors copy
+    is to be made there."""
+    dirs = []
+    if options.offload_activations is not None:
+        dirs.append((options.offload_activations, "--offload-activations"))
+    training = getattr(method.config, "training", None)
+    if training is not None and training.checkpoint_dir and training.checkpoint_every:
+        dirs.append((training.checkpoint_dir, "--checkpoint-dir"))
+    if options.checkpoint in ALIASES and not (cache_dir() / options.checkpoint).is_dir():
+        dirs.append((cache_dir(), "cache directory ($LMCOMPRESS_CACHE)"))
+    return dirs
+
+
+@dataclass
+class DiskNeed:
+    """Bytes a job will write under ``path`` (``what``: the flag that names it)."""
+
+    path: str
+    what: str
+    bytes: int
+
+
+def _disk_needs(
+    skeleton: nn.Module, options: RunOptions, method: Method, selected: dict[str, nn.Module]
+) -> list[DiskNeed]:
+    """What the job writes, by where: the export (every weight at the save dtype, plus the
+    compressed layers, at most their dense size, beside the dense copy, plus the learned
+    tensors kept), the offloaded activations (the hidden states of every calibration window,
+    twice: a block's inputs and outputs), the model cache (the alias's fp32 copy)."""
+    needs = []
+    dtype = options.dtype if options.save_dtype == "auto" else options.save_dtype
+    itemsize = resolve_dtype(dtype).itemsize
+    if options.output:
+        layers = sum(p.numel() for m in selected.values() for p in m.parameters(recurse=False))
+        size = param_bytes(skeleton, itemsize) + method.stats_bytes(skeleton)
+        if options.dense_copy:
+            size += layers * itemsize
+        needs.append(DiskNeed(options.output, "output", size))
+    if options.offload_activations:
+        hidden = skeleton.config.hidden_size
+        size = (
+            2 * options.nsamples * options.seq_len * hidden * resolve_dtype(options.dtype).itemsize
+        )
+        needs.append(DiskNeed(options.offload_activations, "--offload-activations", size))
+    if options.checkpoint in ALIASES and not (cache_dir() / options.checkpoint).is_dir():
+        size = param_bytes(skeleton, 4)
+        needs.append(DiskNeed(str(cache_dir()), "cache directory ($LMCOMPRESS_CACHE)", size))
+    return needs
+
+
+def check_space(needs: list[DiskNeed], force: bool = False) -> None:
+    """Refuse, in one line with the numbers, a job whose writes do not fit the free space of
+    their filesystems (writes to one filesystem add up); ``force``: warn and go on."""
+    by_device: dict[int, list[DiskNeed]] = {}
+    for need in needs:
+        path = Path(need.path).expanduser().absolute()
+        while not path.exists():
+            path = path.parent
+        by_device.setdefault(path.stat().st_dev, []).append(need)
+    for group in by_device.values():
+        total = sum(need.bytes for need in group)
+        free = free_bytes(Path(group[0].path).expanduser())
+        if total <= free:
+            continue
+        parts = " + ".join(
+            f"{need.what} {shown_path(need.path)} {format_bytes(need.bytes)}" for need in group
+        )
+        message = (
+            f"not enough disk space: the job writes about {format_bytes(total)} ({parts}) but "
+            f"its filesystem has {format_bytes(free)} free"
+        )
+        if force:
+            logger.warning("%s: going on (--force)", message)
+            continue
+        raise ConfigError(f"{message}; free space, write elsewhere, or pass --force to try anyway")
+
+
+def check_weight_shapes(checkpoint: str, skeleton: nn.Module) -> None:
+    """A local checkpoint directory's safetensors hold the shapes its ``config.json`` builds:
+    a one-line :class:`ModelLoadError` naming the first weight that disagrees (and how many
+    do), before ``from_pretrained`` would print its load report. Reads the headers only."""
+    directory = Path(checkpoint).expanduser()
+    if not directory.is_dir():
+        return
+    expected = {key: tuple(t.shape) for key, t in skeleton.state_dict().items()}
+    wrong = []
+    for file in sorted(directory.glob("*.safetensors")):
+        with open_safetensors(file) as handle:
+            for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                shape = tuple(handle.get_slice(key).get_shape())
+                if key in expected and shape != expected[key]:
+                    wrong.append((key, shape, expected[key]))
+    if wrong:
+        key, found, built = wrong[0]
+        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        raise ModelLoadError(
+            f"{checkpoint}: config.json disagrees with the weights: {key} is {list(found)} in "
+            f"the safetensors but {list(built)} by config.json{more}; fix config.json or "
+            "use the checkpoint it belongs to"
+        )
 
 
 def check_seq_len(seq_len: int, config) -> None:

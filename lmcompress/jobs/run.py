@@ -12,6 +12,7 @@ quotes comes through the same path a user runs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -29,12 +30,14 @@ from lmcompress.compressor.model.loading import load_model
 from lmcompress.compressor.options import command_line
 from lmcompress.compressor.report import CompressionReport
 from lmcompress.compressor.training import distributed
+from lmcompress.compressor.util.fsutil import disk_full_as_error, output_lock
 from lmcompress.errors import ConfigError, ModelLoadError
 from lmcompress.evaluation.lm_eval_adapter import run_lm_eval
 from lmcompress.evaluation.speed import SpeedOptions
 from lmcompress.jobs.bench import bench_into_export
 from lmcompress.jobs.evaluate import JobText, evaluate
 from lmcompress.jobs.options import RunOptions
+from lmcompress.jobs.preflight import check_writable
 from lmcompress.jobs.recipe import check_stages, recipe_of, stage_method
 from lmcompress.jobs.streaming import StreamedModel
 from lmcompress.methods import get_method
@@ -123,11 +126,22 @@ def run(
         raise ConfigError("a recipe needs at least one stage")
     if options.streaming and len(configs) > 1:
         raise ConfigError("--streaming runs one method: it is not for a multi-stage recipe")
-    plan = check_stages(options, configs)
-    start = time.perf_counter()
-    target = StreamedModel(options, plan.skeleton) if options.streaming else InMemoryModel(options)
-    with target:
-        return _run(target, options, configs, stages, start)
+    # A second run writing the same output waits for nothing: it is refused, naming the first.
+    locked = contextlib.nullcontext()
+    if options.output:
+        locked = output_lock(check_writable(options.output, "output", inside=False))
+    with locked:
+        plan = check_stages(options, configs)
+        logger.info("%s", plan.memory_line)
+        start = time.perf_counter()
+        if options.streaming:
+            target: Target = StreamedModel(options, plan.skeleton)
+        else:
+            target = InMemoryModel(options)
+        # a full disk is one line, after the output's temporary directory is removed
+        writing = disk_full_as_error(options.output) if options.output else contextlib.nullcontext()
+        with writing, target:
+            return _run(target, options, configs, stages, start)
 
 
 def _run(

@@ -50,7 +50,7 @@ from lmcompress.compressor.method import Method, Stats
 from lmcompress.compressor.model.families import family_of
 from lmcompress.compressor.model.loading import load_tokenizer, resolve_dtype
 from lmcompress.compressor.report import CompressionReport, LayerReport
-from lmcompress.compressor.util.fsutil import atomic_dir
+from lmcompress.compressor.util.fsutil import atomic_dir, made_dirs
 from lmcompress.compressor.util.memory import set_mmap_threshold
 from lmcompress.errors import ConfigError, ModelLoadError
 from lmcompress.jobs.options import RunOptions
@@ -270,13 +270,15 @@ class StreamedModel:
     def compress(
         self, method: Method, data: torch.Tensor | None
     ) -> tuple[CompressionReport, Stats]:
-        offload = contextlib.nullcontext()
-        if self.options.offload_activations:
-            Path(self.options.offload_activations).mkdir(parents=True, exist_ok=True)
-            offload = tempfile.TemporaryDirectory(
-                prefix="lmcompress-activations-", dir=self.options.offload_activations
-            )
-        with offload as offload_dir:
+        with contextlib.ExitStack() as stack:
+            offload_dir = None
+            if self.options.offload_activations:  # removed afterwards, with what it created
+                stack.enter_context(made_dirs(self.options.offload_activations))
+                offload_dir = stack.enter_context(
+                    tempfile.TemporaryDirectory(
+                        prefix="lmcompress-activations-", dir=self.options.offload_activations
+                    )
+                )
             return method.compress(self.model, data, source=self.streamer, offload_dir=offload_dir)
 
     def export(

@@ -90,7 +90,9 @@ def test_streaming_writes_exactly_the_in_memory_tensors(tmp_path, model_type, co
     names = [[layer["name"] for layer in m["report"]["layers"]] for m in manifests]
     assert names[0] == names[1] and streamed["report"].method == config.method
     if offload:
-        assert list((tmp_path / "activations").iterdir()) == []  # its temp dir is gone
+        assert not (
+            tmp_path / "activations"
+        ).exists()  # its temp dir, and the dir it made, are gone
 
 
 def test_streamed_output_loads_in_transformers_and_by_replay(tmp_path):

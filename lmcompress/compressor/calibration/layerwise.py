@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 from lmcompress.compressor.model.families import family_of
 from lmcompress.compressor.report import LayerReport
+from lmcompress.compressor.util.fsutil import free_bytes, is_disk_full, no_space_error
 from lmcompress.compressor.util.progress import bar_disabled
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,13 @@ class _Activations:
         else:  # a fresh file: the old one may still be mapped by a tensor in use
             path = self._file(i)
             tmp = path.with_suffix(".tmp")
-            torch.save(hidden.detach().cpu().contiguous(), tmp)
+            try:
+                torch.save(hidden.detach().cpu().contiguous(), tmp)
+            except (OSError, RuntimeError) as err:  # torch's writer hides ENOSPC's errno
+                tmp.unlink(missing_ok=True)
+                if is_disk_full(err) or free_bytes(tmp.parent) < hidden.nbytes:
+                    raise no_space_error(self.directory, hidden.nbytes) from None
+                raise
             tmp.replace(path)
 
     def _file(self, i: int) -> Path:

@@ -66,7 +66,7 @@ from lmcompress.compressor.io.report_plot import write_report_png
 from lmcompress.compressor.io.shards import TensorFiles, cast_state, cast_tensor, merge_safetensors
 from lmcompress.compressor.model.surgery import replace_modules
 from lmcompress.compressor.report import CompressionReport, LayerReport
-from lmcompress.compressor.util.fsutil import atomic_dir
+from lmcompress.compressor.util.fsutil import atomic_dir, disk_full_as_error
 from lmcompress.errors import LmcompressError
 from lmcompress.version import __version__
 
@@ -128,7 +128,7 @@ def save_compressed(
     dtype = dtype or next(model.parameters()).dtype
     compressed = compressed_modules(model, report.layers)
     interop = interop_layout(compressed, dense_copy)
-    with atomic_dir(out_dir) as tmp:
+    with disk_full_as_error(out_dir), atomic_dir(out_dir) as tmp:
         export = Export(tmp, out_dir.resolve().name, dtype, dense_copy)
         interop_config = None
         if interop == "compressed-tensors":  # the dense copy in the layout other tools read

@@ -112,19 +112,19 @@ def available_bytes(device: torch.device | str = "cpu") -> tuple[int | None, str
 
 def check_fits(
     estimate: MemoryEstimate, device: torch.device | str = "cpu", force: bool = False
-) -> None:
+) -> str:
     """Raise a one-line :class:`ConfigError` when ``estimate`` exceeds the available memory
-    (unless ``force``: then warn and go on)."""
+    (unless ``force``: then warn and go on). Returns the line the job logs once every check
+    has passed (not before: a later check's error must be the only line)."""
     available, source = available_bytes(device)
     if available is None or estimate.total <= available:
         shown = "unknown" if available is None else _gib(available)
-        logger.info("memory: the job needs about %s; %s available", estimate.describe(), shown)
-        return
+        return f"memory: the job needs about {estimate.describe()}; {shown} available"
     message = (
         f"the job needs about {estimate.describe()} but only {_gib(available)} is available "
         f"({source}); lower --nsamples or --seq-len, or pass --force to try anyway"
     )
     if force:
         logger.warning("%s: going on (--force)", message.split("; lower")[0])
-        return
+        return f"memory: {message.split('; lower')[0]} (--force)"
     raise ConfigError(message)

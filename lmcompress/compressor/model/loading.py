@@ -5,8 +5,10 @@ device; the dtype and device a job computes in.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import accelerate
@@ -23,7 +25,7 @@ from lmcompress.compressor.model.checkpoint import (
     read_config,
 )
 from lmcompress.compressor.util.cache import cache_dir
-from lmcompress.compressor.util.fsutil import atomic_dir
+from lmcompress.compressor.util.fsutil import atomic_dir, disk_full_as_error
 from lmcompress.errors import ConfigError, ModelLoadError, first_line
 
 logger = logging.getLogger(__name__)
@@ -138,7 +140,7 @@ def _load_alias(
         model, tokenizer = _load_gguf(alias_gguf(name), trust_remote_code)
         logger.info("caching a safetensors copy of %s in %s", name, target)
         # Another process caching the same model meanwhile: keep its copy, drop ours.
-        with atomic_dir(target, keep_existing=True) as tmp:
+        with disk_full_as_error(target), atomic_dir(target, keep_existing=True) as tmp:
             # A dequantized model is plain dense weights; its quantizer only blocks saving.
             if getattr(model, "hf_quantizer", None) is not None:
                 model.hf_quantizer = None
@@ -188,15 +190,23 @@ def _load_pretrained(
     """Safetensors weights, then tokenizer, of a checkpoint whose config was checked."""
     kwargs = {"trust_remote_code": trust_remote_code}
     try:
-        model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            source,
-            config=config,
-            dtype=dtype,
-            use_safetensors=True,
-            output_loading_info=True,
-            **kwargs,
-        )
+        with held_warnings() as held:
+            model, info = transformers.AutoModelForCausalLM.from_pretrained(
+                source,
+                config=config,
+                dtype=dtype,
+                use_safetensors=True,
+                output_loading_info=True,
+                **kwargs,
+            )
     except LOAD_ERRORS as err:
+        mismatch = [r.getMessage() for r in held if "MISMATCH" in r.getMessage()]
+        if mismatch:  # transformers' load report names the weights; its error does not
+            line = next(x for x in mismatch[0].splitlines() if "MISMATCH" in x)
+            raise ModelLoadError(
+                f"{source}: config.json disagrees with the weights: "
+                f"{' '.join(line.replace('|', ' ').split())}"
+            ) from err
         raise ModelLoadError(f"{source}: corrupt or unreadable weights: {first_line(err)}") from err
     if info["missing_keys"]:  # transformers would leave these randomly initialized
         missing = sorted(info["missing_keys"])
@@ -204,6 +214,28 @@ def _load_pretrained(
             f"{source}: {len(missing)} weights missing from the checkpoint, e.g. {missing[0]}"
         )
     return model, load_tokenizer(source, hub, kwargs)
+
+
+@contextlib.contextmanager
+def held_warnings() -> Iterator[list[logging.LogRecord]]:
+    """Hold back what ``transformers`` logs inside the block: given to its handlers as usual
+    if the block succeeds, dropped if it fails (the one-line error says what matters; a
+    20-line load report before it would not be one line)."""
+    root = logging.getLogger("transformers")
+    held: list[logging.LogRecord] = []
+
+    class Hold(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            held.append(record)
+
+    handlers, propagate = root.handlers[:], root.propagate
+    root.handlers, root.propagate = [Hold()], False
+    try:
+        yield held
+    finally:
+        root.handlers, root.propagate = handlers, propagate
+    for record in held:  # only reached on success
+        root.handle(record)
 
 
 def load_tokenizer(source: str, hub: bool, kwargs: dict) -> PreTrainedTokenizerBase | None:

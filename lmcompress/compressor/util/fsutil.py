@@ -15,6 +15,8 @@ machine (a cache directory on a shared filesystem is written from several).
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import logging
 import os
 import re
@@ -24,6 +26,8 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from lmcompress.errors import ConfigError, LmcompressError
 
 logger = logging.getLogger(__name__)
 
@@ -235,3 +239,151 @@ def atomic_file(target: str | Path, mode: str = "w", **open_kwargs) -> Iterator:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def lock_path(target: str | Path) -> Path:
+    """The lock file of an output: ``.{name}.lock`` beside it."""
+    target = Path(target)
+    return target.parent / f".{target.name}.lock"
+
+
+@contextlib.contextmanager
+def output_lock(target: str | Path) -> Iterator[None]:
+    """Hold an exclusive lock on writing ``target`` for the ``with`` block: a second run that
+    names the same output gets a one-line :class:`ConfigError` naming the holder (pid, host,
+    since when) instead of silently replacing the first one's result.
+
+    The lock is ``flock`` on ``.{name}.lock`` beside ``target`` (the kernel releases it when
+    its holder dies, SIGKILL included, so a killed run never blocks the next). The file holds
+    the holder's pid and host, for the message; it is removed on release, and a lock taken on
+    a file that another process removed meanwhile is retaken on the new one. Missing parent
+    directories are created for the lock and removed again on exit if nothing else was put in
+    them (a refused job leaves nothing)."""
+    target = Path(target)
+    created = _make_parents(target.parent)
+    path = lock_path(target)
+    try:
+        handle = _acquire(path, target)
+    except BaseException:
+        _remove_empty(created)
+        raise
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # before closing: whoever opens it next makes a new one
+        handle.close()
+        _remove_empty(created)
+
+
+def _acquire(path: Path, target: Path):
+    while True:
+        handle = open(path, "a+")  # noqa: SIM115 (held for the job: closed by output_lock)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                handle.close()
+                raise
+            handle.seek(0)
+            holder = handle.read(200).strip() or "another process"
+            handle.close()
+            raise ConfigError(
+                f"output {target} is being written by another run "
+                f"({holder}): wait for it to finish, or choose another -o"
+            ) from None
+        try:
+            same = os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:  # not a file its last holder removed between our open and our lock
+            break
+        handle.close()
+    handle.seek(0)
+    handle.truncate()
+    since = time.strftime("%Y-%m-%d %H:%M:%S")
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {since}")
+    handle.flush()
+    return handle
+
+
+def _make_parents(directory: Path) -> list[Path]:
+    """``mkdir -p directory``; the directories it created, deepest first."""
+    missing = []
+    while not directory.exists():
+        missing.append(directory)
+        directory = directory.parent
+    for path in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            path.mkdir()
+    return missing
+
+
+def _remove_empty(directories: list[Path]) -> None:
+    for path in directories:
+        try:
+            path.rmdir()
+        except OSError:  # something was written into it (the output): keep it
+            return
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether ``err`` (an ``OSError``, or safetensors' error, which carries only a message)
+    says the filesystem or quota is full."""
+    if isinstance(err, OSError) and err.errno in NO_SPACE:
+        return True
+    text = str(err)
+    return any(os.strerror(code) in text for code in NO_SPACE) or "os error 28" in text
+
+
+def no_space_error(target: str | Path, needed: int | None = None) -> LmcompressError:
+    """The one-line error of a write to ``target`` that found its filesystem full."""
+    free = free_bytes(Path(target))
+    need = f"needs about {format_bytes(needed)}, " if needed else ""
+    return LmcompressError(
+        f"no space left on the device writing {target} ({need}{format_bytes(free)} free once "
+        "the partial output is removed): free space or write elsewhere"
+    )
+
+
+@contextlib.contextmanager
+def disk_full_as_error(target: str | Path, needed: int | None = None) -> Iterator[None]:
+    """Turn a full disk while writing ``target`` into a one-line :class:`LmcompressError`: the
+    path, the bytes the write needed (where known) and the bytes free. Enter it outside the
+    writer's ``atomic_dir``, whose cleanup has then run: nothing half-written is left."""
+    try:
+        yield
+    except Exception as err:
+        if isinstance(err, LmcompressError) or not is_disk_full(err):
+            raise
+        raise no_space_error(target, needed) from None
+
+
+@contextlib.contextmanager
+def made_dirs(directory: str | Path) -> Iterator[Path]:
+    """``mkdir -p directory`` for the ``with`` block; the directories it created are removed
+    afterwards if they are empty again (a work directory that leaves nothing behind)."""
+    created = _make_parents(Path(directory))
+    try:
+        yield Path(directory)
+    finally:
+        _remove_empty(created)
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes (for this user) on the filesystem that holds ``path`` or, while it does not
+    exist, its nearest existing ancestor."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def format_bytes(count: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} B"

@@ -165,3 +165,12 @@ class MaskLLM(PruningMethod):
             "maskllm: %d steps, hard-mask ppl %s", report.extra["steps"], report.extra["hard_ppl"]
         )
         return report
+
+    def stats_bytes(self, model: nn.Module) -> int:
+        """The fp32 logits over the C(M, N) patterns of every group, kept in the export."""
+        total = 0
+        for name, module in self.validate(model).items():
+            sparsity = self.config.sparsity_of(name)
+            groups = weight_matrix(module).numel() // sparsity.m
+            total += 4 * groups * math.comb(sparsity.m, sparsity.n)
+        return total

@@ -240,6 +240,10 @@ class Subnet(PruningMethod):
         )  # fmt: skip
         return report
 
+    def stats_bytes(self, model: nn.Module) -> int:
+        """The fp32 keep logits (one per weight) and scales, kept in the export."""
+        return sum(4 * weight_matrix(m).numel() for m in self.validate(model).values())
+
 
 def _as_is(config: SubnetConfig, name: str, module: nn.Module) -> LayerReport:
     """The report of a layer already extracted (its zeros are its mask)."""
