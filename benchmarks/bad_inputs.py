@@ -6,66 +6,242 @@
 
 Each probe runs the installed CLI in a process of its own, in an empty directory, and records
 its exit code, wall time, how many lines it printed on stderr, its last stderr line, and what it
-left in the directory (or next to its output). The kill probes start a real job, wait until its
-output's temporary sibling appears (the save has begun), send SIGKILL or SIGTERM, then (SIGKILL)
-run the same job again. Writes ``benchmarks/results/bad_inputs.{json,md}``; the probes are the
-rows of issue 10's table.
+left in the directory (or next to its output) or changed there. Some probes start from a set-up
+(:func:`set_up`: a read-only or a 64 kB tmpfs mount, symlinks, a checkpoint whose config
+disagrees with its weights, a tampered copy of a real export, a MaskLLM checkpoint), built from
+fixtures made once per ``--work`` (:data:`FIXTURES`). The kill probes start a real job, wait
+until its output's temporary sibling appears (the save has begun), send SIGKILL or SIGTERM, then
+(SIGKILL) run the same job again; the writers probe starts a second job on the output a first
+one holds. Writes ``benchmarks/results/bad_inputs.{json,md}``; the probes are the rows of issue
+10's table and the inputs of issue 23.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from benchmarks.harness import add_harness_args, row_table, run_table
 from benchmarks.render import markdown_table
 from benchmarks.runner import CLI
+from lmcompress.compressor.io.layout import COMPRESSED_TENSORS
 from lmcompress.compressor.util.cache import cache_dir
 
 NAME = "bad_inputs"
 QUICK = ("--method", "magnitude", "--eval", "--skip-dense")  # the cheapest real job
+TEXT = "\n\n".join(
+    f"Document {i}. The quick brown fox jumps over the lazy dog." for i in range(400)
+)
+LAYER = "model.layers.0.mlp.up_proj"  # the layer the tampered exports edit
 
-# name -> (compress-model argv, files to create first {relative path: text})
-PROBES: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
-    "--device cuda": (("--device", "cuda", "-o", "out"), {}),
-    "recipe nsamples: many": (("--config", "r.yaml", "-o", "out"), {"r.yaml": "nsamples: many\n"}),
-    "recipe blocksize: big": (
-        ("--config", "r.yaml", "-o", "out"),
-        {"r.yaml": "method: sparsegpt\nblocksize: big\n"},
+
+@dataclass(frozen=True)
+class Probe:
+    """One bad (or legal) input. ``argv``: the ``compress-model`` arguments, or with
+    ``python`` a Python program run with ``-c``; ``{cache}`` (the cached SmolLM2 directory),
+    ``{fixtures}`` and ``{work}`` are filled in, in ``argv`` and ``env``. ``files``: created
+    first; ``env``: overrides (``None`` unsets); ``setup``: one of :data:`SETUPS`, run first
+    and undone after; ``expect``: the exit code that is right (0: a legal input)."""
+
+    argv: tuple[str, ...]
+    files: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str | None] = field(default_factory=dict)
+    setup: str | None = None
+    expect: int = 2
+    python: bool = False
+
+
+def _bomb(key: str, levels: int = 9) -> str:
+    """A recipe whose ``key`` holds a YAML alias bomb: 9 levels of 9 aliases, 9**9 strings."""
+    lines = ["x0: &x0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    for level in range(1, levels):
+        refs = ", ".join([f"*x{level - 1}"] * 9)
+        lines.append(f"x{level}: &x{level} [{refs}]")
+    return "\n".join([*lines, f"{key}: *x{levels - 1}", ""])
+
+
+def _from_pretrained(path: str) -> tuple[str, ...]:
+    """A program that loads ``path`` as an API user would and reports a refusal in one line."""
+    return (
+        "import sys, lmcompress, transformers\n"
+        "from lmcompress.errors import LmcompressError\n"
+        "try:\n"
+        f"    transformers.AutoModelForCausalLM.from_pretrained({path!r})\n"
+        "except LmcompressError as err:\n"
+        "    sys.exit(f'{type(err).__name__}: {err}')\n",
+    )
+
+
+STREAM = ("{cache}", "--streaming")
+OFFLOAD = (*STREAM, "--method", "wanda", "--offload-activations")
+RESUME = (
+    "--method", "maskllm", "--resume", "--checkpoint-dir", "ckpt", "--steps", "3",
+    *("--nsamples", "8", "--seq-len", "64", "--eval", "--skip-dense", "-o", "out"),
+)  # fmt: skip
+EVAL_FILE = ("--eval", "t.txt", "--skip-dense", "-o", "out")
+
+# name -> probe
+PROBES: dict[str, Probe] = {
+    # --- issue 10's table ---
+    "--device cuda": Probe(("--device", "cuda", "-o", "out")),
+    "recipe nsamples: many": Probe(
+        ("--config", "r.yaml", "-o", "out"), {"r.yaml": "nsamples: many\n"}
     ),
-    "recipe eval: wiki-test": (
-        ("--config", "r.yaml", "-o", "out"),
-        {"r.yaml": "eval: wiki-test\n"},
+    "recipe blocksize: big": Probe(
+        ("--config", "r.yaml", "-o", "out"), {"r.yaml": "method: sparsegpt\nblocksize: big\n"}
     ),
-    "-o under /proc": (("-o", "/proc/lmcompress-out"), {}),
-    "-o under a file": (("-o", "a-file/out"), {"a-file": "x"}),
-    "-o on a read-only mount": (("-o", "ro/out"), {}),
-    "--nsamples 100000": (("--method", "sparsegpt", "--nsamples", "100000", "-o", "out"), {}),
-    "--seq-len 100000": (("--seq-len", "100000", "-o", "out"), {}),
-    "--overwrite -o the input": (("--overwrite", "-o", "{cache}"), {}),
-    "--layer-sparsity nomatch": (("--layer-sparsity", "nomatch.*=0.3", "-o", "out"), {}),
-    "maskllm --resume, empty dir": (
+    "recipe eval: wiki-test": Probe(
+        ("--config", "r.yaml", "-o", "out"), {"r.yaml": "eval: wiki-test\n"}
+    ),
+    "-o under /proc": Probe(("-o", "/proc/lmcompress-out")),
+    "-o under a file": Probe(("-o", "a-file/out"), {"a-file": "x"}),
+    "-o on a read-only mount": Probe(("-o", "ro/out"), setup="read-only mount"),
+    "--nsamples 100000": Probe(("--method", "sparsegpt", "--nsamples", "100000", "-o", "out")),
+    "--seq-len 100000": Probe(("--seq-len", "100000", "-o", "out")),
+    "--overwrite -o the input": Probe(("--overwrite", "-o", "{cache}")),
+    "--layer-sparsity nomatch": Probe(("--layer-sparsity", "nomatch.*=0.3", "-o", "out")),
+    "maskllm --resume, empty dir": Probe(
         ("--method", "maskllm", "--resume", "--checkpoint-dir", "ckpt", "-o", "out"),
         {"ckpt/.keep": ""},
     ),
-    "maskllm --steps 0": (("--method", "maskllm", "--steps", "0", "-o", "out"), {}),
-    "--lm-eval-tasks nonexistent_task": (
-        ("--lm-eval-tasks", "nonexistent_task", "-o", "out"),
-        {},
+    "maskllm --steps 0": Probe(("--method", "maskllm", "--steps", "0", "-o", "out")),
+    "--lm-eval-tasks nonexistent_task": Probe(("--lm-eval-tasks", "nonexistent_task", "-o", "out")),
+    "hub id, offline": Probe(("some-org/some-model", "-o", "out")),
+    "missing checkpoint": Probe(("./no-such-model", "-o", "out")),
+    # --- issue 23: work silently lost or the wrong thing done ---
+    "-o '' (an unset $OUT)": Probe((*QUICK, "-o", ""), {"mine.txt": "x"}),
+    "recipe with method twice": Probe(
+        ("--config", "r.yaml", "-o", "out"), {"r.yaml": "method: wanda\nmethod: svd\n"}
     ),
-    "hub id, offline": (("some-org/some-model", "-o", "out"), {}),
-    "missing checkpoint": (("./no-such-model", "-o", "out"), {}),
+    "svd --ratio 1e-9": Probe(("--method", "svd", "--ratio", "1e-9", "-o", "out")),
+    "--streaming --eval FILE": Probe((*STREAM, *EVAL_FILE), {"t.txt": TEXT}),
+    # --- issue 23: full disks and bad paths ---
+    "-o on a full disk": Probe((*QUICK, "-o", "disk/out"), setup="64 kB tmpfs"),
+    "-o on a full disk, --force": Probe((*QUICK, "--force", "-o", "disk/out"), setup="64 kB tmpfs"),
+    "--streaming -o on a full disk": Probe(
+        (*STREAM, *QUICK, "-o", "disk/out"), setup="64 kB tmpfs"
+    ),
+    "--streaming -o on a full disk, --force": Probe(
+        (*STREAM, *QUICK, "--force", "-o", "disk/out"), setup="64 kB tmpfs"
+    ),
+    "-o a dangling symlink": Probe(("-o", "dangling"), setup="symlinks"),
+    "-o a symlink loop": Probe(("-o", "loop-a"), setup="symlinks"),
+    "-o with a 300-character name": Probe(("-o", "x" * 300)),
+    "-o longer than PATH_MAX": Probe(("-o", "/".join(["d" * 200] * 25))),
+    "--offload-activations under /proc": Probe((*OFFLOAD, "/proc/lmc-act", "-o", "out")),
+    "--offload-activations a file": Probe((*OFFLOAD, "a-file", "-o", "out"), {"a-file": "x"}),
+    "--offload-activations on a full disk": Probe(
+        (*OFFLOAD, "disk/act", "-o", "out"), setup="64 kB tmpfs"
+    ),
+    "--offload-activations on a full disk, --force": Probe(
+        (*OFFLOAD, "disk/act", "--force", "-o", "out"), setup="64 kB tmpfs"
+    ),
+    "LMCOMPRESS_CACHE a file": Probe(
+        (*QUICK, "-o", "out"), {"cache": "x"}, env={"LMCOMPRESS_CACHE": "{work}/cache"}
+    ),
+    "XDG_CACHE_HOME unwritable": Probe(
+        (*QUICK, "-o", "out"), env={"LMCOMPRESS_CACHE": None, "XDG_CACHE_HOME": "/proc/lmc"}
+    ),
+    # --- issue 23: recipes, resumes, checkpoints ---
+    "recipe alias bomb in eval": Probe(
+        ("--config", "r.yaml", "-o", "out"), {"r.yaml": _bomb("eval")}
+    ),
+    "recipe alias bomb in include": Probe(
+        ("--config", "r.yaml", "-o", "out"), {"r.yaml": _bomb("include")}
+    ),
+    "maskllm --resume, truncated state": Probe(RESUME, setup="maskllm checkpoint, truncated"),
+    "maskllm --resume with --sparsity 4:8": Probe(
+        (*RESUME, "--sparsity", "4:8"), setup="maskllm checkpoint"
+    ),
+    "maskllm --resume without --checkpoint-every": Probe(
+        RESUME, setup="maskllm checkpoint", expect=0
+    ),
+    "config.json disagrees with the weights": Probe(
+        ("mismatched", "-o", "out"), setup="mismatched"
+    ),
+    # --- issue 23: an INFO line came before the one-line error ---
+    "--eval an empty file": Probe(EVAL_FILE, {"t.txt": ""}),
+    "--eval a binary file": Probe(EVAL_FILE, {"t.txt": "\x00\x01\xfe binary"}),
+    "--eval a latin-1 file": Probe(EVAL_FILE, setup="latin-1 text"),
+    "--eval /dev/null": Probe(("--eval", "/dev/null", "--skip-dense", "-o", "out")),
+    "--eval jsonl without text": Probe(
+        ("--eval", "t.jsonl", "--skip-dense", "-o", "out"), {"t.jsonl": '{"body": "x"}\n'}
+    ),
+    "--calib with 3 tokens": Probe(
+        ("--method", "wanda", "--calib", "t.txt", "-o", "out"), {"t.txt": "a b c"}
+    ),
+    "--eval-tokens 1": Probe(("--eval-tokens", "1", "-o", "out")),
+    "recipe int8 then sparsegpt": Probe(
+        ("--config", "r.yaml", "-o", "out"),
+        {"r.yaml": "stages:\n  - {method: int8}\n  - {method: sparsegpt}\n"},
+    ),
+    "recipe sparsegpt twice": Probe(
+        ("--config", "r.yaml", "-o", "out"),
+        {"r.yaml": "stages:\n  - {method: sparsegpt}\n  - {method: sparsegpt}\n"},
+    ),
 }
+# --- issue 23: tampered exports, each through compress-model eval and from_pretrained ---
+TAMPERED = {  # name -> (fixture export, tensor, edit)
+    "repeated 2:4 positions": ("2:4", "indices", "repeat"),
+    "2:6 positions out of range": ("2:6", "indices", "0xff"),
+    "NaN in nm_packed values": ("2:4", "values", "nan"),
+    "inf in a low-rank factor": ("svd", "A", "inf"),
+    "NaN in an int8 weight scale": ("int8", "weight_scale", "nan"),
+    "repeated positions in nm_packed_int8": ("2:4+int8", "indices", "repeat"),
+}
+for _name in TAMPERED:
+    PROBES[f"eval: {_name}"] = Probe(
+        ("eval", "t", "--eval-tokens", "1024", "--seq-len", "128"), setup=f"tampered: {_name}"
+    )
+    PROBES[f"from_pretrained: {_name}"] = Probe(
+        _from_pretrained("t"), setup=f"tampered: {_name}", python=True
+    )
 KILLS = ("SIGKILL while saving", "SIGTERM while saving")
+WRITERS = "two runs writing one -o at once"
 MODES = "exported file modes"
-ORDER = [*PROBES, *KILLS, MODES]
+ORDER = [*PROBES, WRITERS, *KILLS, MODES]
+
+# the exports and checkpoints the probes start from, built once per --work
+FIXTURES: dict[str, tuple[str, ...]] = {
+    "2:4": (*QUICK, "--sparsity", "2:4", "--no-dense-copy"),
+    "2:6": (*QUICK, "--sparsity", "2:6", "--no-dense-copy"),
+    "svd": ("--method", "svd", "--ratio", "0.5", "--eval", "--skip-dense", "--no-dense-copy"),
+    "int8": ("--method", "int8", "--nsamples", "8", "--seq-len", "128", "--eval", "--skip-dense"),
+    "2:4+int8": ("--config", "{fixtures}/stages.yaml", "--no-dense-copy"),
+    "maskllm": (
+        "--method",
+        "maskllm",
+        "--steps",
+        "3",
+        "--checkpoint-every",
+        "2",
+        "--checkpoint-dir",
+        "{fixtures}/maskllm-ckpt",
+        "--nsamples",
+        "8",
+        "--seq-len",
+        "64",
+        "--eval",
+        "--skip-dense",
+    ),  # fmt: skip
+}
+STAGES = "eval: []\nskip_dense: true\nnsamples: 8\nseq_len: 128\nstages:\n"
+STAGES += "  - {method: magnitude, sparsity: '2:4'}\n  - {method: int8}\n"
 
 
 def _cache() -> Path:
@@ -85,9 +261,29 @@ def _listing(work: Path) -> list[str]:
     return sorted(str(p.relative_to(work)) for p in work.rglob("*"))
 
 
-def _run(argv: tuple[str, ...], work: Path) -> tuple[int, float, str]:
+def _state(work: Path) -> dict[str, tuple[int, int]]:
+    """Every path under ``work`` with its size and mtime: what a probe added or changed."""
+    state = {}
+    for path in work.rglob("*"):
+        stat = path.lstat()
+        state[str(path.relative_to(work))] = (stat.st_size, stat.st_mtime_ns)
+    return state
+
+
+def _run(
+    argv: tuple[str, ...], work: Path, env: dict[str, str | None] | None = None, python=False
+) -> tuple[int, float, str]:
+    command = [sys.executable, "-c", argv[0]] if python else [*CLI, *argv]
+    environ = dict(os.environ)
+    for key, value in (env or {}).items():
+        if value is None:
+            environ.pop(key, None)
+        else:
+            environ[key] = value
     start = time.perf_counter()
-    done = subprocess.run([*CLI, *argv], cwd=work, capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        command, cwd=work, capture_output=True, text=True, check=False, env=environ
+    )
     return done.returncode, time.perf_counter() - start, done.stderr
 
 
@@ -103,31 +299,161 @@ def _row(name: str, code: int, seconds: float, stderr: str, left: list[str]) -> 
     }
 
 
-def run_probe(name: str, work: Path) -> dict[str, Any]:
-    argv, files = PROBES[name]
+# --- fixtures and set-ups -----------------------------------------------------------------------
+
+
+def fixture(name: str, args: argparse.Namespace) -> Path:
+    """The export (or, for ``maskllm``, the output beside its checkpoint) ``FIXTURES[name]``
+    makes, built once per ``--work``."""
+    root = args.work / "fixtures"
+    out = root / name.replace(":", "-")
+    if not out.is_dir():
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "stages.yaml").write_text(STAGES)
+        argv = tuple(a.format(fixtures=root) for a in FIXTURES[name])
+        code, _, stderr = _run((*argv, "-q", "-o", str(out)), root)
+        if code != 0:
+            raise RuntimeError(f"fixture {name}: exit {code}: {stderr.strip()[-500:]}")
+    return out
+
+
+def _tamper(export: Path, tensor: str, edit: str) -> None:
+    """Edit one value of ``LAYER``'s ``tensor`` in ``export``'s compressed tensors, keeping the
+    file's metadata: positions repeated or out of range, a value NaN or inf."""
+    file = export / COMPRESSED_TENSORS
+    with safe_open(str(file), framework="pt") as handle:
+        metadata = handle.metadata()
+    tensors = load_file(file)
+    values = tensors[f"{LAYER}.{tensor}"]
+    if edit == "repeat":  # the byte's first two 2-bit codes both name position 1
+        values[0, 0] = (int(values[0, 0]) & 0xF0) | 0b0101
+    elif edit == "0xff":
+        values[0, 0] = 0xFF
+    else:
+        values.view(-1)[3] = float(edit)
+    save_file(tensors, str(file), metadata=metadata)
+
+
+def set_up(setup: str, work: Path, args: argparse.Namespace) -> Callable[[], None] | None:
+    """Make what a probe starts from in ``work``; returns the undo (an unmount) or ``None``.
+    Raises ``Unavailable`` where this machine cannot (mounts need root)."""
+    if setup in ("read-only mount", "64 kB tmpfs"):
+        where = work / ("ro" if setup == "read-only mount" else "disk")
+        where.mkdir()
+        command = ["mount", "-o", "bind,ro", str(where), str(where)]
+        if setup == "64 kB tmpfs":
+            command = ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)]
+        if subprocess.run(command, capture_output=True, check=False).returncode != 0:
+            raise Unavailable(f"cannot mount ({setup}) here: needs root")
+        return lambda: subprocess.run(["umount", str(where)], check=False)
+    if setup == "symlinks":
+        os.symlink(work / "nowhere" / "x", work / "dangling")
+        os.symlink(work / "loop-b", work / "loop-a")
+        os.symlink(work / "loop-a", work / "loop-b")
+    elif setup == "mismatched":  # the cached model with a config.json that disagrees
+        target = work / "mismatched"
+        target.mkdir()
+        for item in _cache().iterdir():
+            os.symlink(item, target / item.name)
+        config = json.loads((_cache() / "config.json").read_text())
+        config["intermediate_size"] = config["intermediate_size"] // 2
+        (target / "config.json").unlink()
+        (target / "config.json").write_text(json.dumps(config))
+    elif setup == "latin-1 text":
+        (work / "t.txt").write_bytes(
+            "Caf\u00e9 cr\u00e8me br\u00fbl\u00e9e. ".encode("latin-1") * 50
+        )
+    elif setup.startswith("maskllm checkpoint"):
+        fixture("maskllm", args)
+        shutil.copytree(args.work / "fixtures" / "maskllm-ckpt", work / "ckpt")
+        if setup.endswith("truncated"):
+            state = work / "ckpt" / "trainer_state" / "state.safetensors"
+            state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    elif setup.startswith("tampered: "):
+        kind, tensor, edit = TAMPERED[setup.removeprefix("tampered: ")]
+        shutil.copytree(fixture(kind, args), work / "t")
+        _tamper(work / "t", tensor, edit)
+    else:
+        raise ValueError(f"unknown set-up {setup!r}")
+    return None
+
+
+class Unavailable(RuntimeError):
+    """A set-up this machine cannot make: the probe's row says so."""
+
+
+def _verdict(probe: Probe, row: dict[str, Any]) -> bool:
+    """Exit as expected; an error is one stderr line, leaves nothing, changes no input, takes
+    under 20 s."""
+    if row["exit"] != probe.expect:
+        return False
+    if probe.expect == 0:
+        return row.get("same_as_uninterrupted", True)
+    return row["stderr_lines"] == 1 and not row["left_behind"] and row["seconds"] < 20
+
+
+def run_probe(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    probe = PROBES[name]
     work.mkdir(parents=True)
-    for rel, text in files.items():
+    for rel, text in probe.files.items():
         (work / rel).parent.mkdir(parents=True, exist_ok=True)
         (work / rel).write_text(text)
-    mounted = False
-    if name == "-o on a read-only mount":
-        (work / "ro").mkdir()
-        mounted = (
-            subprocess.run(["mount", "-o", "bind,ro", "ro", "ro"], cwd=work, check=False)
-        ).returncode == 0
-        if not mounted:
-            return {"name": name, "skipped": "cannot bind-mount read-only here (needs root)"}
-    argv = tuple(a.format(cache=_cache()) for a in argv)
-    before, cache_before = _listing(work), _fingerprint(_cache())
     try:
-        code, seconds, stderr = _run(argv, work)
+        undo = set_up(probe.setup, work, args) if probe.setup else None
+    except Unavailable as err:
+        return {"name": name, "skipped": str(err)}
+    fill = {"cache": _cache(), "fixtures": args.work / "fixtures", "work": work}
+    argv = tuple(a.format(**fill) for a in probe.argv)
+    env = {k: None if v is None else v.format(**fill) for k, v in probe.env.items()}
+    before, cache_before = _state(work), _fingerprint(_cache())
+    try:
+        code, seconds, stderr = _run(argv, work, env, probe.python)
+        after = _state(work)
     finally:
-        if mounted:
-            subprocess.run(["umount", str(work / "ro")], check=False)
-    left = sorted(set(_listing(work)) - set(before))
+        if undo:
+            undo()
+    left = sorted(set(after) - set(before))
+    left += sorted(f"{path} (changed)" for path in before if after.get(path) != before[path])
     if _fingerprint(_cache()) != cache_before:
         left.append(f"the input {_cache()} changed")
-    return _row(name, code, seconds, stderr, left)
+    row = _row(name, code, seconds, stderr, left if probe.expect else [])
+    if probe.expect == 0 and probe.setup == "maskllm checkpoint":  # resumed = uninterrupted?
+        mine = load_file(work / "out" / COMPRESSED_TENSORS)
+        theirs = load_file(fixture("maskllm", args) / COMPRESSED_TENSORS)
+        row["same_as_uninterrupted"] = mine.keys() == theirs.keys() and all(
+            torch.equal(mine[k], theirs[k]) for k in mine
+        )
+    row["expect"] = probe.expect
+    row["ok"] = _verdict(probe, row)
+    return row
+
+
+def run_writers(work: Path) -> dict[str, Any]:
+    """Two real runs name one output: the first (a long SparseGPT job) holds it; the second
+    starts once the first's lock exists, and must be refused naming the first."""
+    work.mkdir(parents=True)
+    first = subprocess.Popen(
+        [*CLI, "--method", "sparsegpt", "--eval", "-o", "out"],
+        cwd=work,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (work / ".out.lock").exists():
+            if first.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the first run took no lock")
+            time.sleep(0.05)
+        code, seconds, stderr = _run((*QUICK, "-o", "out"), work)
+        first_running = first.poll() is None
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first_code = first.wait()
+    row = _row(WRITERS, code, seconds, stderr, _listing(work))
+    row["first_run"] = {"still running": first_running, "exit after SIGTERM": first_code}
+    row["expect"] = 2
+    row["ok"] = code == 2 and row["stderr_lines"] == 1 and first_running and not _listing(work)
+    return row
 
 
 def run_kill(name: str, work: Path) -> dict[str, Any]:
@@ -178,7 +504,7 @@ def render(payload: dict[str, Any]) -> str:
     rows = []
     for r in payload["results"]:
         if "skipped" in r:
-            rows.append([f"`{r['name']}`", "-", "-", "-", f"skipped: {r['skipped']}", "-"])
+            rows.append([f"`{r['name']}`", "-", "-", "-", f"skipped: {r['skipped']}", "-", "-"])
             continue
         left = ", ".join(r["left_behind"]) or "nothing"
         message = r["message"].replace("|", "\\|")
@@ -199,18 +525,39 @@ def render(payload: dict[str, Any]) -> str:
                     + ", ".join(f"{k} {v}" for k, v in big.items())
                     + ")"
                 )
-        rows.append([f"`{r['name']}`", r["exit"], r["seconds"], r["stderr_lines"], message, left])
-    header = ["input", "exit", "s", "stderr lines", "last stderr line", "left behind"]
-    return "# Bad inputs on SmolLM2-135M (`python -m benchmarks.bad_inputs`)\n\n" + markdown_table(
-        header, rows
+        if "first_run" in r:
+            first = r["first_run"]
+            message += (
+                f"; the first run: {'still running' if first['still running'] else 'ended'}, "
+                f"exit {first['exit after SIGTERM']} after SIGTERM"
+            )
+        if "same_as_uninterrupted" in r:
+            message += f"; resumed = uninterrupted: {r['same_as_uninterrupted']}"
+        exit_code = r["exit"] if "expect" not in r else f"{r['exit']} ({r['expect']})"
+        ok = "-" if "ok" not in r else ("yes" if r["ok"] else "**no**")
+        name = r["name"] if len(r["name"]) < 80 else r["name"][:60] + "…"
+        rows.append([f"`{name}`", exit_code, r["seconds"], r["stderr_lines"], message, left, ok])
+    header = ["input", "exit (expected)", "s", "stderr lines", "last stderr line", "left behind"]
+    header.append("ok")
+    good = sum(1 for r in payload["results"] if r.get("ok"))
+    judged = sum(1 for r in payload["results"] if "ok" in r)
+    return (
+        "# Bad inputs on SmolLM2-135M (`python -m benchmarks.bad_inputs`)\n\n"
+        f"{good} of {judged} judged rows ok: the expected exit (2 for a bad input, 0 for a legal "
+        "one whose result is right); a bad input's error in one stderr line, under 20 s, "
+        "leaving nothing and changing no input.\n\n" + markdown_table(header, rows)
     )
 
 
 def run_row(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """One probe, in an empty directory of its own under ``args.work``."""
     where = args.work / f"probe-{ORDER.index(name):02d}"
+    if where.exists():  # a rerun (--only) in the same --work
+        shutil.rmtree(where)
     if name in PROBES:
-        return run_probe(name, where)
+        return run_probe(name, where, args)
+    if name == WRITERS:
+        return run_writers(where)
     if name in KILLS:
         return run_kill(name, where)
     return run_modes(where)

@@ -42,7 +42,7 @@ from lmcompress.compressor.model.checkpoint import (
 from lmcompress.compressor.model.loading import check_device, model_skeleton, resolve_dtype
 from lmcompress.compressor.util.cache import cache_dir
 from lmcompress.compressor.util.fsutil import format_bytes, free_bytes, sweep_stale
-from lmcompress.errors import ConfigError, LmcompressError, ModelLoadError
+from lmcompress.errors import ConfigError, DataError, LmcompressError, ModelLoadError
 from lmcompress.evaluation.corpora import load_documents
 from lmcompress.evaluation.lm_eval_adapter import check_tasks
 from lmcompress.jobs.options import RunOptions
@@ -83,8 +83,10 @@ def preflight(options: RunOptions, method: Method) -> Plan:
     estimate = estimate_job(skeleton, options, method)
     memory_line = check_fits(estimate, device, force=options.force)
     check_space(_disk_needs(skeleton, options, method, selected), force=options.force)
-    for source in (*options.eval, *((options.calib,) if method.needs_calibration else ())):
-        load_documents(source)  # a misspelt corpus fails before the model loads
+    for source in options.eval:  # a misspelt or too short corpus fails before the model loads
+        check_corpus_length(source, options.seq_len, "evaluation corpus")
+    if method.needs_calibration:
+        check_corpus_length(options.calib, options.seq_len + 1, "calibration corpus")
     return Plan(skeleton=skeleton, estimate=estimate, memory_line=memory_line)
 
 
@@ -185,10 +187,10 @@ def check_writable(path: str | os.PathLike, what: str, inside: bool = True) -> P
             f"{what} {shown} is a dangling symlink (to {shown_path(os.readlink(raw))}); "
             "remove it or choose another path"
         )
-    if not ancestor.is_dir():
-        raise ConfigError(f"{what} {shown}: {shown_path(ancestor)} is a file, not a directory")
     if raw.exists() and not raw.is_dir():
         raise ConfigError(f"{what} {shown} exists and is not a directory")
+    if not ancestor.is_dir():
+        raise ConfigError(f"{what} {shown}: {shown_path(ancestor)} is a file, not a directory")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".lmcompress-probe-", dir=ancestor))
     except OSError as err:
@@ -238,7 +240,7 @@ def _disk_needs(
         if options.dense_copy:
             size += layers * itemsize
         needs.append(DiskNeed(options.output, "output", size))
-    if options.offload_activations:
+    if options.offload_activations and method.needs_calibration:
         hidden = skeleton.config.hidden_size
         size = (
             2 * options.nsamples * options.seq_len * hidden * resolve_dtype(options.dtype).itemsize
@@ -332,6 +334,20 @@ def estimate_job(skeleton: nn.Module, options: RunOptions, method: Method) -> Me
     return estimate.add(max(phases, key=lambda parts: sum(parts.values())))
 
 
+def check_corpus_length(source: str, tokens: int, what: str) -> None:
+    """Read ``source`` (a one-line error if it cannot be) and refuse it when it cannot hold
+    ``tokens`` tokens, before the model loads. A tokenizer makes at most one token per UTF-8
+    byte, plus one word-start piece per word for SentencePiece's (``"▁"``, ``"1"``): fewer
+    than 2 tokens a byte, so a text shorter than half a window in bytes is surely too short
+    (a longer one that still is fails when it is tokenized)."""
+    size = len("\n\n".join(load_documents(source)).encode())
+    if 2 * size + 1 < tokens:
+        raise DataError(
+            f"the {what} {shown_path(source)} has {size} bytes of text: too short for one "
+            f"window of {tokens} tokens; use a larger corpus or a shorter --seq-len"
+        )
+
+
 def check_eval(checkpoint: str, device: str, seq_len: int, tasks: list[str], corpora) -> None:
     """The checks of ``compress-model eval``: device, checkpoint, tasks, positions, corpora."""
     check_device(device)
@@ -340,7 +356,7 @@ def check_eval(checkpoint: str, device: str, seq_len: int, tasks: list[str], cor
         check_tasks(tasks)
     check_seq_len(seq_len, model_config(checkpoint))
     for source in corpora:
-        load_documents(source)
+        check_corpus_length(source, seq_len, "evaluation corpus")
 
 
 def checkpoint_paths(checkpoint: str) -> list[Path]:

@@ -66,7 +66,8 @@ def test_sigkill_leaves_a_temporary_that_the_next_run_removes(job, tmp_path):
     child = _stalled_in_save(argv, tmp_path / "ready")
     child.kill()
     child.communicate()
-    (left,) = out.parent.iterdir()
+    lock, left = sorted(out.parent.iterdir())  # the lock file (its lock died with the job)
+    assert lock.name == ".out.lock"
     assert left.name.startswith(".out.tmp-") and (left / "model.safetensors").exists()
 
     assert main(argv) == 0

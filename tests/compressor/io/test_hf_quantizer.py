@@ -15,6 +15,7 @@ from transformers.quantizers import auto
 
 from lmcompress import compress, load_compressed, save_compressed
 from lmcompress.compressor.formats.base import installed
+from lmcompress.compressor.formats.compose import compose_
 from lmcompress.compressor.formats.int8 import QuantLinear
 from lmcompress.compressor.formats.int8_softmax import Int8Softmax
 from lmcompress.compressor.formats.low_rank import LowRankLinear
@@ -242,7 +243,32 @@ TAMPERED = {  # config, tensor edited, edit, message
         lambda t: t[f"{LAYER}.A"].view(-1)[0].fill_(float("inf")),
         "low_rank tensor A holds 1 non-finite value",
     ),
+    "nan in an int8 weight scale": (
+        Int8Config(),
+        lambda t: t[f"{LAYER}.weight_scale"].view(-1)[2].fill_(float("nan")),
+        "int8 weight_scale",
+    ),
+    "repeated positions in nm_packed_int8": (
+        (MagnitudeConfig(sparsity="2:4"), Int8Config()),
+        lambda t: _set_codes(t, f"{LAYER}.indices", lambda byte: (byte & 0xF0) | 0b0101),
+        "nm_packed_int8 indices: row 0, byte 0: positions \\[1, 1,",
+    ),
+    "inf in an nm_packed_int8 weight scale": (
+        (MagnitudeConfig(sparsity="2:4"), Int8Config()),
+        lambda t: t[f"{LAYER}.weight_scale"].view(-1)[0].fill_(float("inf")),
+        "int8 weight_scale",
+    ),
 }
+
+
+def _export_stages(tmp_path, configs):
+    """An export of the stages ``configs`` (2:4 then int8: ``nm_packed_int8`` layers)."""
+    model = make_tiny_model("llama")
+    data = torch.randint(0, 256, (4, 16))
+    report = compose_(model, [compress(model, config, data=data) for config in configs])
+    return save_compressed(
+        model, tmp_path / "out", report, tokenizer=make_tiny_tokenizer(), dense_copy=False
+    )
 
 
 @pytest.mark.parametrize("case", sorted(TAMPERED))
@@ -251,7 +277,10 @@ def test_tampered_exports_are_refused_by_every_loader_naming_layer_and_tensor(tm
     a ModelLoadError at load, before any forward pass, from load_compressed (both runtimes)
     and from transformers' from_pretrained."""
     config, edit, message = TAMPERED[case]
-    _, _, out = _export(tmp_path, config)
+    if isinstance(config, tuple):
+        out = _export_stages(tmp_path, config)
+    else:
+        _, _, out = _export(tmp_path, config)
     tensors = load_file(out / COMPRESSED_TENSORS)
     edit(tensors)
     save_file(tensors, out / COMPRESSED_TENSORS)
