@@ -230,7 +230,7 @@ def test_blockwise_lowers_the_block_error_and_hits_the_target(refit):
         ({"constraint": "hard"}, "constraint must be"),
         ({"optimizer": "lion"}, "optimizer must be"),
         ({"resume": True}, "checkpoint-dir"),
-        ({"blockwise": True, "checkpoint_dir": "x"}, "does not checkpoint"),
+        ({"blockwise": True, "fsdp": True}, "--fsdp is for end-to-end"),
     ],
 )
 def test_bad_options(options, message):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,22 @@ TENSORS = "state.safetensors"
 META_KEYS = ("state", "config", "options", "params", "data")
 _ABSENT = object()
 _SHOWN = 6  # differences named in one message; the rest are counted
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """Where a run keeps its checkpoints (None: nowhere), whether it resumes from them, and
+    the method's fingerprint they carry (what a resume must agree with)."""
+
+    directory: str | None = None
+    resume: bool = False
+    fingerprint: dict[str, Any] | None = None
+
+    @classmethod
+    def of(cls, config: Any) -> Checkpoints:
+        """A learned method's: from its ``training`` options and its whole config."""
+        training = config.training
+        return cls(training.checkpoint_dir, training.resume, options_fingerprint(config))
 
 
 def options_fingerprint(config: Any) -> dict[str, Any]:
