@@ -308,6 +308,13 @@ def test_blockwise_resume_under_other_options_is_one_line_before_training(tmp_pa
     config = dict(sparsity="0.5", steps=2, batch_size=4, blockwise=True, prior="magnitude")
     ckpt = str(tmp_path / "ckpt")
     _run(SubnetConfig(**config, checkpoint_dir=ckpt))  # a finished run: every block saved
+    from conftest import make_tiny_model
+
+    same_options = SubnetConfig(**config, checkpoint_dir=ckpt, resume=True)
+    digest = "sha256 [0-9a-f]{12}"
+    other = rf"training data: 3 examples from 10 examples, {digest} → 2 examples from 6 examples"
+    with pytest.raises(ConfigError, match=rf"{other}, {digest}; rerun"):
+        compress(make_tiny_model("llama"), same_options, _data()[:8])  # other windows
 
     def no_training(*_args, **_kwargs):
         raise AssertionError("trained before refusing")

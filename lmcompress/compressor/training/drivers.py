@@ -42,7 +42,7 @@ from lmcompress.compressor.calibration.layerwise import (
 )
 from lmcompress.compressor.model.loss import distillation_losses, final_hidden, nll_from_hidden
 from lmcompress.compressor.report import LayerReport
-from lmcompress.compressor.training.checkpoint import Checkpoints, block_dir
+from lmcompress.compressor.training.checkpoint import Checkpoints, block_dir, data_fingerprint
 from lmcompress.compressor.training.trainer import TrainConfig, Trainer, TrainState
 from lmcompress.compressor.util import memory
 from lmcompress.errors import LmcompressError
@@ -235,7 +235,13 @@ def _block_examples(block, index, dense, batches) -> list[tuple[dict, torch.Tens
 
 
 def _train_block(
-    block, index, learnable: Learnable, examples, config: TrainConfig, checkpoints: Checkpoints
+    block,
+    index,
+    learnable: Learnable,
+    examples,
+    config: TrainConfig,
+    checkpoints: Checkpoints,
+    source: str,
 ) -> TrainState:
     """Train ``learnable`` on the relative block-output error of ``examples``, one captured
     batch per step (``config.batch_size`` 1); checkpointed in the block's own directory, the
@@ -261,6 +267,7 @@ def _train_block(
         param_options=learnable.param_options,
         checkpoint_dir=checkpoints.directory and block_dir(checkpoints.directory, index),
         fingerprint=checkpoints.fingerprint,
+        data_source=source,
     )
     with torch.enable_grad():
         state = trainer.fit(examples, resume=checkpoints.resume)
@@ -301,6 +308,7 @@ def learn_blockwise(
     """
     start = time.perf_counter()
     checkpoints = checkpoints or Checkpoints()
+    source = data_fingerprint(data)  # of the token windows every block's examples come from
     dense: list[torch.Tensor] = []  # the dense model's hidden states entering the block
     histories: list[dict[str, Any]] = []
 
@@ -311,7 +319,7 @@ def learn_blockwise(
         learnable = start_block(index, names, accumulators)
         block_config = dataclasses.replace(config, batch_size=1, seed=config.seed + index)
         before = _hard_error(learnable, block, index, examples, hard_batches)
-        state = _train_block(block, index, learnable, examples, block_config, checkpoints)
+        state = _train_block(block, index, learnable, examples, block_config, checkpoints, source)
         after = _hard_error(learnable, block, index, examples, hard_batches)
         histories.append(
             {"block": index, "history": state.history, "hard_before": before, "hard_after": after}

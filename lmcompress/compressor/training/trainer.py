@@ -197,7 +197,9 @@ class Trainer:
     ``weight_decay`` (e.g. a learned scale beside mask logits, as ASLP trains them).
     ``fingerprint``: the method's options that decide the result, saved with every checkpoint
     and compared on resume beside ``config``'s, the parameters' shapes and the data (see
-    :mod:`~lmcompress.compressor.training.checkpoint`).
+    :mod:`~lmcompress.compressor.training.checkpoint`); ``data_source``: what the examples
+    are made from where it matters beyond them (block-wise: the token windows), saved with
+    the examples' own fingerprint.
     """
 
     def __init__(
@@ -215,9 +217,11 @@ class Trainer:
         collate: Callable[[Sequence | torch.Tensor, torch.Tensor], Any] = default_collate,
         param_options: dict[str, dict[str, float]] | None = None,
         fingerprint: dict[str, Any] | None = None,
+        data_source: str | None = None,
     ) -> None:
         self.model, self.params, self.config = model, params, config
         self.fingerprint = fingerprint or {}
+        self.data_source = data_source
         self.data: str | None = None  # checkpoint.data_fingerprint of what ``fit`` trains on
         self.saved_step: int | None = None  # the step of the checkpoint last saved or loaded
         self.collate = collate
@@ -315,6 +319,8 @@ class Trainer:
         if len(data) == 0:
             raise ConfigError("nothing to train on: no examples")
         self.data = checkpoint.data_fingerprint(data)
+        if self.data_source:
+            self.data += f" from {self.data_source}"
         if resume:
             self.load_checkpoint()
         if config.mmap_threshold:  # and return what earlier work (a prior, loading) left free
