@@ -175,6 +175,32 @@ def _cases(tmp_path, good, corpus):  # noqa: PLR0915 - one table
             "skip_dense",
         ),
         "recipe float for int": ([g, "--config", r(tmp_path, "seed", "seed: 1.5\n")], "seed"),
+        "maskllm resume with other sparsity": (
+            [
+                g,
+                "--method",
+                "maskllm",
+                "--sparsity",
+                "4:8",
+                "--resume",
+                "--checkpoint-dir",
+                _maskllm_checkpoint(tmp_path / "ckpt-2-4"),
+            ],
+            "was written with other options: sparsity: 2:4 → 4:8; rerun without --resume",
+        ),
+        "maskllm resume truncated state.safetensors": (
+            [
+                g,
+                "--method",
+                "maskllm",
+                "--sparsity",
+                "2:4",
+                "--resume",
+                "--checkpoint-dir",
+                _maskllm_checkpoint(tmp_path / "ckpt-truncated", truncate=True),
+            ],
+            "state.safetensors is corrupt or incomplete",
+        ),
     }
 
 
@@ -254,6 +280,8 @@ CASE_NAMES = [
     "recipe list as text",
     "recipe bool as text",
     "recipe float for int",
+    "maskllm resume with other sparsity",
+    "maskllm resume truncated state.safetensors",
 ]
 
 
@@ -346,3 +374,47 @@ def test_eval_bad_input_is_one_line_before_loading(
     err = capsys.readouterr().err.strip()
     assert code == 2, err
     assert err.startswith("compress-model: error:") and "\n" not in err and message in err, err
+
+
+def _maskllm_checkpoint(directory, truncate=False):
+    """A training checkpoint as ``compress-model --method maskllm --sparsity 2:4`` writes it
+    (one toy parameter: validation reads only the JSON and the tensor file's header)."""
+    from lmcompress.compressor.training.checkpoint import (
+        CHECKPOINT,
+        options_fingerprint,
+        write_checkpoint,
+    )
+    from lmcompress.methods.maskllm.config import MaskLLMConfig
+
+    meta = {
+        "state": {"step": 1, "history": [], "evals": []},
+        "config": {},
+        "options": options_fingerprint(MaskLLMConfig(sparsity="2:4")),
+        "params": {"x": [2]},
+        "data": None,
+    }
+    tensors = {"param.x": torch.zeros(2), "rng.torch": torch.get_rng_state()}
+    write_checkpoint(directory / CHECKPOINT, tensors, meta)
+    if truncate:
+        path = directory / CHECKPOINT / "state.safetensors"
+        path.write_bytes(path.read_bytes()[:-4])
+    return str(directory)
+
+
+def test_maskllm_resume_may_change_the_checkpoint_interval(tiny_checkpoint, corpus, tmp_path):
+    """Bookkeeping is not a training option: a run checkpointed every step resumes without
+    ``--checkpoint-every`` (and with evaluations every step) to the same masks."""
+    from safetensors.torch import load_file
+
+    def job(out, *flags):
+        argv = [str(tiny_checkpoint), "--calib", str(corpus), "--eval", str(corpus)]
+        argv += ["--eval-tokens", "64", "--skip-dense", "--seq-len", "32", "-o", str(out)]
+        train = ["--method", "maskllm", "--sparsity", "2:4", "--steps", "2", "--prior", "magnitude"]
+        common = ["--nsamples", "4", "--checkpoint-dir", str(tmp_path / "ckpt"), "-q"]
+        return main([*argv, *train, *common, *flags])
+
+    assert job(tmp_path / "first", "--checkpoint-every", "1") == 0
+    assert job(tmp_path / "again", "--resume", "--eval-every", "1") == 0
+    first = load_file(tmp_path / "first" / "stats.safetensors")
+    again = load_file(tmp_path / "again" / "stats.safetensors")
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)

@@ -6,7 +6,7 @@ import torch
 from lmcompress import MaskLLMConfig, SparseGPTConfig, compress, load_compressed, save_compressed
 from lmcompress.compressor.model.surgery import LayerSelection, weight_matrix
 from lmcompress.compressor.training.trainer import Trainer
-from lmcompress.errors import ConfigError
+from lmcompress.errors import ConfigError, LmcompressError
 
 
 def _data():
@@ -129,7 +129,7 @@ def test_export_round_trip_and_transfer(tmp_path):
         ({"refit": "lstsq"}, "refit must be"),
         ({"noise": "fast"}, "noise must be"),
         ({"straight_through_from": 1.5}, "straight_through_from"),
-        ({"blockwise": True, "checkpoint_dir": "x", "resume": True}, "do not checkpoint"),
+        ({"checkpoint_dir": "nowhere", "resume": True}, "no checkpoint in nowhere"),
         ({"blockwise": True, "distill": True}, "distill"),
         ({"blockwise": True, "fsdp": True}, "fsdp"),
     ],
@@ -207,3 +207,93 @@ def test_cheap_noise_and_late_straight_through_train(option):
         MaskLLMConfig(sparsity="2:4", steps=6, lr=0.05, batch_size=2, prior="magnitude")
     )
     assert any(not torch.equal(stats.tensors[k], v) for k, v in base_stats.tensors.items())
+
+
+def _killed_after(monkeypatch, step):
+    """``Trainer.fit`` that dies after ``step`` steps (as a killed process would)."""
+    original_fit = Trainer.fit
+
+    def killed_fit(self, data, resume=False, stop_after=None):  # noqa: ARG001
+        original_fit(self, data, resume=resume, stop_after=step)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "fit", killed_fit)
+    return original_fit
+
+
+def test_resume_with_other_bookkeeping_is_the_uninterrupted_result(tmp_path, monkeypatch):
+    """Killed with checkpoints every 2 steps and no evaluation in between; resumed with
+    checkpoints every 3 and an evaluation every 2 steps: the same logits as a straight run."""
+    config = dict(sparsity="2:4", steps=6, lr=0.05, batch_size=2, prior="magnitude")
+    straight, _, straight_stats = _run(MaskLLMConfig(**config))
+    ckpt = str(tmp_path / "ckpt")
+    original_fit = _killed_after(monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        _run(MaskLLMConfig(**config, checkpoint_dir=ckpt, checkpoint_every=2))
+    monkeypatch.setattr(Trainer, "fit", original_fit)
+    resumed, report, stats = _run(
+        MaskLLMConfig(**config, checkpoint_dir=ckpt, checkpoint_every=3, eval_every=2, resume=True)
+    )
+    for key, value in straight_stats.tensors.items():
+        assert torch.equal(stats.tensors[key], value), key
+    assert _same_masks(straight, resumed)
+    assert [e["step"] for e in report.extra["hard_ppl"]] == [0, 4, 6]  # evaluated after resume
+
+
+def test_resume_with_other_options_is_one_line_before_any_work(tmp_path, monkeypatch):
+    """A checkpoint of 2:4 masks resumed with 4:8 (other logits' shapes) and another lr: one
+    ConfigError naming both, from validate (before the prior or any training)."""
+    import lmcompress.methods.maskllm.end_to_end as end_to_end
+
+    config = dict(steps=2, lr=0.05, batch_size=2, prior="magnitude", checkpoint_dir=str(tmp_path))
+    _run(MaskLLMConfig(sparsity="2:4", **config, checkpoint_every=2))
+
+    def no_work(*_args, **_kwargs):
+        raise AssertionError("worked before refusing")
+
+    monkeypatch.setattr(end_to_end, "prior_masks", no_work)
+    monkeypatch.setattr(Trainer, "fit", no_work)
+    other = MaskLLMConfig(sparsity="4:8", **{**config, "lr": 1e-3}, resume=True)
+    with pytest.raises(ConfigError) as err:
+        _run(other)
+    assert str(err.value) == (
+        f"checkpoint {tmp_path / 'trainer_state'} was written with other options: "
+        "sparsity: 2:4 → 4:8; lr: 0.05 → 0.001; rerun without --resume or with the same options"
+    )
+
+
+def test_resume_from_a_truncated_checkpoint_is_one_line_naming_the_file(tmp_path):
+    config = dict(sparsity="2:4", steps=2, lr=0.05, batch_size=2, prior="magnitude")
+    _run(MaskLLMConfig(**config, checkpoint_dir=str(tmp_path), checkpoint_every=2))
+    tensors = tmp_path / "trainer_state" / "state.safetensors"
+    tensors.write_bytes(tensors.read_bytes()[:-100])
+    with pytest.raises(LmcompressError) as err:
+        _run(MaskLLMConfig(**config, checkpoint_dir=str(tmp_path), resume=True))
+    text = str(err.value)
+    assert "\n" not in text and text.startswith(f"checkpoint {tensors} is corrupt or incomplete")
+    assert text.endswith("delete it or rerun without --resume")
+
+
+def test_blockwise_run_killed_mid_block_resumes_to_the_same_masks(tmp_path, monkeypatch):
+    config = dict(sparsity="2:4", steps=4, lr=0.02, batch_size=2, blockwise=True, prior="magnitude")
+    straight, _, straight_stats = _run(MaskLLMConfig(**config))
+    ckpt = str(tmp_path / "ckpt")
+    original_fit, calls = Trainer.fit, []
+
+    def killed_in_block_1(self, data, resume=False, stop_after=None):  # noqa: ARG001
+        calls.append(None)
+        if len(calls) == 1:
+            return original_fit(self, data, resume=resume)
+        original_fit(self, data, resume=resume, stop_after=3)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "fit", killed_in_block_1)
+    with pytest.raises(KeyboardInterrupt):
+        _run(MaskLLMConfig(**config, checkpoint_dir=ckpt, checkpoint_every=2))
+    monkeypatch.setattr(Trainer, "fit", original_fit)
+    resumed, report, stats = _run(MaskLLMConfig(**config, checkpoint_dir=ckpt, resume=True))
+    assert stats.tensors.keys() == straight_stats.tensors.keys()
+    for key, value in straight_stats.tensors.items():
+        assert torch.equal(stats.tensors[key], value), key
+    assert _same_masks(straight, resumed)
+    assert [len(b["curve"]) for b in report.extra["block_curves"]] == [4, 4]

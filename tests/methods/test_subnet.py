@@ -1,6 +1,8 @@
 """Stochastic subnetwork extraction (ASLP): the sampler's statistics, straight-through
 gradients, exact sparsity, extraction = the parametrized model in hard mode, resume, export."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -230,9 +232,100 @@ def test_blockwise_lowers_the_block_error_and_hits_the_target(refit):
         ({"constraint": "hard"}, "constraint must be"),
         ({"optimizer": "lion"}, "optimizer must be"),
         ({"resume": True}, "checkpoint-dir"),
-        ({"blockwise": True, "checkpoint_dir": "x"}, "does not checkpoint"),
+        ({"blockwise": True, "fsdp": True}, "--fsdp is for end-to-end"),
     ],
 )
 def test_bad_options(options, message):
     with pytest.raises(ConfigError, match=message):
         SubnetConfig(**options)
+
+
+def _killed_in_block(monkeypatch, block, step):
+    """``Trainer.fit`` that dies in the ``block``-th training (0-based) after ``step`` steps,
+    as a killed process would; the trainings before it run whole."""
+    original_fit, calls = Trainer.fit, []
+
+    def killed_fit(self, data, resume=False, stop_after=None):  # noqa: ARG001
+        calls.append(None)
+        if len(calls) <= block:
+            return original_fit(self, data, resume=resume)
+        original_fit(self, data, resume=resume, stop_after=step)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "fit", killed_fit)
+    return original_fit
+
+
+@pytest.mark.parametrize(
+    ("every", "step", "again", "trained", "saved"),
+    [(2, 3, 3, 2, 2), (0, 1, 2, 4, 1)],
+)
+def test_blockwise_run_killed_mid_block_resumes_bit_for_bit(
+    tmp_path, monkeypatch, every, step, again, trained, saved
+):
+    """Killed in block 1 (of 2) at ``step`` with checkpoints every ``every`` steps (0: only
+    each trained block's), then resumed with another interval ``again``: block 0 is replayed
+    from its checkpoint, block 1 trains the ``trained`` steps left, and the logits, scales and
+    compressed weights are exactly the uninterrupted run's."""
+    config = dict(
+        sparsity="0.5", steps=4, batch_size=4, blockwise=True, prior="magnitude", scale="row",
+        optimizer="adamw", lr=0.05,
+    )  # fmt: skip
+    straight, straight_report, straight_stats = _run(SubnetConfig(**config))
+    ckpt = str(tmp_path / "ckpt")
+    original_fit = _killed_in_block(monkeypatch, 1, step)
+    with pytest.raises(KeyboardInterrupt):
+        _run(SubnetConfig(**config, checkpoint_dir=ckpt, checkpoint_every=every))
+    monkeypatch.setattr(Trainer, "fit", original_fit)
+    found = sorted(p.relative_to(ckpt).as_posix() for p in Path(ckpt).glob("*/trainer_state"))
+    assert found == [f"block-{i:04d}/trainer_state" for i in range(saved)]
+    steps, original_step = [], Trainer._step
+
+    def counted_step(self, data):
+        steps.append(self.state.step)
+        return original_step(self, data)
+
+    monkeypatch.setattr(Trainer, "_step", counted_step)
+    resumed, report, stats = _run(
+        SubnetConfig(**config, checkpoint_dir=ckpt, checkpoint_every=again, resume=True)
+    )
+    assert steps == list(range(4 - trained, 4))  # block 1's steps left, block 0's none
+    assert straight_stats.tensors.keys() == stats.tensors.keys()
+    assert any(k.endswith(".scale") for k in stats.tensors)
+    for key, value in straight_stats.tensors.items():
+        assert torch.equal(stats.tensors[key], value), key
+    expected = straight.state_dict()
+    for key, value in resumed.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    curves = [[c["loss"] for c in b["curve"]] for b in report.extra["block_curves"]]
+    assert curves == [
+        [c["loss"] for c in b["curve"]] for b in straight_report.extra["block_curves"]
+    ]
+    assert [len(c) for c in curves] == [4, 4]
+
+
+def test_blockwise_resume_under_other_options_is_one_line_before_training(tmp_path, monkeypatch):
+    config = dict(sparsity="0.5", steps=2, batch_size=4, blockwise=True, prior="magnitude")
+    ckpt = str(tmp_path / "ckpt")
+    _run(SubnetConfig(**config, checkpoint_dir=ckpt))  # a finished run: every block saved
+    from conftest import make_tiny_model
+
+    same_options = SubnetConfig(**config, checkpoint_dir=ckpt, resume=True)
+    digest = "sha256 [0-9a-f]{12}"
+    other = rf"training data: 3 examples from 10 examples, {digest} → 2 examples from 6 examples"
+    with pytest.raises(ConfigError, match=rf"{other}, {digest}; rerun"):
+        compress(make_tiny_model("llama"), same_options, _data()[:8])  # other windows
+
+    def no_training(*_args, **_kwargs):
+        raise AssertionError("trained before refusing")
+
+    monkeypatch.setattr(Trainer, "fit", no_training)
+    other = SubnetConfig(**{**config, "scale": "row"}, checkpoint_dir=ckpt, resume=True)
+    with pytest.raises(ConfigError) as err:
+        _run(other)
+    text = str(err.value)
+    assert "\n" not in text and "scale: layer → row;" in text, text
+    assert text.startswith(f"checkpoint {ckpt}/block-0000/trainer_state was written with other")
+    end_to_end = SubnetConfig(**{**config, "blockwise": False}, checkpoint_dir=ckpt, resume=True)
+    with pytest.raises(ConfigError, match="blockwise: true → false"):
+        _run(end_to_end)

@@ -7,7 +7,13 @@ trainer and gives back the history.
 - :func:`learn_blockwise`: inside the layer-wise loop, block i's parameters are trained so that
   its output matches the dense model's hidden states after block i, from the compressed model's
   hidden states entering it. A dense stream runs alongside (earlier blocks' errors are
-  compensated, not accumulated); ``steps`` are per block.
+  compensated, not accumulated); ``steps`` are per block. With a checkpoint directory, each
+  block keeps its own checkpoint (``checkpoint.block_dir``): every ``checkpoint_every`` steps
+  and once the block is trained; a resumed run replays the finished blocks from theirs (their
+  forward passes, not their training) and continues the interrupted one from its last.
+
+Both save with every checkpoint the method's ``fingerprint`` (``checkpoint.options_fingerprint``
+of its config): a resume under other options is refused naming them.
 
 A method's per-block (or whole-model) state is a :class:`Learnable`: the trained parameters,
 their per-parameter optimiser options, the extra loss terms (evaluated inside the same
@@ -36,6 +42,7 @@ from lmcompress.compressor.calibration.layerwise import (
 )
 from lmcompress.compressor.model.loss import distillation_losses, final_hidden, nll_from_hidden
 from lmcompress.compressor.report import LayerReport
+from lmcompress.compressor.training.checkpoint import Checkpoints, block_dir, data_fingerprint
 from lmcompress.compressor.training.trainer import TrainConfig, Trainer, TrainState
 from lmcompress.compressor.util import memory
 from lmcompress.errors import LmcompressError
@@ -138,8 +145,7 @@ def learn_end_to_end(
     learnable: Learnable,
     config: TrainConfig,
     eval_data: torch.Tensor | None = None,
-    checkpoint_dir: str | None = None,
-    resume: bool = False,
+    checkpoints: Checkpoints | None = None,
     accelerator: Any = None,
     distill: bool = False,
 ) -> EndToEndResult:
@@ -148,7 +154,9 @@ def learn_end_to_end(
     ``model`` with ``learnable.masks`` disabled). With ``eval_data`` (held-out windows), the
     hard masks' perplexity is measured before training and at every evaluation. ``accelerator``
     (``distributed.join_processes``): several processes, the parameters sharded or not.
-    Raises if training ends before ``config.steps`` (a run stopped early)."""
+    ``checkpoints``: where to checkpoint, whether to resume. Raises if training ends before
+    ``config.steps`` (a run stopped early)."""
+    checkpoints = checkpoints or Checkpoints()
     step0 = hard_perplexity(model, eval_data, learnable.masks)
     trainer = Trainer(
         model,
@@ -159,12 +167,13 @@ def learn_end_to_end(
         evaluate=(lambda _step: hard_perplexity(model, eval_data, learnable.masks))
         if eval_data is not None
         else None,
-        checkpoint_dir=checkpoint_dir,
+        checkpoint_dir=checkpoints.directory,
         accelerator=accelerator,
         param_options=learnable.param_options,
+        fingerprint=checkpoints.fingerprint,
     )
     model.train(False)  # no dropout: the masks are what is learned
-    state = trainer.fit(train_data, resume=resume)
+    state = trainer.fit(train_data, resume=checkpoints.resume)
     if state.step < config.steps:
         raise LmcompressError(f"training stopped at step {state.step} of {config.steps}")
     del trainer  # the optimiser moments (AdamW: 2x the parameters) are no longer needed
@@ -225,9 +234,18 @@ def _block_examples(block, index, dense, batches) -> list[tuple[dict, torch.Tens
     return list(zip(batches, targets, scales, strict=True))
 
 
-def _train_block(block, index, learnable: Learnable, examples, config: TrainConfig) -> TrainState:
+def _train_block(
+    block,
+    index,
+    learnable: Learnable,
+    examples,
+    config: TrainConfig,
+    checkpoints: Checkpoints,
+    source: str,
+) -> TrainState:
     """Train ``learnable`` on the relative block-output error of ``examples``, one captured
-    batch per step (``config.batch_size`` 1)."""
+    batch per step (``config.batch_size`` 1); checkpointed in the block's own directory, the
+    trained state too (a resume replays the block from it)."""
 
     def loss_fn(_block: nn.Module, example: tuple, step: int):
         batch, target, scale = example
@@ -247,9 +265,15 @@ def _train_block(block, index, learnable: Learnable, examples, config: TrainConf
         leave=False,
         collate=lambda items, idx: items[int(idx[0])],
         param_options=learnable.param_options,
+        checkpoint_dir=checkpoints.directory and block_dir(checkpoints.directory, index),
+        fingerprint=checkpoints.fingerprint,
+        data_source=source,
     )
     with torch.enable_grad():
-        return trainer.fit(examples)
+        state = trainer.fit(examples, resume=checkpoints.resume)
+    if state.step == config.steps and trainer.saved_step != state.step:
+        trainer.save_checkpoint()
+    return state
 
 
 @dataclass
@@ -269,6 +293,7 @@ def learn_blockwise(
     make_accumulator: Callable[[str, nn.Module], Accumulator],
     device: torch.device,
     hard_batches: int = 2,
+    checkpoints: Checkpoints | None = None,
 ) -> BlockwiseResult:
     """Train each decoder block's ``Learnable`` in turn on the relative block-output error.
 
@@ -279,9 +304,11 @@ def learn_blockwise(
     of ``config.batch_size`` windows; block i trains on one captured batch per step, with seed
     ``config.seed + i``. The history of each block also holds the hard masks' block error on
     the first ``hard_batches`` batches before and after training (``hard_before``,
-    ``hard_after``).
+    ``hard_after``). ``checkpoints``: see the module's doc.
     """
     start = time.perf_counter()
+    checkpoints = checkpoints or Checkpoints()
+    source = data_fingerprint(data)  # of the token windows every block's examples come from
     dense: list[torch.Tensor] = []  # the dense model's hidden states entering the block
     histories: list[dict[str, Any]] = []
 
@@ -292,7 +319,7 @@ def learn_blockwise(
         learnable = start_block(index, names, accumulators)
         block_config = dataclasses.replace(config, batch_size=1, seed=config.seed + index)
         before = _hard_error(learnable, block, index, examples, hard_batches)
-        state = _train_block(block, index, learnable, examples, block_config)
+        state = _train_block(block, index, learnable, examples, block_config, checkpoints, source)
         after = _hard_error(learnable, block, index, examples, hard_batches)
         histories.append(
             {"block": index, "history": state.history, "hard_before": before, "hard_after": after}

@@ -24,6 +24,11 @@ from torch import nn
 from lmcompress.compressor.options import check_choices, check_types
 from lmcompress.errors import ConfigError
 
+# Options that change how a run is watched and saved, not what it learns: a resume may change
+# them (``checkpoint.options_fingerprint`` leaves them out). ``fsdp`` only lays the same
+# training out over processes, and checkpoints hold whole tensors (resumable with any number).
+BOOKKEEPING = frozenset({"checkpoint_dir", "checkpoint_every", "resume", "eval_every", "fsdp"})
+
 
 @dataclass(frozen=True)
 class TrainingOptions:

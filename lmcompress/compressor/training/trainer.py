@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from lmcompress.compressor.io.shards import read_safetensors
+from lmcompress.compressor.training import checkpoint
+from lmcompress.compressor.training.checkpoint import CHECKPOINT
 from lmcompress.compressor.training.distributed import (
     average_gradients,
     barrier,
@@ -44,20 +44,19 @@ from lmcompress.compressor.training.distributed import (
 )
 from lmcompress.compressor.training.options import TrainingOptions, check_counts, trainable_only
 from lmcompress.compressor.util import memory
-from lmcompress.compressor.util.fsutil import atomic_dir
 from lmcompress.compressor.util.progress import bar_disabled
-from lmcompress.errors import ConfigError, LmcompressError
+from lmcompress.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT = "trainer_state"
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("cosine", "constant")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """What determines the result of training (a checkpoint resumes only under the same)."""
+    """What determines the result of training (a checkpoint resumes only under the same), and
+    the bookkeeping fields, :data:`BOOKKEEPING`, which do not (a resume may change them)."""
 
     steps: int = 100
     lr: float = 2e-4
@@ -70,9 +69,10 @@ class TrainConfig:
     momentum: float = 0.9
     schedule: str = "cosine"  # or "constant" (after the warmup)
     warmup_steps: int = 0
-    eval_every: int = 0  # 0: only at the end
     bf16: bool = False
     seed: int = 0
+    # --- bookkeeping ---
+    eval_every: int = 0  # 0: only at the end
     checkpoint_every: int = 0  # 0: no checkpoints
     # > 0: glibc serves allocations of at least this many bytes with mmap during training, so
     # freed step temporaries go back to the system (see compressor.memory); 0: malloc's default
@@ -88,12 +88,20 @@ class TrainConfig:
                 f"got {self.optimizer!r}, {self.schedule!r}"
             )
 
+    def fingerprint(self) -> dict[str, Any]:
+        """The fields that decide the result (what a checkpoint must agree with), as JSON."""
+        kept = {k: v for k, v in asdict(self).items() if k not in BOOKKEEPING}
+        return json.loads(json.dumps(kept))
+
     @classmethod
     def from_options(cls, options: TrainingOptions, **overrides: Any) -> TrainConfig:
         """The fields ``options`` shares by name, ``seed`` from ``train_seed``, then
         ``overrides`` (e.g. a per-block seed, an mmap threshold)."""
         shared = {f.name: getattr(options, f.name) for f in fields(cls) if hasattr(options, f.name)}
         return cls(**{**shared, "seed": options.train_seed, **overrides})
+
+
+BOOKKEEPING = ("eval_every", "checkpoint_every", "mmap_threshold")
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:
@@ -187,6 +195,11 @@ class Trainer:
     dict`` scores the model (e.g. the hard-mask perplexity). ``param_options`` gives a
     parameter its own ``lr`` (its peak: the schedule scales every one alike) or
     ``weight_decay`` (e.g. a learned scale beside mask logits, as ASLP trains them).
+    ``fingerprint``: the method's options that decide the result, saved with every checkpoint
+    and compared on resume beside ``config``'s, the parameters' shapes and the data (see
+    :mod:`~lmcompress.compressor.training.checkpoint`); ``data_source``: what the examples
+    are made from where it matters beyond them (block-wise: the token windows), saved with
+    the examples' own fingerprint.
     """
 
     def __init__(
@@ -203,8 +216,14 @@ class Trainer:
         leave: bool = True,
         collate: Callable[[Sequence | torch.Tensor, torch.Tensor], Any] = default_collate,
         param_options: dict[str, dict[str, float]] | None = None,
+        fingerprint: dict[str, Any] | None = None,
+        data_source: str | None = None,
     ) -> None:
         self.model, self.params, self.config = model, params, config
+        self.fingerprint = fingerprint or {}
+        self.data_source = data_source
+        self.data: str | None = None  # checkpoint.data_fingerprint of what ``fit`` trains on
+        self.saved_step: int | None = None  # the step of the checkpoint last saved or loaded
         self.collate = collate
         self.desc, self.leave = desc, leave  # progress bar label; keep it when done
         self.loss_fn, self.before_step, self.evaluate = loss_fn, before_step, evaluate
@@ -215,39 +234,51 @@ class Trainer:
 
     # --- checkpoints ----------------------------------------------------------------------
 
+    def _meta(self) -> dict[str, Any]:
+        """What a checkpoint must agree with to be resumed (``data`` once ``fit`` saw it)."""
+        meta = {
+            "config": self.config.fingerprint(),
+            "options": self.fingerprint,
+            "params": {name: list(param.shape) for name, param in self.params.items()},
+        }
+        return meta if self.data is None else {**meta, "data": self.data}
+
     def save_checkpoint(self) -> None:
         """Write the whole training state atomically into ``checkpoint_dir/trainer_state``.
-        Every process must call it (sharded tensors are gathered); the main one writes."""
+        Every process must call it (sharded tensors are gathered); the main one writes. At the
+        last step the optimiser moments are left out: no step follows a resume from there."""
         if self.checkpoint_dir is None:
             return
         tensors = {f"param.{k}": full_tensor(v.detach()) for k, v in self.params.items()}
         opt = self.optimizer.state_dict()
         names = list(self.params)
-        for index, moments in opt["state"].items():
-            for key, value in moments.items():
-                tensors[f"opt.{names[index]}.{key}"] = full_tensor(value.detach())
+        if self.state.step < self.config.steps:
+            for index, moments in opt["state"].items():
+                for key, value in moments.items():
+                    tensors[f"opt.{names[index]}.{key}"] = full_tensor(value.detach())
         if self._is_main():
             tensors = {k: v.cpu().contiguous() for k, v in tensors.items()}
             tensors["rng.torch"] = torch.get_rng_state()
-            with atomic_dir(self.checkpoint_dir / CHECKPOINT) as tmp:
-                save_file(tensors, str(tmp / "state.safetensors"))
-                meta = {"state": asdict(self.state), "config": asdict(self.config)}
-                (tmp / "state.json").write_text(json.dumps(meta))
+            meta = {"state": asdict(self.state), "data": None, **self._meta()}
+            checkpoint.write_checkpoint(self.checkpoint_dir / CHECKPOINT, tensors, meta)
+        self.saved_step = self.state.step
         barrier()  # no process reads or rewrites the checkpoint before it is complete
 
     def load_checkpoint(self) -> bool:
-        """Restore the state saved by :meth:`save_checkpoint`; False if there is none."""
+        """Restore the state saved by :meth:`save_checkpoint`; False if there is none. A
+        checkpoint of other options, parameters or data, or one that cannot be read, is a
+        one-line error (before any parameter changes)."""
         source = self.checkpoint_dir / CHECKPOINT if self.checkpoint_dir else None
-        if source is None or not (source / "state.json").is_file():
+        if source is None or not source.is_dir():
             return False
-        meta = json.loads((source / "state.json").read_text())
-        saved = {k: v for k, v in meta["config"].items()}
-        saved["betas"] = tuple(saved["betas"])
-        if TrainConfig(**saved) != self.config:
-            raise LmcompressError(
-                f"{source} was written with other training options; cannot resume"
-            )
-        tensors, _ = read_safetensors(source / "state.safetensors")
+        meta = checkpoint.read_meta(source)
+        checkpoint.check_matches(source, meta, self._meta())
+        checkpoint.check_tensors(source, meta)
+        tensors = checkpoint.read_tensors(source)
+        try:
+            state = TrainState(**meta["state"])
+        except TypeError as err:
+            raise checkpoint.corrupt(source / checkpoint.STATE, f"state: {err}") from None
         with torch.no_grad():
             for name, param in self.params.items():
                 param.copy_(shard_like(tensors[f"param.{name}"].to(param.device), param))
@@ -263,7 +294,7 @@ class Trainer:
                 }
         self.optimizer.load_state_dict(opt)
         torch.set_rng_state(tensors["rng.torch"])
-        self.state = TrainState(**meta["state"])
+        self.state, self.saved_step = state, state.step
         logger.info("resumed from %s at step %d", source, self.state.step)
         return True
 
@@ -287,6 +318,9 @@ class Trainer:
             data = list(data)
         if len(data) == 0:
             raise ConfigError("nothing to train on: no examples")
+        self.data = checkpoint.data_fingerprint(data)
+        if self.data_source:
+            self.data += f" from {self.data_source}"
         if resume:
             self.load_checkpoint()
         if config.mmap_threshold:  # and return what earlier work (a prior, loading) left free

@@ -3,7 +3,9 @@ so that its output matches the dense model's hidden states after block i, from t
 model's hidden states entering it (the core's ``drivers.learn_blockwise``: a dense stream runs
 alongside, so earlier blocks' errors are compensated, not accumulated; ``steps`` are per block,
 each one block's forward and backward). The prior comes from the same loop: the one-shot
-prior's mask from the Hessian it accumulates.
+prior's mask from the Hessian it accumulates. With ``--checkpoint-dir`` each block is
+checkpointed (``--checkpoint-every`` steps within it, and once trained) and ``--resume``
+continues a killed run to exactly the uninterrupted result.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from lmcompress.compressor.calibration.layerwise import Accumulator
 from lmcompress.compressor.method import Stats
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.compressor.report import LayerReport
+from lmcompress.compressor.training.checkpoint import Checkpoints
 from lmcompress.compressor.training.drivers import Learnable, hard_perplexity, learn_blockwise
 from lmcompress.compressor.training.trainer import TrainConfig
 from lmcompress.methods.common import prune_layer_
@@ -119,6 +122,7 @@ def calibrate_blockwise(
         TrainConfig.from_options(training),
         make_accumulator=hessian,
         device=device or next(model.parameters()).device,
+        checkpoints=Checkpoints.of(config),
     )
     final = hard_perplexity(model, eval_data)
     return Stats(

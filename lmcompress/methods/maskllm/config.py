@@ -79,8 +79,6 @@ class MaskLLMConfig(PruningConfig):
                 f"straight_through_from must lie in [0, 1], got {self.straight_through_from}"
             )
         training, blockwise = self.training, self.scope.blockwise
-        if blockwise and (training.checkpoint_dir or training.resume):
-            raise ConfigError("--blockwise runs do not checkpoint: drop --checkpoint-dir/--resume")
         if blockwise and training.fsdp:
             raise ConfigError("--fsdp is for end-to-end training; --blockwise runs one process")
         if blockwise and self.distill:

@@ -17,6 +17,7 @@ from torch.nn.utils import parametrize
 
 from lmcompress.compressor.method import Stats
 from lmcompress.compressor.training import distributed
+from lmcompress.compressor.training.checkpoint import Checkpoints
 from lmcompress.compressor.training.drivers import (
     MMAP_THRESHOLD,
     Learnable,
@@ -85,8 +86,7 @@ def calibrate_end_to_end(
         learnable,
         TrainConfig.from_options(training, mmap_threshold=MMAP_THRESHOLD),
         eval_data=eval_data,
-        checkpoint_dir=training.checkpoint_dir,
-        resume=training.resume,
+        checkpoints=Checkpoints.of(config),
         accelerator=accelerator,
         distill=config.distill,
     )

@@ -27,8 +27,8 @@ from lmcompress.compressor.report import CompressionReport
 # ``distributed`` is reached as ``maskllm.method.distributed`` by tests that spy on the
 # sharding of the logits (``shard_modules``)
 from lmcompress.compressor.training import distributed  # noqa: F401
+from lmcompress.compressor.training.checkpoint import check_resume
 from lmcompress.compressor.training.drivers import blockwise_estimate, training_extra
-from lmcompress.compressor.training.trainer import CHECKPOINT
 from lmcompress.errors import ConfigError
 from lmcompress.methods.common import count_params, prune_layer_
 from lmcompress.methods.maskllm.blockwise import calibrate_blockwise
@@ -55,16 +55,10 @@ class MaskLLM(PruningMethod):
         return (data[:-held], data[-held:]) if held > 0 else (data, None)
 
     def validate(self, model: nn.Module) -> dict[str, nn.Module]:
-        """Also the files this run reads: ``--resume`` needs a checkpoint to resume from (it is
-        not "resume if possible": a typo in ``--checkpoint-dir`` would silently start afresh),
-        ``--prior-from`` a maskllm output directory."""
+        """Also the files this run reads: ``--resume`` needs checkpoints of the same options
+        (``checkpoint.check_resume``), ``--prior-from`` a maskllm output directory."""
         layers = super().validate(model)
-        training = self.config.training
-        if training.resume and not (Path(training.checkpoint_dir) / CHECKPOINT).is_dir():
-            raise ConfigError(
-                f"--resume: no checkpoint in {training.checkpoint_dir} (nothing to resume from; "
-                "drop --resume to start afresh)"
-            )
+        check_resume(self.config)
         if self.config.prior_from and not (Path(self.config.prior_from) / STATS).is_file():
             raise ConfigError(
                 f"--prior-from {self.config.prior_from}: no {STATS} (not a maskllm output)"

@@ -76,9 +76,5 @@ class SubnetConfig(PruningConfig):
         nm = self.sparsity.is_nm or any(s.is_nm for _, s in self.layer_rules)
         if self.extract == "threshold" and nm:
             raise ConfigError("--extract threshold is for unstructured masks, not N:M")
-        training = self.training
-        if self.scope.blockwise and (training.checkpoint_dir or training.resume or training.fsdp):
-            raise ConfigError(
-                "--blockwise runs one process and does not checkpoint: drop "
-                "--checkpoint-dir/--resume/--fsdp"
-            )
+        if self.scope.blockwise and self.training.fsdp:
+            raise ConfigError("--fsdp is for end-to-end training; --blockwise runs one process")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -17,6 +16,7 @@ from lmcompress.compressor.model.budget import backward_bytes
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.compressor.training import distributed
+from lmcompress.compressor.training.checkpoint import Checkpoints, check_resume
 from lmcompress.compressor.training.drivers import (
     MMAP_THRESHOLD,
     Learnable,
@@ -26,7 +26,7 @@ from lmcompress.compressor.training.drivers import (
     learn_end_to_end,
     training_extra,
 )
-from lmcompress.compressor.training.trainer import CHECKPOINT, TrainConfig
+from lmcompress.compressor.training.trainer import TrainConfig
 from lmcompress.errors import ConfigError
 from lmcompress.methods.common import count_params, prune_layer_
 from lmcompress.methods.priors import (
@@ -71,10 +71,9 @@ class Subnet(PruningMethod):
         )
 
     def validate(self, model: nn.Module) -> dict[str, nn.Module]:
+        """Also ``--resume``'s checkpoints: there, and of the same options."""
         layers = super().validate(model)
-        training = self.config.training
-        if training.resume and not (Path(training.checkpoint_dir) / CHECKPOINT).is_dir():
-            raise ConfigError(f"--resume: no checkpoint in {training.checkpoint_dir}")
+        check_resume(self.config)
         return layers
 
     def memory_estimate(
@@ -112,7 +111,7 @@ class Subnet(PruningMethod):
         return self._end_to_end(model, train_data, eval_data, layers, device)
 
     def _end_to_end(self, model, train_data, eval_data, layers, device) -> Stats:
-        config, training = self.config, self.config.training
+        config = self.config
         start = time.perf_counter()
         priors = (
             one_shot_prior_masks(
@@ -129,8 +128,7 @@ class Subnet(PruningMethod):
             learnable(config, masks),
             self._train_config(mmap_threshold=MMAP_THRESHOLD),
             eval_data=eval_data,
-            checkpoint_dir=training.checkpoint_dir,
-            resume=training.resume,
+            checkpoints=Checkpoints.of(config),
             accelerator=distributed.accelerator(next(model.parameters()).device),
         )
         tensors = _learned_tensors(masks)
@@ -192,6 +190,7 @@ class Subnet(PruningMethod):
             self._train_config(),
             make_accumulator=refit.hessian,
             device=device,
+            checkpoints=Checkpoints.of(config),
         )
         final = hard_perplexity(model, eval_data)
         return Stats(

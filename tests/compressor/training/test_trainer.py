@@ -2,14 +2,17 @@
 processes, requires_grad flags given back, and options derived from TrainingOptions."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from lmcompress.compressor.training.options import TrainingOptions, trainable_only
 from lmcompress.compressor.training.trainer import TrainConfig, Trainer, batch_indices
-from lmcompress.errors import ConfigError
+from lmcompress.errors import ConfigError, LmcompressError
 from lmcompress.methods.maskllm.config import MaskLLMConfig
 
 
@@ -126,17 +129,159 @@ def test_killed_run_resumes_to_exactly_the_uninterrupted_result(tmp_path):
     assert not torch.equal(killed.scale, straight.scale)
 
 
-def test_resume_refuses_other_options(tmp_path):
+def _interrupted(tmp_path, config, fingerprint=None, stop_after=2):
+    """A run killed after ``stop_after`` steps (its checkpoints in ``tmp_path``)."""
     model = Toy()
+    Trainer(
+        model, {"scale": model.scale}, config, _loss, checkpoint_dir=tmp_path, leave=False,
+        fingerprint=fingerprint,
+    ).fit(_examples(), stop_after=stop_after)  # fmt: skip
+
+
+def _resume(tmp_path, config, params=None, fingerprint=None, data=None):
+    model = Toy()
+    trainer = Trainer(
+        model, params or {"scale": model.scale}, config, _loss, checkpoint_dir=tmp_path,
+        leave=False, fingerprint=fingerprint,
+    )  # fmt: skip
+    return model, trainer.fit(_examples() if data is None else data, resume=True)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"lr": 1e-3}, "lr: 0.0002 → 0.001"),
+        ({"lr": 1e-3, "steps": 5}, "steps: 4 → 5; lr: 0.0002 → 0.001"),
+        ({"betas": (0.8, 0.95)}, "betas: [0.9, 0.95] → [0.8, 0.95]"),
+        ({"fingerprint": {"sparsity": "4:8", "prior": "none"}}, "sparsity: 2:4 → 4:8; prior"),
+        ({"fingerprint": {}}, "sparsity: 2:4 → (absent)"),
+        ({"data": _examples(12)}, "training data: 10 examples → 12 examples"),
+    ],
+)
+def test_resume_under_other_options_names_each_difference(tmp_path, change, message):
     config = TrainConfig(steps=4, batch_size=2, checkpoint_every=2)
-    Trainer(model, {"scale": model.scale}, config, _loss, checkpoint_dir=tmp_path, leave=False).fit(
-        _examples(), stop_after=2
-    )
-    other = dataclasses.replace(config, lr=1e-3)
-    with pytest.raises(Exception, match="other training options"):
-        Trainer(model, {"scale": model.scale}, other, _loss, checkpoint_dir=tmp_path).fit(
+    _interrupted(tmp_path, config, fingerprint={"sparsity": "2:4", "prior": "magnitude"})
+    change = dict(change)
+    fingerprint = change.pop("fingerprint", {"sparsity": "2:4", "prior": "magnitude"})
+    data = change.pop("data", None)
+    other = dataclasses.replace(config, **change)
+    with pytest.raises(ConfigError) as err:
+        _resume(tmp_path, other, fingerprint=fingerprint, data=data)
+    text = str(err.value)
+    assert "\n" not in text and message in text, text
+    assert text.startswith(f"checkpoint {tmp_path / 'trainer_state'} was written with other opt")
+    assert text.endswith("rerun without --resume or with the same options")
+
+
+def test_resume_with_other_parameter_shapes_is_one_line(tmp_path):
+    config = TrainConfig(steps=4, batch_size=2, checkpoint_every=2)
+    _interrupted(tmp_path, config)
+    params = {"scale": nn.Parameter(torch.ones(2)), "extra": nn.Parameter(torch.ones(1))}
+    with pytest.raises(ConfigError, match=r"holds other parameters \(scale: \[4\] → \[2\]; "
+                       r"extra: \(absent\) → \[1\]\)"):  # fmt: skip
+        _resume(tmp_path, config, params=params)
+    assert torch.equal(params["scale"], torch.ones(2))  # nothing was copied
+
+
+@pytest.mark.parametrize(
+    ("change", "value"),
+    [("checkpoint_every", 3), ("checkpoint_every", 0), ("eval_every", 1), ("mmap_threshold", 0)],
+)
+def test_bookkeeping_options_do_not_block_a_resume(tmp_path, change, value):
+    """Checkpoint and evaluation intervals, the mmap threshold: a resume may change them and
+    ends exactly where the uninterrupted run does."""
+    config = TrainConfig(steps=6, lr=0.3, batch_size=3, checkpoint_every=2, mmap_threshold=1 << 20)
+    straight = Toy()
+    Trainer(straight, {"scale": straight.scale}, config, _loss, leave=False).fit(_examples())
+    _interrupted(tmp_path, config, stop_after=3)  # the checkpoint of step 2 is the last one
+    other = dataclasses.replace(config, **{change: value})
+    assert getattr(other, change) == value and other != config
+    resumed, state = _resume(tmp_path, other)
+    assert [h["step"] for h in state.history] == [1, 2, 3, 4, 5, 6]
+    assert torch.equal(resumed.scale, straight.scale)
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:-20])
+
+
+def _rewrite_json(path, edit):
+    meta = json.loads(path.read_text())
+    edit(meta)
+    path.write_text(json.dumps(meta))
+
+
+CORRUPTIONS = {
+    "truncated tensors": ("state.safetensors", _truncate, "incomplete metadata"),
+    "tensors not safetensors": (
+        "state.safetensors",
+        lambda p: p.write_bytes(b"garbage"),
+        "header",
+    ),
+    "tensors missing": ("state.safetensors", lambda p: p.unlink(), "No such file"),
+    "json garbage": ("state.json", lambda p: p.write_text("{not json"), "not valid JSON"),
+    "json not an object": ("state.json", lambda p: p.write_text("[1]"), "not a JSON object"),
+    "json missing": ("state.json", lambda p: p.unlink(), "missing"),
+    "json without params": (
+        "state.json",
+        lambda p: _rewrite_json(p, lambda m: m.pop("params")),
+        "no params",
+    ),
+    "json with a bad state": (
+        "state.json",
+        lambda p: _rewrite_json(p, lambda m: m["state"].update(step="two")),
+        "malformed state",
+    ),
+    "json with an unknown state key": (
+        "state.json",
+        lambda p: _rewrite_json(p, lambda m: m["state"].update(epoch=1)),
+        "unexpected keyword",
+    ),
+    "a tensor shaped unlike the json": (
+        "state.safetensors",
+        lambda p: save_file({"param.scale": torch.ones(2), "rng.torch": torch.get_rng_state()}, p),
+        "param.scale is [2], state.json says [4]",
+    ),
+    "tensors without the rng": (
+        "state.safetensors",
+        lambda p: save_file({"param.scale": torch.ones(4)}, p),
+        "no rng.torch",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CORRUPTIONS))
+def test_a_corrupt_checkpoint_is_one_line_naming_the_file(tmp_path, case):
+    name, corrupt, reason = CORRUPTIONS[case]
+    config = TrainConfig(steps=4, batch_size=2, checkpoint_every=2)
+    _interrupted(tmp_path, config)
+    path = tmp_path / "trainer_state" / name
+    corrupt(path)
+    model = Toy()
+    with pytest.raises(LmcompressError) as err:
+        Trainer(model, {"scale": model.scale}, config, _loss, checkpoint_dir=tmp_path).fit(
             _examples(), resume=True
         )
+    text = str(err.value)
+    assert "\n" not in text and reason in text, text
+    assert text.startswith(f"checkpoint {path} is corrupt or incomplete ("), text
+    assert text.endswith("delete it or rerun without --resume"), text
+    assert torch.equal(model.scale, torch.ones(4))  # nothing was copied
+
+
+def test_the_last_checkpoint_keeps_no_optimiser_moments(tmp_path):
+    config = TrainConfig(steps=4, batch_size=2, checkpoint_every=2)
+    _interrupted(tmp_path, config, stop_after=3)
+    keys = safe_open(str(tmp_path / "trainer_state" / "state.safetensors"), "pt").keys()
+    assert any(k.startswith("opt.scale.") for k in keys)  # step 2 of 4: AdamW's moments
+    _interrupted(tmp_path, config, stop_after=4)
+    keys = safe_open(str(tmp_path / "trainer_state" / "state.safetensors"), "pt").keys()
+    assert sorted(keys) == ["param.scale", "rng.torch"]
+    straight = Toy()
+    Trainer(straight, {"scale": straight.scale}, config, _loss, leave=False).fit(_examples())
+    resumed, state = _resume(tmp_path, config)  # nothing left to train: the saved result
+    assert state.step == 4 and len(state.history) == 4
+    assert torch.equal(resumed.scale, straight.scale)
 
 
 class _FakeAccelerator:
