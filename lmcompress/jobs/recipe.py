@@ -189,6 +189,8 @@ def job_from(
             f"{cut(', '.join(sorted(unknown)))}"
         )
     merged = {**recipe, **given}
+    if merged.get("streaming") and "eval" not in merged:
+        merged["eval"] = ()  # the default corpus is not for a streamed job, --eval is refused
     options = RunOptions(**{k: merged[k] for k in run_keys if k in merged})
     config = config_class.from_dict({k: merged[k] for k in method_fields if k in merged})
     return options, [config]

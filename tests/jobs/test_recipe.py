@@ -99,6 +99,16 @@ def test_two_stage_recipe_runs(name, formats, tiny_checkpoint, corpus, tmp_path,
         ([{"method": "int8"}], ("--sparsity", "2:4"), "--sparsity: a multi-stage recipe"),
         ([{"method": "int8"}], ("--method", "int8"), "--method does not go"),
         ([], (), "non-empty list"),
+        (
+            [{"method": "svd", "ratio": 1e-9, "include": ["model.layers.*.mlp.*"]}],
+            (),
+            "--ratio 1e-09 leaves every selected layer dense",
+        ),
+        (  # no per-layer ratio: the low-rank methods take one ratio (or greedy allocation)
+            [{"method": "svd", "layer_ratio": ["*.q_proj=0.5"]}],
+            (),
+            "stage 1 (svd): unknown option(s) for method 'svd': layer_ratio",
+        ),
     ],
 )
 def test_bad_recipe(stages, extra, message, tiny_checkpoint, corpus, tmp_path, capsys, monkeypatch):
