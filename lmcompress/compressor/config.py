@@ -26,7 +26,7 @@ from lmcompress.compressor.options import (
     option_value,
     recipe_value,
 )
-from lmcompress.errors import ConfigError
+from lmcompress.errors import ConfigError, cut, shown
 
 
 @dataclass(frozen=True)
@@ -75,17 +75,18 @@ def parse_sparsity(value: str | float | Sparsity) -> Sparsity:
     if match:
         n, m = int(match.group(1)), int(match.group(2))
         if not 0 < n < m:
-            raise ConfigError(f"impossible N:M sparsity {text!r}: need 0 < N < M")
+            raise ConfigError(f"impossible N:M sparsity {shown(text)}: need 0 < N < M")
         return Sparsity(n=n, m=m)
     try:
         ratio = float(text[:-1]) / 100 if text.endswith("%") else float(text)
     except ValueError:
         raise ConfigError(
-            f"sparsity {text!r} is neither N:M (e.g. 2:4) nor a ratio in (0, 1) (e.g. 0.5)"
+            f"sparsity {shown(text)} is neither N:M (e.g. 2:4) nor a ratio in (0, 1) (e.g. 0.5)"
         ) from None
     if not 0.0 < ratio < 1.0:
         raise ConfigError(
-            f"sparsity ratio {text!r} must lie strictly between 0 and 1{_sexagesimal_hint(value)}"
+            f"sparsity ratio {shown(text)} must lie strictly between 0 and 1"
+            + _sexagesimal_hint(value)
         )
     return Sparsity(ratio=ratio)
 
@@ -157,13 +158,15 @@ class MethodConfig:
                 group = flat.pop(f.name)
                 twice = sorted(set(group) & set(flat))
                 if twice:
-                    raise ConfigError(f"option(s) given twice, flat and in {f.name}: {twice}")
+                    raise ConfigError(
+                        f"option(s) given twice, flat and in {f.name}: {shown(twice)}"
+                    )
                 flat.update(group)
         names = {o.name for o in option_fields(cls)}
         unknown = sorted(set(flat) - names)
         if unknown:
             raise ConfigError(
-                f"unknown option(s) for method {cls.method!r}: {', '.join(unknown)} "
+                f"unknown option(s) for method {cls.method!r}: {cut(', '.join(unknown))} "
                 f"(known: {', '.join(sorted(names))})"
             )
         try:

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lmcompress.errors import ConfigError
+from lmcompress.errors import ConfigError, cut, shown
 
 
 def is_value_type(hint: Any) -> bool:
@@ -123,7 +123,7 @@ def check_choices(config: Any) -> None:
         if choices is None or value in choices or (value is None and _is_union(option.hint)):
             continue
         raise ConfigError(
-            f"{option.name} must be one of {', '.join(map(str, choices))}, got {value!r}"
+            f"{option.name} must be one of {', '.join(map(str, choices))}, got {shown(value)}"
         )
 
 
@@ -165,9 +165,9 @@ def _given(config: Any, option: OptionField) -> Any:
         if isinstance(value, Mapping):
             unknown = sorted(set(map(str, value)) - {o.name for o in option_fields(owner)})
             if unknown:
-                raise ConfigError(f"unknown option(s) in {name}: {', '.join(unknown)}")
+                raise ConfigError(f"unknown option(s) in {name}: {cut(', '.join(unknown))}")
         elif not isinstance(value, owner):
-            raise ConfigError(f"{name} must be a mapping of options, got {value!r}")
+            raise ConfigError(f"{name} must be a mapping of options, got {shown(value)}")
     return value
 
 
@@ -181,12 +181,14 @@ def _fit(value: Any, hint: Any) -> Any:
     if isinstance(value, bool):  # an int subclass: only a bool option takes it
         return value if hint is bool else _WRONG
     if hint in (int, float):
-        try:  # text too; int() refuses "1.5" and 1.5, float() "many"
+        try:  # text too; int() refuses "1.5" and 1.5, float() "many" and 10**400
             number = hint(value.strip()) if isinstance(value, str) else value
-        except ValueError:
+            if hint is int:
+                return number if isinstance(number, int) else _WRONG
+            ok = isinstance(number, (int, float)) and math.isfinite(float(number))
+        except (ValueError, OverflowError):
             return _WRONG
-        ok = isinstance(number, int if hint is int else (int, float)) and math.isfinite(number)
-        return hint(number) if ok else _WRONG
+        return float(number) if ok else _WRONG
     if is_value_type(hint):
         return value if isinstance(value, (hint, str, int, float)) else _WRONG
     if typing.get_origin(hint) is tuple:
@@ -204,12 +206,13 @@ def _fit(value: Any, hint: Any) -> Any:
 
 
 def _as_written(value: Any, hint: Any) -> str:
-    """A wrong value as a recipe spells it (lists, null, true), with the usual slip named."""
+    """A wrong value as a recipe spells it (lists, null, true), with the usual slip named;
+    at most a line's worth of it (:func:`~lmcompress.errors.shown`), however large it is."""
     if isinstance(value, str) and typing.get_origin(hint) is tuple:
-        return f"the string {value!r} (write [{value}])"
+        return f"the string {shown(value)} (write {cut(f'[{value}]')})"
     if value is None or isinstance(value, bool):
         return {None: "null", True: "true", False: "false"}[value]
-    return repr(list(value)) if isinstance(value, tuple) else repr(value)
+    return shown(list(value) if isinstance(value, tuple) else value)
 
 
 _NAMED = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false"}

@@ -8,7 +8,7 @@ from typing import Literal
 
 from lmcompress.compressor.model.checkpoint import DEFAULT_CHECKPOINT
 from lmcompress.compressor.options import check_choices, check_types
-from lmcompress.errors import ConfigError
+from lmcompress.errors import ConfigError, shown
 
 DEFAULT_EVAL_TOKENS = 32_768
 SaveDtype = Literal["auto", "float32", "float16", "bfloat16"]
@@ -82,11 +82,13 @@ class RunOptions:
         check_types(self)  # a recipe's values can be of any type: names the key if one is wrong
         for name in ("nsamples", "seq_len", "eval_batch_size"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be at least 1, got {shown(getattr(self, name))}")
         if self.seq_len < 2:
-            raise ConfigError(f"seq_len must be at least 2, got {self.seq_len}")
+            raise ConfigError(f"seq_len must be at least 2, got {shown(self.seq_len)}")
         if self.eval_tokens < 0:
-            raise ConfigError(f"eval_tokens must be >= 0 (0 = whole split), got {self.eval_tokens}")
+            raise ConfigError(
+                f"eval_tokens must be >= 0 (0 = whole split), got {shown(self.eval_tokens)}"
+            )
         if 0 < self.eval_tokens < self.seq_len:
             raise ConfigError(
                 f"eval_tokens {self.eval_tokens} is fewer than one window of seq_len "

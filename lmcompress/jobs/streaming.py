@@ -52,7 +52,7 @@ from lmcompress.compressor.model.loading import load_tokenizer, resolve_dtype
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.compressor.util.fsutil import atomic_dir, made_dirs
 from lmcompress.compressor.util.memory import set_mmap_threshold
-from lmcompress.errors import ConfigError, ModelLoadError
+from lmcompress.errors import ConfigError, ModelLoadError, cut
 from lmcompress.jobs.options import RunOptions
 from lmcompress.methods import METHODS
 
@@ -74,6 +74,11 @@ def check_streaming(options: RunOptions, method: Method) -> Path:
         raise ConfigError("--streaming writes the model block by block: give an output (-o OUT)")
     if options.lm_eval_tasks:
         raise ConfigError("--streaming does not evaluate: drop --lm-eval-tasks")
+    if options.eval:  # the command line leaves the default corpus out (jobs.recipe.job_from)
+        raise ConfigError(
+            f"--streaming does not evaluate: drop --eval {cut(' '.join(options.eval))} (in Python, "
+            "eval=()) and score the output with `compress-model eval OUT` where it fits"
+        )
     path = Path(options.checkpoint).expanduser()
     if not (path / "config.json").is_file():
         raise ConfigError(
@@ -245,13 +250,6 @@ class StreamedModel:
     def __enter__(self) -> StreamedModel:
         options = self.options
         checkpoint = Path(options.checkpoint).expanduser()
-        if options.eval:
-            logger.info(
-                "--streaming does not evaluate (%s skipped): score the output with "
-                "`compress-model eval %s` where it fits in memory",
-                ", ".join(options.eval),
-                options.output,
-            )
         set_mmap_threshold(2**20)  # freed blocks go back to the system, not to a fragmented heap
         dtype = resolve_dtype(options.dtype)
         save_dtype = dtype if options.save_dtype == "auto" else resolve_dtype(options.save_dtype)

@@ -6,7 +6,7 @@ Adding a method = one subpackage with ``config.py`` and ``method.py`` plus one l
 from __future__ import annotations
 
 from lmcompress.compressor.method import Method
-from lmcompress.errors import ConfigError
+from lmcompress.errors import ConfigError, shown
 from lmcompress.methods.int8 import Int8
 from lmcompress.methods.magnitude import Magnitude
 from lmcompress.methods.maskllm import MaskLLM
@@ -31,6 +31,6 @@ METHODS: dict[str, type[Method]] = {
 
 
 def get_method(name: str) -> type[Method]:
-    if name not in METHODS:
-        raise ConfigError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
+    if not isinstance(name, str) or name not in METHODS:  # a recipe's method can be a list
+        raise ConfigError(f"unknown method {shown(name)}; available: {', '.join(sorted(METHODS))}")
     return METHODS[name]

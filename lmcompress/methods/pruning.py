@@ -24,7 +24,7 @@ from lmcompress.compressor.method import Method, Stats
 from lmcompress.compressor.model.surgery import is_linear, weight_matrix
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.compressor.sparsity import check_nm_shape
-from lmcompress.errors import ConfigError
+from lmcompress.errors import ConfigError, shown
 from lmcompress.methods.common import count_params
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class PruningConfig(MethodConfig):
 def _parse_rule(entry: str) -> tuple[str, Sparsity]:
     pattern, sep, value = str(entry).rpartition("=")
     if not sep or not pattern:
-        raise ConfigError(f"layer_sparsity entry {entry!r} is not GLOB=SPARSITY")
+        raise ConfigError(f"layer_sparsity entry {shown(entry)} is not GLOB=SPARSITY")
     return pattern, parse_sparsity(value)
 
 

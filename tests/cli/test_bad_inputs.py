@@ -201,7 +201,35 @@ def _cases(tmp_path, good, corpus):  # noqa: PLR0915 - one table
             ],
             "state.safetensors is corrupt or incomplete",
         ),
+        "recipe key twice": (
+            [g, "--config", r(tmp_path, "twice", "seed: 1\nnsamples: 4\nseed: 2\n")],
+            "key 'seed' is given twice (lines 1 and 3)",
+        ),
+        "recipe alias bomb": (
+            [g, "--config", r(tmp_path, "bomb", _alias_bomb())],
+            "too many alias expansions (limit",
+        ),
+        "recipe too large": (
+            [g, "--config", r(tmp_path, "large", "seed: 1\n" + "#" * 2**21)],
+            "a recipe is a page of options",
+        ),
+        "svd ratio compresses nothing": (
+            [g, "--method", "svd", "--ratio", "1e-9"],
+            "leaves every selected layer dense",
+        ),
+        "greedy ratio below rank 8": (
+            [g, "--method", "asvd", "--allocation", "greedy", "--ratio", "0.01"],
+            "below what rank 8 in every selected layer keeps",
+        ),
+        "streaming with eval": ([g, "--streaming"], "--streaming does not evaluate: drop --eval"),
     }
+
+
+def _alias_bomb() -> str:
+    """A billion laughs under ``eval``: 9 levels of 9 aliases to the level below."""
+    lines = ["l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 9)]
+    return "\n".join(lines) + "\neval: *l8\n"
 
 
 def _no_loading(*_args, **_kwargs):
@@ -282,6 +310,12 @@ CASE_NAMES = [
     "recipe float for int",
     "maskllm resume with other sparsity",
     "maskllm resume truncated state.safetensors",
+    "recipe key twice",
+    "recipe alias bomb",
+    "recipe too large",
+    "svd ratio compresses nothing",
+    "greedy ratio below rank 8",
+    "streaming with eval",
 ]
 
 

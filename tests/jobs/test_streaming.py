@@ -4,6 +4,7 @@ exactly the tensors the in-memory path writes, and the output loads like any oth
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,7 @@ def test_compact_streamed_output_loads_by_replay(tmp_path):
         (SVDConfig(), {"streaming": True}, "supports the block-by-block methods"),
         (MagnitudeConfig(), {"streaming": True, "output": None}, "give an output"),
         (MagnitudeConfig(), {"streaming": True, "lm_eval_tasks": ("x",)}, "does not evaluate"),
+        (MagnitudeConfig(), {"streaming": True, "eval": ("wiki-test",)}, "drop --eval wiki-test"),
     ],
 )
 def test_streaming_refuses_in_one_line_and_writes_nothing(tmp_path, config, kwargs, message):
@@ -186,3 +188,28 @@ def test_cli_streams_and_refuses_other_methods_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "--streaming supports the block-by-block methods" in err and "\n" not in err
     assert not (tmp_path / "x").exists()
+
+
+def test_cli_streaming_refuses_eval_and_leaves_the_default_corpus_out(tmp_path, capsys):
+    from lmcompress.cli.main import main
+
+    checkpoint = _checkpoint(tmp_path, "llama")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    argv = [str(checkpoint), "--calib", str(corpus), "--nsamples", "4", "--seq-len", "32"]
+    argv += ["--streaming", "-q"]
+    capsys.readouterr()  # writing the checkpoint's progress bars
+    assert main([*argv, "--eval", str(corpus), "-o", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"compress-model: error: --streaming does not evaluate: drop --eval {corpus} (in "
+        "Python, eval=()) and score the output with `compress-model eval OUT` where it fits"
+    )
+    assert not (tmp_path / "x").exists()
+    out = tmp_path / "out"  # no --eval: the default corpus (wiki-test) is not asked for
+    assert main([*argv, "-o", str(out)]) == 0
+    manifest = json.loads((out / "compression.json").read_text())
+    assert manifest["results"]["options"]["eval"] == []
+    assert "no corpus scored" in capsys.readouterr().out
+    command = shlex.split(manifest["results"]["command"])  # the run again, as it ran
+    assert "--streaming" in command and command[command.index("--eval") + 1].startswith("-")

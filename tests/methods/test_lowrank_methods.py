@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import transformers
 from conftest import make_tiny_model
 from safetensors import safe_open
 from torch import nn
@@ -14,9 +15,10 @@ from lmcompress import compress, load_compressed, save_compressed
 from lmcompress.cli.main import main
 from lmcompress.compressor.formats.low_rank import LowRankLinear
 from lmcompress.compressor.io.layout import COMPRESSED_TENSORS, MANIFEST
+from lmcompress.compressor.model.loading import model_skeleton
 from lmcompress.compressor.model.surgery import LayerSelection, weight_matrix
 from lmcompress.errors import ConfigError
-from lmcompress.methods import get_method
+from lmcompress.methods import METHODS, get_method
 from lmcompress.methods.svd import (
     ASVDConfig,
     FWSVDConfig,
@@ -24,6 +26,7 @@ from lmcompress.methods.svd import (
     SVDConfig,
     SVDLLMConfig,
 )
+from lmcompress.methods.svd.method import LowRankMethod
 from lmcompress.methods.svd.ranks import budget_rank
 from lmcompress.methods.svd.weighted import weighted_error
 
@@ -244,6 +247,58 @@ def test_bad_options_are_one_line_config_errors(config, options, match):
     with pytest.raises(ConfigError, match=match) as caught:
         config(**options)
     assert "\n" not in str(caught.value)
+
+
+def _skeleton():
+    """The tiny Llama on the meta device, as preflight checks a method on it."""
+    return model_skeleton(make_tiny_model("llama").config)
+
+
+def test_every_registered_low_rank_method_is_tested():
+    assert {n for n, c in METHODS.items() if issubclass(c, LowRankMethod)} == set(CONFIGS)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_ratio_that_compresses_nothing_is_refused_on_the_skeleton(name):
+    method = get_method(name)
+    for ratio in (1e-9, 0.3749):  # the MLP's rank-8 bound is 8·96/2048 = 0.375
+        with pytest.raises(ConfigError, match="leaves every selected layer dense") as err:
+            method(CONFIGS[name](ratio=ratio)).validate(_skeleton())
+        assert str(err.value).endswith("the smallest ratio that compresses is 0.375 "
+                                       "(model.layers.0.mlp.gate_proj, 64x32)")  # fmt: skip
+    layers = method(CONFIGS[name](ratio=0.375)).validate(_skeleton())
+    ranks = {n: budget_rank(*weight_matrix(m).shape, 0.375) for n, m in layers.items()}
+    assert ranks["model.layers.0.mlp.gate_proj"] == 8
+    assert method(CONFIGS[name](ratio=1.0)).validate(_skeleton())  # dense on purpose
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_greedy_ratio_below_rank_8_everywhere_is_refused(name):
+    config = CONFIGS[name]
+    method = get_method(name)
+    with pytest.raises(ConfigError, match=r"--ratio 0\.44 is below .* smallest ratio is 0\.445"):
+        method(config(ratio=0.44, allocation="greedy")).validate(_skeleton())
+    assert method(config(ratio=0.445, allocation="greedy")).validate(_skeleton())
+
+
+def test_layers_too_small_to_factorise_are_refused():
+    config = transformers.LlamaConfig(  # every linear 16x16 or 8x16: rank 8 saves nothing
+        vocab_size=256,
+        hidden_size=16,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    with pytest.raises(ConfigError, match="no selected layer is large enough for rank-8"):
+        get_method("svd")(SVDConfig(ratio=0.99)).validate(model_skeleton(config))
+
+
+def test_greedy_at_its_smallest_ratio_keeps_the_budget():
+    model = make_tiny_model("llama")
+    report = compress(model, SVDConfig(ratio=0.445, allocation="greedy"))
+    assert report.params_kept <= 0.445 * report.params
+    assert any(layer.rank for layer in report.layers)
 
 
 # --- the CLI --------------------------------------------------------------------------------

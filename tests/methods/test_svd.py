@@ -18,7 +18,7 @@ from lmcompress.compressor.model.surgery import LayerSelection, in_out_features,
 from lmcompress.errors import ConfigError
 from lmcompress.methods.common import count_params
 from lmcompress.methods.svd import SVDConfig
-from lmcompress.methods.svd.ranks import budget_rank
+from lmcompress.methods.svd.ranks import budget_rank, smallest_greedy_ratio, smallest_ratio
 
 
 def _inputs():
@@ -39,6 +39,35 @@ def _inputs():
 )
 def test_budget_rank(out_features, in_features, ratio, expected):
     assert budget_rank(out_features, in_features, ratio) == expected
+
+
+SMOLLM2 = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+
+
+@pytest.mark.parametrize(
+    ("shapes", "expected", "index"),
+    [
+        (SMOLLM2, 0.0191, 4),  # 8·2112/(1536·576) = 0.019097: the MLP compresses first
+        ([(32, 32), (16, 32), (64, 32)], 0.375, 2),  # 8·96/2048 exactly: no rounding up
+        ([(16, 16), (8, 4096)], None, None),  # rank 8 saves nothing in either
+    ],
+)
+def test_smallest_ratio_is_where_the_first_rank_appears(shapes, expected, index):
+    found = smallest_ratio(shapes)
+    if expected is None:
+        assert found is None
+        return
+    assert found == (expected, index)
+    assert budget_rank(*shapes[index], expected) == 8
+    exact = min(8 * (m + n) / (m * n) for m, n in shapes if 8 * (m + n) < m * n)
+    assert exact <= expected < exact * 1.01  # rounded up to three digits, no further
+    assert all(budget_rank(m, n, exact * 0.999) is None for m, n in shapes)
+
+
+def test_smallest_greedy_ratio_covers_rank_8_everywhere():
+    floor = smallest_greedy_ratio(SMOLLM2)
+    total, needed = sum(m * n for m, n in SMOLLM2), sum(8 * (m + n) for m, n in SMOLLM2)
+    assert floor == 0.0231 and floor * total >= needed > (floor - 0.0001) * total
 
 
 def test_budget_rank_refuses_factors_that_save_nothing():
@@ -205,3 +234,24 @@ def test_export_and_reload_by_replay(tmp_path):
         for layer in report.layers
     )
     torch.testing.assert_close(dense(_inputs()).logits, logits, rtol=1e-5, atol=1e-5)
+
+
+def test_cli_ratio_that_compresses_nothing_fails_before_loading(
+    tiny_checkpoint, corpus, tmp_path, capsys, monkeypatch
+):
+    import lmcompress.jobs.run as pipeline
+
+    def never(*_args, **_kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(pipeline, "load_model", never)
+    out = tmp_path / "out"
+    argv = [*_job(tiny_checkpoint, corpus), "--ratio", "1e-9", "-o", str(out), "-q"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "compress-model: error: --ratio 1e-09 leaves every selected layer dense (each rank "
+        "rounds down to 0, ranks being multiples of 8); the smallest ratio that compresses is "
+        "0.375 (model.layers.0.mlp.gate_proj, 64x32)"
+    )
+    assert not out.exists()

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lmcompress.compressor.options import check_choices, check_types
-from lmcompress.errors import ConfigError
+from lmcompress.errors import ConfigError, shown
 
 # Options that change how a run is watched and saved, not what it learns: a resume may change
 # them (``checkpoint.options_fingerprint`` leaves them out). ``fsdp`` only lays the same
@@ -113,12 +113,12 @@ def check_counts(options: Any, non_negative: tuple[str, ...] = ()) -> None:
     no negative warmup, plus the ``non_negative`` fields the config names."""
     for name in ("steps", "batch_size", "grad_accum"):
         if getattr(options, name) < 1:
-            raise ConfigError(f"{name} must be at least 1, got {getattr(options, name)}")
+            raise ConfigError(f"{name} must be at least 1, got {shown(getattr(options, name))}")
     if options.lr <= 0:
-        raise ConfigError(f"lr must be positive, got {options.lr}")
+        raise ConfigError(f"lr must be positive, got {shown(options.lr)}")
     for name in ("warmup_steps", *non_negative):
         if getattr(options, name) < 0:
-            raise ConfigError(f"{name} must be >= 0, got {getattr(options, name)}")
+            raise ConfigError(f"{name} must be >= 0, got {shown(getattr(options, name))}")
 
 
 @contextlib.contextmanager

@@ -33,7 +33,13 @@ from lmcompress.compressor.util.progress import bar_disabled
 from lmcompress.errors import ConfigError
 from lmcompress.methods.common import count_params
 from lmcompress.methods.svd.config import LowRankConfig, SVDConfig
-from lmcompress.methods.svd.ranks import allocate_ranks, budget_rank
+from lmcompress.methods.svd.ranks import (
+    RANK_MULTIPLE,
+    allocate_ranks,
+    budget_rank,
+    smallest_greedy_ratio,
+    smallest_ratio,
+)
 from lmcompress.methods.svd.weighted import (
     Weight,
     weighted_error,
@@ -58,6 +64,39 @@ class LowRankMethod(Method):
     def weights(self, name: str, W: torch.Tensor, stats: Stats) -> Weights:  # noqa: ARG002
         """The input-side and output-side weights of layer ``name`` (``None``: identity)."""
         return None, None, {}
+
+    def validate(self, model: nn.Module) -> dict[str, nn.Module]:
+        """The selected layers; a :class:`ConfigError` naming the smallest ratio that works
+        when ``ratio`` (below 1, which keeps every layer dense on purpose) would compress
+        nothing: every rank rounds down to 0 (uniform), or the budget is below rank
+        :data:`RANK_MULTIPLE` everywhere (greedy, which would keep more than asked). Shapes
+        only, so it runs on the skeleton before any weight is read."""
+        layers = super().validate(model)
+        ratio = self.config.ratio
+        if ratio >= 1.0 or not layers:
+            return layers
+        names = list(layers)
+        shapes = [tuple(weight_matrix(module).shape) for module in layers.values()]
+        smallest = smallest_ratio(shapes)
+        if smallest is None:
+            raise ConfigError(
+                f"{self.name}: no selected layer is large enough for rank-{RANK_MULTIPLE} "
+                "factors to be smaller than its weight; select larger layers (include/exclude)"
+            )
+        least, index = smallest
+        if self.config.allocation == "uniform" and ratio < least:
+            raise ConfigError(
+                f"--ratio {ratio:g} leaves every selected layer dense (each rank rounds down "
+                f"to 0, ranks being multiples of {RANK_MULTIPLE}); the smallest ratio that "
+                f"compresses is {least:g} ({names[index]}, {shapes[index][0]}x{shapes[index][1]})"
+            )
+        floor = smallest_greedy_ratio(shapes)
+        if self.config.allocation == "greedy" and ratio < floor:
+            raise ConfigError(
+                f"--ratio {ratio:g} is below what rank {RANK_MULTIPLE} in every selected layer "
+                f"keeps (greedy allocation starts there); the smallest ratio is {floor:g}"
+            )
+        return layers
 
     def ranks(self, layers: dict[str, nn.Module], stats: Stats) -> dict[str, int | None]:
         """Every layer's rank (``None``: stays dense). Greedy allocation needs every layer's

@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import logging
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -34,6 +35,51 @@ def budget_rank(
     if rank == 0 or rank * (m + n) >= m * n:
         return None
     return rank
+
+
+def smallest_ratio(
+    shapes: Iterable[tuple[int, int]], multiple: int = RANK_MULTIPLE
+) -> tuple[float, int] | None:
+    """The smallest ratio at which :func:`budget_rank` factorises at least one of the
+    ``(out, in)`` shapes, rounded up to three significant digits (a ratio one can type), and
+    the index of that shape; ``None`` when no shape is large enough for rank-``multiple``
+    factors to be smaller than its dense weight.
+
+    Rank ``multiple`` needs ``ratio·m·n/(m + n) >= multiple``, so the bound of an ``m × n``
+    layer is ``multiple·(m + n)/(m·n)``: the layer with the most parameters per unit of
+    ``m + n`` (the widest) compresses first."""
+    best = None
+    for index, (m, n) in enumerate(shapes):
+        if multiple * (m + n) < m * n and (best is None or (m + n) / (m * n) < best[0]):
+            best = ((m + n) / (m * n), index, m, n)
+    if best is None:
+        return None
+    _, index, m, n = best
+    ratio = _round_up(multiple * (m + n) / (m * n))
+    while budget_rank(m, n, ratio, multiple) is None:  # floor() of the rounded product
+        ratio = _round_up(ratio * (1 + 1e-3))
+    return ratio, index
+
+
+def smallest_greedy_ratio(
+    shapes: Iterable[tuple[int, int]], multiple: int = RANK_MULTIPLE
+) -> float:
+    """The smallest ratio whose budget covers :func:`allocate_ranks`' starting point, rank
+    ``multiple`` in every layer (or the dense layer where that is smaller), rounded up to three
+    significant digits; below it the allocation keeps more than the ratio asks."""
+    shapes = list(shapes)
+    total = sum(m * n for m, n in shapes)
+    floor = sum(min(min(multiple, m, n) * (m + n), m * n) for m, n in shapes)
+    ratio = _round_up(floor / total)
+    while ratio * total < floor:  # the comparison allocate_ranks makes
+        ratio = _round_up(ratio * (1 + 1e-3))
+    return ratio
+
+
+def _round_up(value: float, digits: int = 3) -> float:
+    """``value`` rounded up to ``digits`` significant digits."""
+    scale = 10.0 ** (math.floor(math.log10(value)) - digits + 1)
+    return float(f"{math.ceil(value / scale) * scale:.{digits}g}")
 
 
 def dense_rank(out_features: int, in_features: int, multiple: int = RANK_MULTIPLE) -> int:
