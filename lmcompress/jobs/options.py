@@ -58,7 +58,10 @@ class RunOptions:
     )
     force: bool = field(
         default=False,
-        metadata={"help": "start even if the memory estimate exceeds the available memory"},
+        metadata={
+            "help": "start even if the memory estimate exceeds the available memory, or what "
+            "the job writes exceeds a filesystem's free space"
+        },
     )
     streaming: bool = field(
         default=False,

@@ -289,11 +289,14 @@ def check_weight_shapes(checkpoint: str, skeleton: nn.Module) -> None:
     expected = {key: tuple(t.shape) for key, t in skeleton.state_dict().items()}
     wrong = []
     for file in sorted(directory.glob("*.safetensors")):
-        with open_safetensors(file) as handle:
-            for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                shape = tuple(handle.get_slice(key).get_shape())
-                if key in expected and shape != expected[key]:
-                    wrong.append((key, shape, expected[key]))
+        try:
+            with open_safetensors(file) as handle:
+                for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                    shape = tuple(handle.get_slice(key).get_shape())
+                    if key in expected and shape != expected[key]:
+                        wrong.append((key, shape, expected[key]))
+        except ModelLoadError as err:  # a truncated or foreign file: its header says so
+            raise ModelLoadError(f"{checkpoint}: corrupt or unreadable weights: {err}") from None
     if wrong:
         key, found, built = wrong[0]
         more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
