@@ -82,7 +82,7 @@ def test_sigterm_cleans_up_and_exits_143(job, tmp_path):
     _, stderr = child.communicate(timeout=30)
     assert child.returncode == 143
     assert "compress-model: terminated" in stderr
-    assert list(out.parent.iterdir()) == []
+    assert not out.parent.exists()  # the output's parent, which the job made, is gone too
 
 
 def test_exported_files_are_readable_by_others(job):
