@@ -17,7 +17,7 @@ import errno
 import logging
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch import nn
@@ -52,6 +52,15 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class DiskNeed:
+    """Bytes a job will write under ``path`` (``what``: the flag that names it)."""
+
+    path: str
+    what: str
+    bytes: int
+
+
+@dataclass
 class Plan:
     """What the checks learnt, for the job to use: the model's config and skeleton, and the
     memory estimate it was admitted with."""
@@ -59,6 +68,7 @@ class Plan:
     skeleton: nn.Module
     estimate: MemoryEstimate
     memory_line: str = ""  # logged once every check has passed
+    disk: list[DiskNeed] = field(default_factory=list)  # what the job writes, by where
 
 
 def preflight(options: RunOptions, method: Method) -> Plan:
@@ -82,12 +92,13 @@ def preflight(options: RunOptions, method: Method) -> Plan:
     selected = method.validate(skeleton)
     estimate = estimate_job(skeleton, options, method)
     memory_line = check_fits(estimate, device, force=options.force)
-    check_space(_disk_needs(skeleton, options, method, selected), force=options.force)
+    disk = disk_needs(skeleton, options, method, selected)
+    check_space(disk, force=options.force)
     for source in options.eval:  # a misspelt or too short corpus fails before the model loads
         check_corpus_length(source, options.seq_len, "evaluation corpus")
     if method.needs_calibration:
         check_corpus_length(options.calib, options.seq_len + 1, "calibration corpus")
-    return Plan(skeleton=skeleton, estimate=estimate, memory_line=memory_line)
+    return Plan(skeleton=skeleton, estimate=estimate, memory_line=memory_line, disk=disk)
 
 
 def _inputs(options: RunOptions, method: Method) -> list[Path]:
@@ -215,16 +226,7 @@ def _work_dirs(options: RunOptions, method: Method) -> list[tuple[str, str]]:
     return dirs
 
 
-@dataclass
-class DiskNeed:
-    """Bytes a job will write under ``path`` (``what``: the flag that names it)."""
-
-    path: str
-    what: str
-    bytes: int
-
-
-def _disk_needs(
+def disk_needs(
     skeleton: nn.Module, options: RunOptions, method: Method, selected: dict[str, nn.Module]
 ) -> list[DiskNeed]:
     """What the job writes, by where: the export (every weight at the save dtype, plus the
@@ -239,6 +241,7 @@ def _disk_needs(
         size = param_bytes(skeleton, itemsize) + method.stats_bytes(skeleton)
         if options.dense_copy:
             size += layers * itemsize
+        size += _tokenizer_bytes(options.checkpoint) + EXPORT_EXTRAS_BYTES
         needs.append(DiskNeed(options.output, "output", size))
     if options.offload_activations and method.needs_calibration:
         hidden = skeleton.config.hidden_size
@@ -250,6 +253,28 @@ def _disk_needs(
         size = param_bytes(skeleton, 4)
         needs.append(DiskNeed(str(cache_dir()), "cache directory ($LMCOMPRESS_CACHE)", size))
     return needs
+
+
+# an export's files besides the weights: model card, report.png, compression.json, config
+EXPORT_EXTRAS_BYTES = 2 * 2**20
+TOKENIZER_GUESS_BYTES = 8 * 2**20  # before the built-in model's first load: not yet on disk
+
+
+def _tokenizer_bytes(checkpoint: str) -> int:
+    """The bytes of the tokenizer files the export copies (a guess where they are not files
+    yet: the built-in model before its first load, a hub id)."""
+    directory = cache_dir() / checkpoint if checkpoint in ALIASES else Path(checkpoint)
+    directory = directory.expanduser()
+    if not directory.is_dir():
+        return TOKENIZER_GUESS_BYTES
+    return sum(
+        path.stat().st_size
+        for path in directory.iterdir()
+        if path.is_file() and ("token" in path.name or path.name in TOKENIZER_EXTRAS)
+    )
+
+
+TOKENIZER_EXTRAS = ("vocab.json", "merges.txt", "chat_template.jinja", "special_tokens_map.json")
 
 
 def check_space(needs: list[DiskNeed], force: bool = False) -> None:
