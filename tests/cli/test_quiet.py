@@ -6,8 +6,10 @@ import subprocess
 import sys
 
 import matplotlib
+import pytest
 
 from lmcompress.compressor.util.progress import bar_disabled
+from lmcompress.methods import METHODS
 
 
 def test_bar_disabled_follows_the_caller_and_the_environment(monkeypatch):
@@ -19,10 +21,31 @@ def test_bar_disabled_follows_the_caller_and_the_environment(monkeypatch):
     assert bar_disabled(True) is False
 
 
-def test_quiet_job_prints_nothing_on_stderr(tiny_checkpoint, tmp_path):
+METHOD_FLAGS = {  # every method: its bars (per layer, per block, per step) all silenced
+    "magnitude": [],
+    "wanda": [],
+    "sparsegpt": [],
+    "maskllm": ["--steps", "1"],
+    "subnet": ["--steps", "1"],
+    "svd": [],
+    "asvd": [],
+    "svd-llm": [],
+    "fwsvd": [],
+    "gfwsvd": [],
+    "int8": [],
+}
+
+
+def test_every_method_is_in_the_quiet_test():
+    assert sorted(METHOD_FLAGS) == sorted(METHODS)
+
+
+@pytest.mark.parametrize("method", list(METHOD_FLAGS))
+def test_quiet_job_prints_nothing_on_stderr(method, tiny_checkpoint, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(f"Document {i}. The quick brown fox." for i in range(40)))
-    argv = [str(tiny_checkpoint), "--method", "wanda", "--calib", str(corpus), "--nsamples", "4"]
+    argv = [str(tiny_checkpoint), "--method", method, *METHOD_FLAGS[method]]
+    argv += ["--calib", str(corpus), "--nsamples", "4"]
     argv += [
         "--eval",
         str(corpus),

@@ -14,6 +14,7 @@ from lmcompress.compressor.method import Stats
 from lmcompress.compressor.model.families import family_of
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.compressor.report import CompressionReport, LayerReport
+from lmcompress.compressor.util.progress import bar_disabled
 from lmcompress.errors import ConfigError
 from lmcompress.methods.common import count_params, prune_layer_
 from lmcompress.methods.magnitude.config import MagnitudeConfig
@@ -32,7 +33,8 @@ class Magnitude(PruningMethod):
         report = CompressionReport(
             self.name, self.config.to_dict(), model_params=count_params(model)
         )
-        for name, module in tqdm(layers.items(), desc="magnitude", unit="layer"):
+        bars = {"desc": "magnitude", "unit": "layer", "disable": bar_disabled()}
+        for name, module in tqdm(layers.items(), **bars):
             report.layers.append(self._prune(name, module))
         report.seconds = time.perf_counter() - start
         return report
