@@ -342,10 +342,10 @@ def is_disk_full(err: BaseException) -> bool:
 def no_space_error(target: str | Path, needed: int | None = None) -> LmcompressError:
     """The one-line error of a write to ``target`` that found its filesystem full."""
     free = free_bytes(Path(target))
-    need = f"needs about {format_bytes(needed)}, " if needed else ""
+    need = f"needs about {format_bytes(needed)}; " if needed else ""
     return LmcompressError(
-        f"no space left on the device writing {target} ({need}{format_bytes(free)} free once "
-        "the partial output is removed): free space or write elsewhere"
+        f"no space left on the device writing {target} ({need}{format_bytes(free)} free): "
+        "free space or write elsewhere"
     )
 
 
