@@ -84,7 +84,7 @@ def _from_pretrained(path: str) -> tuple[str, ...]:
         "try:\n"
         f"    transformers.AutoModelForCausalLM.from_pretrained({path!r})\n"
         "except LmcompressError as err:\n"
-        "    sys.exit(f'{type(err).__name__}: {err}')\n",
+        "    sys.exit(f'{{type(err).__name__}}: {{err}}')\n",
     )
 
 
@@ -179,7 +179,7 @@ PROBES: dict[str, Probe] = {
     ),
     # --- issue 23: an INFO line came before the one-line error ---
     "--eval an empty file": Probe(EVAL_FILE, {"t.txt": ""}),
-    "--eval a binary file": Probe(EVAL_FILE, {"t.txt": "\x00\x01\xfe binary"}),
+    "--eval a binary file": Probe(EVAL_FILE, setup="binary text"),
     "--eval a latin-1 file": Probe(EVAL_FILE, setup="latin-1 text"),
     "--eval /dev/null": Probe(("--eval", "/dev/null", "--skip-dense", "-o", "out")),
     "--eval jsonl without text": Probe(
@@ -363,6 +363,8 @@ def set_up(setup: str, work: Path, args: argparse.Namespace) -> Callable[[], Non
         config["intermediate_size"] = config["intermediate_size"] // 2
         (target / "config.json").unlink()
         (target / "config.json").write_text(json.dumps(config))
+    elif setup == "binary text":  # every byte value: not UTF-8
+        (work / "t.txt").write_bytes(bytes(range(256)) * 16)
     elif setup == "latin-1 text":
         (work / "t.txt").write_bytes(
             "Caf\u00e9 cr\u00e8me br\u00fbl\u00e9e. ".encode("latin-1") * 50
