@@ -162,8 +162,8 @@ def render(payload: dict[str, Any]) -> str:
         "estimate it recorded in `compression.json` against its peak RSS (`ru_maxrss`). The "
         f"estimates aim to lie within a factor {factor} of the peak, either way "
         f"(estimate / peak in [{1 / factor:.2f}, {factor}]).\n\n"
-        f"## SmolLM2-135M\n\nFlags besides the method's: `{' '.join(payload['settings']['smollm2'])}`."
-        " MiB throughout.\n\n"
+        "## SmolLM2-135M\n\nFlags besides the method's: "
+        f"`{' '.join(payload['settings']['smollm2'])}`. MiB throughout.\n\n"
         + markdown_table(
             ["job", "estimate", "peak RSS", "estimate / peak", "within", "largest parts", "wall s"],
             big,
