@@ -37,6 +37,8 @@ library) is in ``child/``, so a driver's ``--help`` stays cheap:
   rounded for the matmul;
 - ``bad_inputs``: issue 10's bad and hostile inputs on the real model (exit code, time, message,
   what is left behind; kills while saving; file modes and output sizes).
+- ``memory_estimate``: the memory estimate every job is admitted with against its measured peak
+  RSS, for every method on SmolLM2-135M and the tiny families (the stated factor: 1.5).
 
 ``kernels`` (GPU only: the packed 2:4 Triton kernel against cuBLAS and cuSPARSELt, and decode
 tokens/s) joins ``BENCHMARKS`` once a GPU run has committed its results: ``test_render`` redraws
@@ -64,4 +66,5 @@ BENCHMARKS = (
     "streaming",
     "layer_speed",
     "speed",
+    "memory_estimate",
 )

@@ -302,12 +302,15 @@ def check_stages(options: RunOptions, configs: Sequence[MethodConfig]) -> Plan:
     On the model's skeleton a later stage skips the layers an earlier one selects, unless it
     composes after some formats (``Method.composes_after``): which format an earlier stage will
     store is known only once it ran, so such a stage is checked on all its layers here and
-    again, exactly, when it starts. Returns the first stage's plan."""
+    again, exactly, when it starts. Returns the first stage's plan with the largest stage's
+    memory estimate (the stages run one after another: the job's peak is theirs)."""
     plan = preflight(options, get_method(configs[0].method)(configs[0]))
     selected: list[str] = list(matching_layers(plan.skeleton, configs[0]))
     for index in range(1, len(configs)):
         skip = [] if get_method(configs[index].method).composes_after else selected
         method, _ = stage_method(plan.skeleton, configs, index, skip)
-        preflight(options, method)
+        estimate = preflight(options, method).estimate
+        if estimate.total > plan.estimate.total:
+            plan.estimate = estimate
         selected += list(method.validate(plan.skeleton))
     return plan

@@ -138,14 +138,23 @@ def run(
             target: Target = StreamedModel(options, plan.skeleton)
         else:
             target = InMemoryModel(options)
+        results = _new_results(options, configs, stages)
+        # the peak the job was admitted with, beside what it did (benchmarks.memory_estimate
+        # compares it with the measured peak RSS)
+        results["memory_estimate"] = {"total": plan.estimate.total, "parts": plan.estimate.parts}
         # a full disk is one line, after the output's temporary directory is removed
         writing = disk_full_as_error(options.output) if options.output else contextlib.nullcontext()
         with writing, target:
-            return _run(target, options, configs, stages, start)
+            return _run(target, options, configs, stages, results, start)
 
 
 def _run(
-    target: Target, options: RunOptions, configs: list[MethodConfig], stages: bool, start: float
+    target: Target,
+    options: RunOptions,
+    configs: list[MethodConfig],
+    stages: bool,
+    results: dict[str, Any],
+    start: float,
 ) -> dict[str, Any]:
     """The steps, the same for every target: text, dense score, the stages, their combined
     report, the compressed score and lm-eval tasks, the export (main process only)."""
@@ -155,7 +164,6 @@ def _run(
     if target.tokenizer is None and needs_text:
         raise ModelLoadError(f"{options.checkpoint} has no tokenizer: cannot read text")
     text = JobText(target.tokenizer, options, evaluates=target.evaluates)
-    results = _new_results(options, configs, stages)
     # Under ``accelerate launch`` every process compresses (a learned method trains on its
     # share of the data); only the main one evaluates and writes the outputs.
     main = distributed.is_main_process()

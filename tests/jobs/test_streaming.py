@@ -1,10 +1,17 @@
 """``--streaming``: a model compressed one block at a time from its safetensors shards writes
-exactly the tensors the in-memory path writes, and the output loads like any other."""
+exactly the tensors the in-memory path writes, and the output loads like any other; its peak
+RSS does not grow with the number of blocks; a streamed job killed mid-run leaves no output, and
+the rerun writes what an uninterrupted run writes."""
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -14,6 +21,8 @@ from conftest import make_tiny_model, make_tiny_tokenizer
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from benchmarks.runner import CLI, Job, run_job
+from lmcompress.cli.main import main
 from lmcompress.compressor.io.load import load_compressed
 from lmcompress.compressor.io.shards import merge_safetensors
 from lmcompress.errors import ConfigError
@@ -172,8 +181,6 @@ def test_merge_safetensors_concatenates_without_loading(tmp_path):
 
 
 def test_cli_streams_and_refuses_other_methods_in_one_line(tmp_path, capsys):
-    from lmcompress.cli.main import main
-
     checkpoint = _checkpoint(tmp_path, "llama")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT)
@@ -213,3 +220,97 @@ def test_cli_streaming_refuses_eval_and_leaves_the_default_corpus_out(tmp_path, 
     assert "no corpus scored" in capsys.readouterr().out
     command = shlex.split(manifest["results"]["command"])  # the run again, as it ran
     assert "--streaming" in command and command[command.index("--eval") + 1].startswith("-")
+
+
+WIDE = {"hidden_size": 512, "intermediate_size": 4096, "num_attention_heads": 8}  # 29 MB a block
+
+
+def _wide_checkpoint(path: Path, blocks: int) -> int:
+    """A random Llama of ``blocks`` wide blocks (they dominate its bytes), sharded by block;
+    returns its weight bytes."""
+    config = transformers.LlamaConfig(
+        vocab_size=256, num_hidden_layers=blocks, num_key_value_heads=8, **WIDE
+    )
+    config.bos_token_id, config.eos_token_id = 1, 2
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(path, max_shard_size="32MB")
+    make_tiny_tokenizer().save_pretrained(path)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.memory
+def test_streamed_peak_rss_is_flat_from_2_to_8_blocks(tmp_path):
+    """The 8-block model is ~4x the 2-block one (+168 MiB), its streamed peak within a third of
+    that (two blocks) of the 2-block peak: loading the whole model could not pass, nor could
+    the heap keeping every freed block's small tensors (+104 to +125 MiB before
+    ``Streamer.release`` trimmed it; +25 and +42 MiB after). Each job is a fresh process
+    (``benchmarks.runner``: its ``ru_maxrss``)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    sizes, jobs = {}, []
+    for blocks in (2, 8):
+        checkpoint = tmp_path / f"blocks-{blocks}"
+        sizes[blocks] = _wide_checkpoint(checkpoint, blocks)
+        argv = [checkpoint, "--method", "wanda", "--streaming", "--calib", corpus, "--eval"]
+        argv += ["--nsamples", "4", "--seq-len", "32", "-o", tmp_path / f"out-{blocks}", "-q"]
+        jobs.append(Job(f"{blocks} blocks", (*CLI, *argv)))
+    with ThreadPoolExecutor(2) as pool:
+        peaks = [run.peak_rss_mb * 2**20 for run in pool.map(lambda j: run_job(j, tmp_path), jobs)]
+    growth, grown = peaks[1] - peaks[0], sizes[8] - sizes[2]
+    assert sizes[8] > 3.5 * sizes[2]
+    assert growth < grown / 3, (
+        f"peak RSS {peaks[0] / 2**20:.0f} -> {peaks[1] / 2**20:.0f} MiB while the weights grew "
+        f"by {grown / 2**20:.0f} MiB"
+    )
+
+
+# A streamed job that stops for good once two blocks are written (a SIGKILL comes next).
+STALLED = """
+import pathlib, sys, time
+from lmcompress.jobs.streaming import Streamer
+from lmcompress.cli.main import main
+
+release = Streamer.release
+
+def stalled(self, index, block, reports):
+    release(self, index, block, reports)
+    if index == 1:
+        pathlib.Path(sys.argv[1]).touch()
+        time.sleep(120)
+
+Streamer.release = stalled
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_killed_streamed_run_leaves_no_output_and_the_rerun_matches(tmp_path):
+    checkpoint = _checkpoint(tmp_path, "llama")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    common = [str(checkpoint), "--method", "sparsegpt", "--streaming", "--calib", str(corpus)]
+    common += ["--eval", "--nsamples", "4", "--seq-len", "32", "-q"]
+    out, ready = tmp_path / "job" / "out", tmp_path / "ready"  # alone in its parent
+    argv = [*common, "-o", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    child = subprocess.Popen(
+        [sys.executable, "-c", STALLED, str(ready), *argv], env=env, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        if child.poll() is not None or time.monotonic() > deadline:
+            child.kill()
+            pytest.fail(f"the job never wrote two blocks: {child.communicate()[1][-2000:]}")
+        time.sleep(0.05)
+    child.kill()
+    child.communicate()
+    (left,) = out.parent.iterdir()  # no out: the temporary sibling, two blocks in
+    assert left.name.startswith(".out.tmp-") and len(list(left.glob("model-*.safetensors"))) >= 2
+
+    assert main(argv) == 0
+    assert [p.name for p in out.parent.iterdir()] == ["out"]  # the debris swept
+    assert main([*common, "-o", str(tmp_path / "uninterrupted")]) == 0
+    got, want = _tensors(out), _tensors(tmp_path / "uninterrupted")
+    assert sorted(got) == sorted(want)
+    for key, tensor in want.items():
+        assert torch.equal(got[key], tensor), key
