@@ -95,6 +95,8 @@ def run_row(name: str, args: argparse.Namespace) -> dict[str, Any]:
         settings = SETTINGS[SMOLLM2]
     else:
         checkpoint, settings = str(args.work / "tiny" / model.split()[1]), SETTINGS["tiny"]
+    if "--streaming" in flags:  # a streamed job evaluates nothing (--eval is refused)
+        settings = settings[: settings.index("--eval")]
     out = args.work / "outputs" / name.replace(": ", "-").replace(" ", "_")
     command = (*CLI, checkpoint, *settings, *flags, "-o", str(out), "-q")
     run = run_job(Job(name, command, out / "compression.json"), args.work)
@@ -130,7 +132,7 @@ def render(payload: dict[str, Any]) -> str:
     big = [
         [
             r["name"].split(": ")[1],
-            f"{r['estimate_bytes'] / 2**20:.0f}",
+            f"{r['estimate_bytes'] / 2**20:.0f}" + ("" if _counts_text(r) else " †"),
             f"{r['peak_rss_mb']:.0f}",
             f"{r['estimate_over_peak']:.2f}",
             mark[r["within_factor"]],
@@ -148,7 +150,9 @@ def render(payload: dict[str, Any]) -> str:
         shown = [
             ""
             if r is None
-            else f"{r['estimate_over_peak']:.2f}" + ("" if r["within_factor"] else " ✗")
+            else f"{r['estimate_over_peak']:.2f}"
+            + ("" if r["within_factor"] else " ✗")
+            + ("" if _counts_text(r) else " †")
             for r in cells
         ]
         grid.append([method, *shown])
@@ -173,7 +177,19 @@ def render(payload: dict[str, Any]) -> str:
         "The estimate is mostly the libraries' fixed share (400 MiB).\n\n"
         + markdown_table(["method", *families], grid)
         + f"\nOutside the factor: {', '.join(outside) if outside else 'none'}.\n"
+        + (
+            "\n†: run before the estimate counted tokenizing the corpora (the job read a "
+            "corpus but its estimate has no part for it); rerun the row to update it.\n"
+            if any(not _counts_text(r) for r in rows)
+            else ""
+        )
     )
+
+
+def _counts_text(row: dict[str, Any]) -> bool:
+    """Whether the row's estimate has the corpora's tokenizing in it (every row of a job that
+    reads a corpus, since the estimate counts it)."""
+    return any("token" in part for part in row["estimate_parts"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ import errno
 import logging
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,14 +91,15 @@ def preflight(options: RunOptions, method: Method) -> Plan:
         skeleton = model_skeleton(config)
     check_weight_shapes(options.checkpoint, skeleton)
     selected = method.validate(skeleton)
-    estimate = estimate_job(skeleton, options, method)
+    text = [  # a misspelt or too short corpus fails before the model loads
+        check_corpus_length(source, options.seq_len, "evaluation corpus") for source in options.eval
+    ]
+    if method.needs_calibration:
+        text.append(check_corpus_length(options.calib, options.seq_len + 1, "calibration corpus"))
+    estimate = estimate_job(skeleton, options, method, text)
     memory_line = check_fits(estimate, device, force=options.force)
     disk = disk_needs(skeleton, options, method, selected)
     check_space(disk, force=options.force)
-    for source in options.eval:  # a misspelt or too short corpus fails before the model loads
-        check_corpus_length(source, options.seq_len, "evaluation corpus")
-    if method.needs_calibration:
-        check_corpus_length(options.calib, options.seq_len + 1, "calibration corpus")
     return Plan(skeleton=skeleton, estimate=estimate, memory_line=memory_line, disk=disk)
 
 
@@ -341,16 +343,34 @@ def check_seq_len(seq_len: int, config) -> None:
         )
 
 
-def estimate_job(skeleton: nn.Module, options: RunOptions, method: Method) -> MemoryEstimate:
-    """Peak bytes of the job: the weights and libraries throughout, plus the larger of the
-    method's own peak and one evaluation batch's (they never overlap)."""
+# Tokenizing a corpus as one text (the perplexity protocol) with a fast tokenizer: measured on
+# SmolLM2's, wiki-calib (2.01 MB of text, 448k tokens) peaks 298 MB above where it started
+# (~148 bytes per byte of text: the encoding's offsets and masks, the Python list of ids), and
+# 126 MB stay with the process after the ids are freed (the tokenizer's caches, the heap).
+TOKENIZING_BYTES_PER_BYTE = 150
+TOKENIZED_BYTES_PER_BYTE = 64
+
+
+def estimate_job(
+    skeleton: nn.Module, options: RunOptions, method: Method, text_bytes: Sequence[int] = ()
+) -> MemoryEstimate:
+    """Peak bytes of the job: the weights and libraries throughout, what tokenizing the
+    corpora (``text_bytes``: each one's UTF-8 size) leaves behind, plus the largest of the
+    method's own peak, one evaluation batch's and tokenizing the largest corpus (they never
+    overlap)."""
     itemsize = resolve_dtype(options.dtype).itemsize
     weights = param_bytes(skeleton, itemsize)
     if options.streaming:  # one block (or the embeddings) at a time
         weights = streaming_weight_bytes(skeleton, itemsize)
     estimate = MemoryEstimate({"model weights": weights, "torch and libraries": RUNTIME_BYTES})
+    if text_bytes:
+        estimate = estimate.add(
+            {"token ids and the tokenizer's leftovers": TOKENIZED_BYTES_PER_BYTE * sum(text_bytes)}
+        )
     nsamples = options.nsamples if method.needs_calibration else 0
     phases = [method.memory_estimate(skeleton, nsamples, options.seq_len, itemsize)]
+    if text_bytes:
+        phases.append({"tokenizing a corpus": TOKENIZING_BYTES_PER_BYTE * max(text_bytes)})
     if options.eval and not options.streaming:
         phases.append(
             {
@@ -362,7 +382,7 @@ def estimate_job(skeleton: nn.Module, options: RunOptions, method: Method) -> Me
     return estimate.add(max(phases, key=lambda parts: sum(parts.values())))
 
 
-def check_corpus_length(source: str, tokens: int, what: str) -> None:
+def check_corpus_length(source: str, tokens: int, what: str) -> int:
     """Read ``source`` (a one-line error if it cannot be) and refuse it when it cannot hold
     ``tokens`` tokens, before the model loads. A tokenizer makes at most one token per UTF-8
     byte, plus one word-start piece per word for SentencePiece's (``"▁"``, ``"1"``): fewer
@@ -374,6 +394,7 @@ def check_corpus_length(source: str, tokens: int, what: str) -> None:
             f"the {what} {shown_path(source)} has {size} bytes of text: too short for one "
             f"window of {tokens} tokens; use a larger corpus or a shorter --seq-len"
         )
+    return size
 
 
 def check_eval(checkpoint: str, device: str, seq_len: int, tasks: list[str], corpora) -> None:
