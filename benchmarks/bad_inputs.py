@@ -81,10 +81,12 @@ def _from_pretrained(path: str) -> tuple[str, ...]:
     return (
         "import sys, lmcompress, transformers\n"
         "from lmcompress.errors import LmcompressError\n"
+        "transformers.utils.logging.disable_progress_bar()\n"
         "try:\n"
         f"    transformers.AutoModelForCausalLM.from_pretrained({path!r})\n"
         "except LmcompressError as err:\n"
-        "    sys.exit(f'{{type(err).__name__}}: {{err}}')\n",
+        "    print(f'{{type(err).__name__}}: {{err}}', file=sys.stderr)\n"
+        "    sys.exit(2)\n",
     )
 
 
@@ -224,7 +226,10 @@ FIXTURES: dict[str, tuple[str, ...]] = {
     "2:4": (*QUICK, "--sparsity", "2:4", "--no-dense-copy"),
     "2:6": (*QUICK, "--sparsity", "2:6", "--no-dense-copy"),
     "svd": ("--method", "svd", "--ratio", "0.5", "--eval", "--skip-dense", "--no-dense-copy"),
-    "int8": ("--method", "int8", "--nsamples", "8", "--seq-len", "128", "--eval", "--skip-dense"),
+    "int8": (
+        *("--method", "int8", "--nsamples", "8", "--seq-len", "128"),
+        *("--eval", "--skip-dense", "--no-dense-copy"),
+    ),
     "2:4+int8": ("--config", "{fixtures}/stages.yaml", "--no-dense-copy"),
     "maskllm": (
         "--method",
