@@ -35,8 +35,11 @@ library) is in ``child/``, so a driver's ``--help`` stays cheap:
 - ``layer_speed``: the compressed layers alone on SmolLM2's decoder-linear shapes, torch
   against the compiled CPU kernels at 1–16 tokens (their crossovers), and low rank's ranks
   rounded for the matmul;
-- ``bad_inputs``: issue 10's bad and hostile inputs on the real model (exit code, time, message,
-  what is left behind; kills while saving; file modes and output sizes).
+- ``bad_inputs``: issues 10 and 23's bad and hostile inputs on the real model (exit code, time,
+  message, what is left behind or changed; kills while saving; two writers of one output; file
+  modes and output sizes).
+- ``load_checks``: what verifying an export at load costs, for every compressed format and both
+  loaders (checks against no-ops, interleaved).
 - ``memory_estimate``: the memory estimate every job is admitted with against its measured peak
   RSS, for every method on SmolLM2-135M and the tiny families (the stated factor: 1.5).
 
@@ -67,4 +70,5 @@ BENCHMARKS = (
     "layer_speed",
     "speed",
     "memory_estimate",
+    "load_checks",
 )

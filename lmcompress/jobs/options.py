@@ -92,11 +92,6 @@ class RunOptions:
             raise ConfigError(
                 f"eval_tokens must be >= 0 (0 = whole split), got {shown(self.eval_tokens)}"
             )
-        if 0 < self.eval_tokens < self.seq_len:
-            raise ConfigError(
-                f"eval_tokens {self.eval_tokens} is fewer than one window of seq_len "
-                f"{self.seq_len}: use at least {self.seq_len}, or 0 for the whole corpus"
-            )
         check_choices(self)
         if self.bench and not self.output:
             raise ConfigError("--bench times the saved export: add -o OUT")

@@ -85,6 +85,11 @@ def preflight(options: RunOptions, method: Method) -> Plan:
         check_tasks(list(options.lm_eval_tasks))
     config = model_config(options.checkpoint, trust_remote_code=options.trust_remote_code)
     check_seq_len(options.seq_len, config)
+    if options.eval and 0 < options.eval_tokens < options.seq_len:
+        raise ConfigError(
+            f"eval_tokens {options.eval_tokens} is fewer than one window of seq_len "
+            f"{options.seq_len}: use at least {options.seq_len}, or 0 for the whole corpus"
+        )
     if options.streaming:  # the skeleton the streamed job compresses: real buffers, its dtype
         skeleton = model_skeleton(config, options.dtype, options.trust_remote_code, True)
     else:
