@@ -37,7 +37,7 @@ from lmcompress.evaluation.speed import SpeedOptions
 from lmcompress.jobs.bench import bench_into_export
 from lmcompress.jobs.evaluate import JobText, evaluate
 from lmcompress.jobs.options import RunOptions
-from lmcompress.jobs.preflight import check_writable
+from lmcompress.jobs.paths import check_writable
 from lmcompress.jobs.recipe import check_stages, recipe_of, stage_method
 from lmcompress.jobs.streaming import StreamedModel
 from lmcompress.methods import get_method

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from lmcompress.jobs.options import RunOptions
-from lmcompress.jobs.preflight import EXPORT_EXTRAS_BYTES, preflight
+from lmcompress.jobs.paths import EXPORT_EXTRAS_BYTES
+from lmcompress.jobs.preflight import preflight
 from lmcompress.jobs.run import run
 from lmcompress.methods import get_method
 from lmcompress.methods.int8 import Int8Config

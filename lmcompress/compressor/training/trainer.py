@@ -13,10 +13,8 @@ alone (what makes resuming exact). While ``fit`` runs only the trained parameter
 gradients; every flag of the model is given back afterwards (``training.trainable_only``).
 
 Runs under ``accelerate`` (``accelerate launch --cpu --num_processes 2 ...``): each process
-takes every ``world_size``-th window of a batch and gradients are averaged across processes,
-by the trainer (data parallel) or by FSDP when the parameters are sharded ``DTensor`` s (see
-``compressor.distributed``); checkpoints then hold the whole tensors, gathered from all
-processes, so a run resumes with any number of processes.
+takes every ``world_size``-th window of a batch; gradients are averaged by the trainer or by
+FSDP (``compressor.distributed``); checkpoints hold whole tensors (any number of processes).
 """
 
 from __future__ import annotations
