@@ -259,7 +259,9 @@ def test_streamed_peak_rss_is_flat_from_2_to_8_blocks(tmp_path):
         peaks = [run.peak_rss_mb * 2**20 for run in pool.map(lambda j: run_job(j, tmp_path), jobs)]
     growth, grown = peaks[1] - peaks[0], sizes[8] - sizes[2]
     assert sizes[8] > 3.5 * sizes[2]
-    assert growth < grown / 3, (
+    # measured growth 25-57 MiB (CI) against 168 MiB of weights; loading the model whole would
+    # grow the peak by at least the weights, so half of them still tells the two apart
+    assert growth < grown / 2, (
         f"peak RSS {peaks[0] / 2**20:.0f} -> {peaks[1] / 2**20:.0f} MiB while the weights grew "
         f"by {grown / 2**20:.0f} MiB"
     )
