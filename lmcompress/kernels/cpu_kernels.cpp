@@ -712,3 +712,102 @@ extern "C" int lmc_all_finite(const void* values, int kind, int64_t count, int t
   }
   return !bad;
 }
+
+// ---- MaskLLM's soft N:M mask, fused (training) -------------------------------------------
+//
+//   lmc_soft_mask_forward   out (G, m) = W ⊙ mask, mask = softmax((κ·logits + g) / τ) @ C, or
+//                           (hard) the candidate at argmax(κ·logits + g); mask entries below
+//                           floor are 0 (no subnormal weights). W may be NULL: out = mask.
+//   lmc_soft_mask_backward  grad_logits (G, C) = κ/τ · p ⊙ (dp − <p, dp>), dp = (grad ⊙ W) @ Cᵀ,
+//                           p the same softmax, its noise regenerated (nothing kept between).
+//
+// G groups of m weights, C candidates (rows of cand, 0/1). The Gumbel noise g of value i = g·C+c
+// is either pool[offset + i mod size] (a doubled pool of `size` values: the GumbelPool) or,
+// with pool NULL, a counter-based draw: u = (top 23 bits of splitmix64(seed + i·φ) + 0.5) / 2^23,
+// g = −log(−log u), the same in forward and backward and in masks.counter_gumbel.
+
+static inline uint64_t lmc_splitmix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// (bits + 0.5) / 2^23 is exact in float32 and strictly inside (0, 1)
+static inline float lmc_counter_noise(uint64_t seed, int64_t i) {
+  uint64_t bits = lmc_splitmix64(seed + (uint64_t)i * 0x9e3779b97f4a7c15ULL) >> 41;
+  float u = ((float)bits + 0.5f) * (1.0f / 8388608.0f);
+  return -logf(-logf(u));
+}
+
+static const int LMC_MAX_CANDIDATES = 256;
+
+// p (C,) = softmax((κ·l + g) / τ) of group g; returns the argmax candidate
+static inline int lmc_group_softmax(const float* l, int C, float kappa, float tau,
+                                    const float* pool, int64_t size, int64_t offset,
+                                    uint64_t seed, int64_t first, float* p) {
+  int best = 0;
+  float top = -INFINITY;
+  // the pool's window: one division a group, then the index wraps by subtraction
+  int64_t at = pool ? offset + first % size : 0, end = offset + size;
+  for (int c = 0; c < C; c++) {
+    float noise;
+    if (pool) {
+      noise = pool[at++];
+      if (at == end) at = offset;
+    } else {
+      noise = lmc_counter_noise(seed, first + c);
+    }
+    p[c] = (kappa * l[c] + noise) / tau;
+    if (p[c] > top) top = p[c], best = c;
+  }
+  float sum = 0.0f;
+  for (int c = 0; c < C; c++) sum += (p[c] = expf(p[c] - top));
+  float inv = 1.0f / sum;
+  for (int c = 0; c < C; c++) p[c] *= inv;
+  return best;
+}
+
+extern "C" void lmc_soft_mask_forward(const float* logits, const float* cand, int64_t G, int C,
+                                      int m, float kappa, float tau, const float* pool,
+                                      int64_t size, int64_t offset, uint64_t seed, int hard,
+                                      float floor_, const float* W, float* out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t g = 0; g < G; g++) {
+    float p[LMC_MAX_CANDIDATES];
+    int best = lmc_group_softmax(logits + g * C, C, kappa, tau, pool, size, offset, seed,
+                                 g * C, p);
+    for (int j = 0; j < m; j++) {
+      float v;
+      if (hard) {
+        v = cand[best * m + j];
+      } else {
+        v = 0.0f;
+        for (int c = 0; c < C; c++) v += p[c] * cand[c * m + j];
+        if (v < floor_) v = 0.0f;
+      }
+      out[g * m + j] = W ? W[g * m + j] * v : v;
+    }
+  }
+}
+
+extern "C" void lmc_soft_mask_backward(const float* logits, const float* cand, int64_t G, int C,
+                                       int m, float kappa, float tau, const float* pool,
+                                       int64_t size, int64_t offset, uint64_t seed,
+                                       const float* grad, const float* W, float* grad_logits,
+                                       int threads) {
+  const float scale = kappa / tau;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t g = 0; g < G; g++) {
+    float p[LMC_MAX_CANDIDATES], dm[64];
+    lmc_group_softmax(logits + g * C, C, kappa, tau, pool, size, offset, seed, g * C, p);
+    for (int j = 0; j < m; j++) dm[j] = W ? grad[g * m + j] * W[g * m + j] : grad[g * m + j];
+    float dot = 0.0f, dp[LMC_MAX_CANDIDATES];
+    for (int c = 0; c < C; c++) {
+      float s = 0.0f;
+      for (int j = 0; j < m; j++) s += dm[j] * cand[c * m + j];
+      dp[c] = s;
+      dot += p[c] * s;
+    }
+    for (int c = 0; c < C; c++) grad_logits[g * C + c] = scale * p[c] * (dp[c] - dot);
+  }
+}

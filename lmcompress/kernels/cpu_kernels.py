@@ -58,6 +58,7 @@ MAX_TOKENS = 12  # packed N:M (then unpack once per call) and int8
 LOW_RANK_MAX_TOKENS = 8
 FLOAT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _VOID, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_F32, _U64 = ctypes.c_float, ctypes.c_uint64
 SIGNATURES = {
     "lmc_nm_simd": [],
     "lmc_nm_matmul_float": [_VOID, _INT, _I64, _I64, _VOID, _INT, _VOID, _I64, _I64]
@@ -74,6 +75,10 @@ SIGNATURES = {
     "lmc_all_finite": [_VOID, _INT, _I64, _INT],
     "lmc_lowrank_float": [_VOID, _INT, _I64, _I64, _VOID, _VOID, _INT, _I64, _I64, _VOID, _INT]
     + [_VOID, _INT, _INT],
+    "lmc_soft_mask_forward": [_VOID, _VOID, _I64, _INT, _INT, _F32, _F32, _VOID, _I64, _I64]
+    + [_U64, _INT, _F32, _VOID, _VOID, _INT],
+    "lmc_soft_mask_backward": [_VOID, _VOID, _I64, _INT, _INT, _F32, _F32, _VOID, _I64, _I64]
+    + [_U64, _VOID, _VOID, _VOID, _INT],
 }
 
 

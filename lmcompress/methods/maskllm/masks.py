@@ -13,7 +13,9 @@ N:M mask. A one-shot mask ``M0`` is a prior (Sec. 3.3)::
 
 Straight-through training (``soft_mask(..., hard=True)``) uses the sampled argmax pattern,
 ``onehot(argmax(κ · logits + g)) @ candidates``, in the forward pass and the soft mask's
-gradient in the backward pass. ``GumbelPool`` is a cheaper noise source than ``gumbel_noise``.
+gradient in the backward pass. ``GumbelPool`` and ``counter_gumbel`` are cheaper noise sources
+than ``gumbel_noise`` (the second one fresh on every call, like it, and computed inside the fused
+CPU kernel, :mod:`lmcompress.kernels.soft_mask`).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from typing import Literal, get_args
 
 import torch
 
-# Where the Gumbel noise comes from: fresh samples, or windows of a pre-drawn pool.
-Noise = Literal["exact", "pool"]
+# Where the Gumbel noise comes from: fresh samples (torch's generator), windows of a pre-drawn
+# pool, or fresh samples from a counter-based hash (``counter_gumbel``, drawn inside the kernel).
+Noise = Literal["exact", "pool", "counter"]
 NOISES: tuple[str, ...] = get_args(Noise)
 
 
@@ -75,6 +78,36 @@ def gumbel_noise(shape: torch.Size | tuple[int, ...], generator=None, device=Non
     """Standard Gumbel samples ``−log(−log U)``, U ~ Uniform(0, 1)."""
     u = torch.rand(shape, generator=generator, device=device).clamp_(1e-10, 1.0 - 1e-7)
     return u.log_().neg_().log_().neg_()  # in place: no temporaries of the noise's size
+
+
+def _signed(value: int) -> int:
+    """A uint64 constant as the int64 with the same bits (torch has no uint64 arithmetic)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN, _MIX1, _MIX2 = (_signed(v) for v in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
+                                                0x94D049BB133111EB))  # fmt: skip
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's ``>>`` is arithmetic)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def counter_gumbel(shape: torch.Size | tuple[int, ...], seed: int) -> torch.Tensor:
+    """Gumbel(0, 1) values that depend only on ``seed`` and the flat index ``i``: the top 23 bits
+    of splitmix64(seed + i·φ) give U = (bits + 0.5) / 2^23 (exact in float32, inside (0, 1)),
+    the value −log(−log U) (float32).
+    What the fused kernel draws for noise "counter", in torch (its reference, and the path
+    for layers the kernel does not take). A new seed a call gives fresh noise as ``exact``
+    does, and the same seed replays it (the backward pass) without storing it."""
+    numel = math.prod(shape)
+    z = torch.arange(numel, dtype=torch.int64) * _GOLDEN + _signed(seed % (1 << 64))
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    bits = _shift_right(z ^ _shift_right(z, 31), 41)
+    u = (bits.float() + 0.5) * (1.0 / (1 << 23))
+    return u.log_().neg_().log_().neg_().reshape(shape)
 
 
 class GumbelPool:
@@ -214,6 +247,9 @@ def replayable_noise(
         pool = shared_gumbel_pool()
         offset = int(torch.randint(pool.size, ()))
         return lambda: pool.sample(shape, device=device, dtype=dtype, offset=offset)
+    if source == "counter":
+        seed = int(torch.randint(2**62, ()))
+        return lambda: counter_gumbel(shape, seed).to(device=device, dtype=dtype)
     raise ValueError(f"noise must be one of {NOISES}, got {source!r}")
 
 

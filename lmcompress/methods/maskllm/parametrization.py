@@ -14,10 +14,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lmcompress.methods.maskllm import fused
 from lmcompress.methods.maskllm.masks import (
     MASK_FLOOR,
     NOISES,
     candidate_patterns,
+    counter_gumbel,
     gumbel_noise,
     hard_mask,
     pooled_gumbel_noise,
@@ -30,6 +32,10 @@ from lmcompress.methods.maskllm.masks import (
 class LearnableNMMask(nn.Module):
     """Mask logits (groups, C) for an ``(out, in)`` weight (``transposed``: stored ``(in, out)``,
     as GPT-2's Conv1D does)."""
+
+    # noise "pool" and "counter" use the fused CPU kernel where it runs (``fused``); False: the
+    # torch path (the same values to float rounding)
+    use_kernel: bool = True
 
     def __init__(
         self, logits: torch.Tensor, n: int, m: int, shape: tuple[int, int], transposed: bool = False
@@ -56,6 +62,9 @@ class LearnableNMMask(nn.Module):
             return gumbel_noise(shape, device=device)
         if self.noise == "pool":
             return pooled_gumbel_noise(shape, device=device, dtype=self.logits.dtype)
+        if self.noise == "counter":
+            seed = int(torch.randint(2**62, ()))
+            return counter_gumbel(shape, seed).to(device=device, dtype=self.logits.dtype)
         raise ValueError(f"noise must be one of {NOISES}, got {self.noise!r}")
 
     def mask(self) -> torch.Tensor:
@@ -87,5 +96,16 @@ class LearnableNMMask(nn.Module):
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
             return weight
+        if (
+            self.use_kernel
+            and not self.hard
+            and self.recompute
+            and not self.transposed
+            and fused.fused_supported(self.noise, self.logits, self.candidates, weight)
+        ):  # one kernel pass per direction (see ``fused``); same values, same RNG draws
+            return fused.masked_weight(
+                self.logits, weight, self.candidates, self.tau, self.kappa, self.noise,
+                self.straight_through,
+            )  # fmt: skip
         mask = self.mask().to(weight.dtype)
         return weight * (mask.T if self.transposed else mask)

@@ -1,0 +1,255 @@
+"""Learned masks on SmolLM2-135M against SparseGPT measured here: what each recipe buys on both
+corpora, for how many training tokens, at what speed and memory.
+
+    python -m benchmarks.learned --only sparsegpt-24 maskllm-blockwise   # run these recipes
+    python -m benchmarks.learned --render-only                           # redraw md/png
+
+Each recipe (``benchmarks.learned_configs.CONFIGS``) is one or more ``compress-model`` stages,
+each its own process (``benchmarks.runner``: wall time and peak RSS)::
+
+    compress-model smollm2-135m --method METHOD --sparsity S --calib wiki-calib --nsamples 128
+        --seq-len 512 --seed 0 --eval wiki-test lee --eval-tokens 32768 --skip-dense -o OUT -q
+        <the stage's args>
+
+A later stage reads an earlier one's output (``{stage1}`` in its args: e.g. ``--prior-from``).
+A row sums the stages' wall, train seconds and training tokens, takes the largest peak RSS, and
+scores the last stage's model. ``÷ SparseGPT`` divides each corpus's perplexity by the SparseGPT
+row of the same sparsity *in this file* (the same machine and thread count: run the baseline
+with the learned rows); a row measured under another thread count than its baseline is flagged.
+
+- **tokens**: tokens the learned parameters were trained on: ``steps × batch × accum × seq_len``
+  per stage (block-wise: the windows that pass through each block, counted once; the prior's
+  calibration pass not counted). **tokens/s**: tokens over the stages' training seconds.
+- **hard ppl**: the method's own perplexity on the held-out calibration windows during training,
+  drawn against the training tokens in the PNG (left); the right panel: wiki-test and lee
+  perplexity of each recipe against its tokens.
+
+Run recipes one or two at a time on the 2-core machine (``OMP_NUM_THREADS=1`` each when two run
+side by side, each with its own ``--results-dir``, then ``--merge DIR ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import add_harness_args, row_table, run_table
+from benchmarks.learned_configs import CONFIGS, CORPORA, SETTINGS
+from benchmarks.render import RESULTS_DIR, markdown_table, merge_rows, read_json, write_results
+from benchmarks.runner import CLI, Job, machine, run_job
+
+NAME = "learned"
+
+
+def build_command(method: str, sparsity: str, args: list[str], out: Path) -> list[str]:
+    s = SETTINGS
+    return [
+        *CLI, s["checkpoint"], "--method", method, "--sparsity", sparsity,
+        "--calib", s["calib"], "--nsamples", str(s["nsamples"]), "--seq-len", str(s["seq_len"]),
+        "--seed", str(s["seed"]), "--eval", *CORPORA, "--eval-tokens", str(s["eval_tokens"]),
+        "--skip-dense", "-o", str(out), "-q", *args,
+    ]  # fmt: skip
+
+
+def _get(data: Any, *keys: str) -> Any:
+    for key in keys:
+        if not isinstance(data, dict) or key not in data:
+            return None
+        data = data[key]
+    return data
+
+
+def stage_tokens(manifest: dict[str, Any]) -> int:
+    """Training tokens of one stage (0 for a one-shot method)."""
+    report = manifest.get("report", {}) or {}
+    extra, config = report.get("extra", {}) or {}, report.get("config", {}) or {}
+    if extra.get("tokens") is not None:
+        return int(extra["tokens"])
+    training = config.get("training", config)
+    steps = extra.get("steps") or 0
+    batch = training.get("batch_size", 1) * training.get("grad_accum", 1)
+    return int(steps * batch * SETTINGS["seq_len"])
+
+
+def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    spec, work = CONFIGS[name], args.work
+    outs, stages, commands = {}, [], []
+    for index, stage in enumerate(spec["stages"], start=1):
+        out = work / f"{name}.stage{index}"
+        shutil.rmtree(out, ignore_errors=True)
+        stage_args = [a.format(**outs) for a in stage["args"]]
+        cmd = build_command(stage["method"], spec["sparsity"], stage_args, out)
+        run = run_job(Job(f"{name}.stage{index}", cmd, reads=out / "compression.json"), work)
+        outs[f"stage{index}"] = str(out)
+        manifest = run.result
+        report = manifest.get("report", {}) or {}
+        stages.append({
+            "method": stage["method"], "wall_seconds": run.wall_seconds,
+            "peak_rss_mb": run.peak_rss_mb, "train_seconds": report.get("seconds"),
+            "tokens": stage_tokens(manifest), "steps": (report.get("extra") or {}).get("steps"),
+            "hard_ppl": (report.get("extra") or {}).get("hard_ppl", []),
+            "ppl": {c: _get(manifest, "results", "compressed", c, "perplexity") for c in CORPORA},
+        })  # fmt: skip
+        commands.append(cmd[len(CLI) :])
+        last = manifest
+    for out in outs.values():
+        shutil.rmtree(out, ignore_errors=True)
+    results = last.get("results", {})
+    evals = [c for c in CORPORA if _get(results, "compressed", c)]
+    train_s = sum(s["train_seconds"] or 0.0 for s in stages)
+    tokens = sum(s["tokens"] for s in stages)
+    return {
+        "name": name,
+        "sparsity": spec["sparsity"],
+        "stages": stages,
+        "note": spec["note"],
+        "ppl": {c: _get(results, "compressed", c, "perplexity") for c in CORPORA},
+        "eval_seconds": sum(_get(results, "compressed", c, "seconds") or 0.0 for c in evals),
+        "wall_seconds": sum(s["wall_seconds"] for s in stages),
+        "peak_rss_mb": max(s["peak_rss_mb"] for s in stages),
+        "train_seconds": train_s,
+        "tokens": tokens,
+        "tokens_per_second": tokens / train_s if tokens and train_s else None,
+        "threads": os.environ.get("OMP_NUM_THREADS"),
+        "commands": commands,
+        "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def _num(value: Any, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def baseline_of(rows: list[dict[str, Any]], sparsity: str) -> dict[str, Any] | None:
+    return next((r for r in rows if r["name"].startswith("sparsegpt") and
+                 r["sparsity"] == sparsity), None)  # fmt: skip
+
+
+def render(payload: dict[str, Any]) -> str:
+    s, host = payload["settings"], payload.get("machine", {})
+    rows = payload["results"]
+    lines = [
+        "# Learned masks on SmolLM2-135M (`python -m benchmarks.learned`)\n",
+        f"Every linear in the decoder blocks; {s['nsamples']} × {s['seq_len']} tokens of "
+        f"{s['calib']} (seed {s['seed']}) to learn from (2 held out); perplexity at seq-len "
+        f"{s['seq_len']} over the first {s['eval_tokens']} tokens of wiki-test and lee. "
+        "`÷ SparseGPT`: each corpus's perplexity over the SparseGPT row of the same sparsity "
+        "in this table (same machine, same thread count). Wall and peak RSS: the whole "
+        "`compress-model` processes (all stages, evaluation included); train s: the methods' "
+        "own time (prior, training, re-fit); tokens: training tokens (block-wise: the windows "
+        "through each block, once).\n",
+        f"Machine: {host.get('cpu_model', '?')} ({host.get('cpu_count', '?')} cores; "
+        f"{', '.join(host.get('isa', []) or ['no AVX-512 VNNI/BF16 or AMX'])}); torch "
+        f"{host.get('torch', '?')}; threads: the row's `OMP_NUM_THREADS`.\n",
+    ]
+    header = ["recipe", "sparsity", "wiki-test ppl", "lee ppl", "÷ SparseGPT (wiki / lee)",
+              "tokens", "tokens/s", "train s", "wall s", "eval s", "peak RSS MiB", "threads"]
+    table = []
+    for row in rows:
+        ref = baseline_of(rows, row["sparsity"])
+        ratios = "-"
+        if ref and ref is not row and all(row["ppl"].get(c) for c in CORPORA):
+            ratios = " / ".join(f"{row['ppl'][c] / ref['ppl'][c]:.3f}" for c in CORPORA)
+            if ref.get("threads") != row.get("threads"):
+                ratios += " (other threads)"
+        table.append([
+            row["name"], row["sparsity"], _num(row["ppl"].get("wiki-test")),
+            _num(row["ppl"].get("lee")), ratios, f"{row.get('tokens') or 0:,}",
+            _num(row.get("tokens_per_second"), 1), _num(row.get("train_seconds"), 0),
+            _num(row.get("wall_seconds"), 0), _num(row.get("eval_seconds"), 0),
+            _num(row.get("peak_rss_mb"), 0), row.get("threads") or "all",
+        ])  # fmt: skip
+        for index, stage in enumerate(row["stages"][:-1], start=1):  # earlier stages scored
+            if all(stage.get("ppl", {}).get(c) for c in CORPORA) and ref:
+                table.append([
+                    f"{row['name']} (stage {index})", row["sparsity"],
+                    *(_num(stage["ppl"][c]) for c in CORPORA),
+                    " / ".join(f"{stage['ppl'][c] / ref['ppl'][c]:.3f}" for c in CORPORA),
+                    f"{stage['tokens']:,}", _num(stage["tokens"] / stage["train_seconds"]
+                                                 if stage.get("train_seconds") else None, 1),
+                    _num(stage.get("train_seconds"), 0), _num(stage["wall_seconds"], 0), "-",
+                    _num(stage["peak_rss_mb"], 0), row.get("threads") or "all",
+                ])  # fmt: skip
+    lines.append(markdown_table(header, table))
+    lines.append("")
+    for row in rows:
+        lines.append(f"- **{row['name']}**: {row['note']} [run {row['finished']}]")
+        for cmd in row["commands"]:
+            lines.append(f"  - `compress-model {' '.join(cmd)}`")
+    return "\n".join(lines) + "\n"
+
+
+def plot(payload: dict[str, Any], results_dir: Path, path: Path) -> None:  # noqa: ARG001
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = payload["results"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for row in rows:
+        done, xs, ys = 0, [], []
+        for stage in row["stages"]:
+            per_step = stage["tokens"] / stage["steps"] if stage.get("steps") else 0
+            for point in stage.get("hard_ppl", []):
+                if point.get("perplexity") is not None:
+                    xs.append(done + point.get("step", 0) * per_step)
+                    ys.append(point["perplexity"])
+            done += stage["tokens"]
+        if xs:
+            left.plot(xs, ys, marker="o", label=row["name"])
+    left.set_xlabel("training tokens")
+    left.set_ylabel("hard-mask ppl (held-out wiki-calib)")
+    left.set_yscale("log")
+    left.legend(fontsize=7)
+    for corpus, marker in (("wiki-test", "o"), ("lee", "s")):
+        for row in rows:
+            if row["ppl"].get(corpus):
+                right.scatter(row.get("tokens") or 0, row["ppl"][corpus], marker=marker)
+                right.annotate(f"{row['name']} ({corpus})", (row.get("tokens") or 0,
+                               row["ppl"][corpus]), fontsize=6)  # fmt: skip
+    right.set_xlabel("training tokens")
+    right.set_ylabel("perplexity (o wiki-test, s lee)")
+    right.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+
+
+def record(args: argparse.Namespace, rows: list[dict]) -> dict[str, Any]:  # noqa: ARG001
+    return {"settings": SETTINGS, "results": rows}
+
+
+def merge_dirs(results_dir: Path, others: list[Path]) -> None:
+    """``--merge``: the rows of runs made side by side, each in its own results dir."""
+    payload = read_json(results_dir / f"{NAME}.json") or {
+        "settings": SETTINGS, "machine": machine(), "results": []}  # fmt: skip
+    rows = payload["results"]
+    for other in others:
+        new = read_json(other / f"{NAME}.json")["results"]
+        rows = merge_rows(rows, new, key=lambda r: r["name"], order=list(CONFIGS))
+    write_results(results_dir, NAME, {**payload, "results": rows}, render, plot)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_harness_args(parser, "run only these recipes")
+    parser.add_argument(
+        "--merge", nargs="+", type=Path, default=[], metavar="DIR",
+        help="merge the rows of these results dirs (runs made side by side) and redraw",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.merge and not args.render_only:
+        merge_dirs(args.results_dir or RESULTS_DIR, args.merge)
+        return 0
+    table = row_table(NAME, render, list(CONFIGS), run_config, record, plot=plot)
+    return run_table(table, args, parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""The recipes ``benchmarks.learned`` runs on SmolLM2-135M: each a name, the sparsity, one or
+more ``compress-model`` stages (a method and its extra flags; a later stage may name an earlier
+stage's output as ``{stage1}``, ``{stage2}``, ...) and a note. The SparseGPT rows are the
+baselines every learned row is divided by: run them on the same machine with the same thread
+count (``OMP_NUM_THREADS``) as the learned rows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+SETTINGS = {
+    "checkpoint": "smollm2-135m",
+    "calib": "wiki-calib",
+    "nsamples": 128,
+    "seq_len": 512,
+    "seed": 0,
+    "eval_tokens": 32768,
+}
+CORPORA = ("wiki-test", "lee")
+
+# fmt: off
+# MaskLLM block-wise, the best recipe of benchmarks.maskllm (blockwise-refit-20-st): 20 steps of
+# one batch of 4 windows per block, straight-through hard samples in the last 20 %.
+MASKLLM_BLOCKWISE = [
+    "--blockwise", "--steps", "20", "--batch-size", "4", "--lr", "1e-3", "--tau", "4", "0.05",
+    "--kappa", "100", "500", "--prior", "sparsegpt", "--prior-strength", "3",
+    "--weight-reg", "1e-5", "--eval-windows", "2", "--straight-through-from", "0.8",
+]
+# The end-to-end pass after it (from the dense weights): the block-wise masks as the prior, distillation from the dense
+# model's logits, then the kept weights re-fitted (SparseGPT's OBS updates under the mask).
+def maskllm_e2e(steps: int, *extra: str) -> list[str]:
+    return [
+        "--steps", str(steps), "--batch-size", "1", "--lr", "2e-4", "--tau", "4", "0.05",
+        "--kappa", "100", "500", "--prior-from", "{stage1}", "--prior-strength", "3",
+        "--weight-reg", "1e-5", "--distill", "--refit", "sparsegpt", "--eval-windows", "2",
+        "--eval-every", str(max(steps // 4, 1)), "--noise", "pool", *extra,
+    ]
+
+
+def two_pass(steps: int, *extra: str) -> list[dict[str, Any]]:
+    return [
+        {"method": "maskllm", "args": [*MASKLLM_BLOCKWISE, "--refit", "sparsegpt"]},
+        {"method": "maskllm", "args": maskllm_e2e(steps, *extra)},
+    ]
+
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "sparsegpt-24": {
+        "sparsity": "2:4", "stages": [{"method": "sparsegpt", "args": []}],
+        "note": "SparseGPT 2:4, the baseline of every 2:4 row (this machine, this thread count)",
+    },
+    "maskllm-blockwise": {
+        "sparsity": "2:4",
+        "stages": [{"method": "maskllm", "args": [*MASKLLM_BLOCKWISE, "--refit", "sparsegpt"]}],
+        "note": "block-wise (20 steps x 4 windows per block, straight-through in the last 20 %), "
+                "then the kept weights re-fitted: the best recipe before this benchmark",
+    },
+    "maskllm-blockwise-bf16": {
+        "sparsity": "2:4",
+        "stages": [{"method": "maskllm",
+                    "args": [*MASKLLM_BLOCKWISE, "--refit", "sparsegpt", "--bf16"]}],
+        "note": "maskllm-blockwise under bf16 autocast (the logits stay fp32)",
+    },
+    "maskllm-2pass-100": {
+        "sparsity": "2:4", "stages": two_pass(100),
+        "note": "maskllm-blockwise (stage 1, scored too), then 100 end-to-end steps of one "
+                "window (pooled noise) with distillation from the dense weights, the block-wise "
+                "masks as the prior; then the re-fit",
+    },
+}
+# fmt: on
