@@ -12,6 +12,8 @@ each its own process (``benchmarks.runner``: wall time and peak RSS)::
         <the stage's args>
 
 A later stage reads an earlier one's output (``{stage1}`` in its args: e.g. ``--prior-from``).
+Stage outputs stay in ``WORK/stages/<digest of the command>``: a recipe whose stage has the same
+command as one run before in the same ``--work`` reuses that run (its output and measurements).
 A row sums the stages' wall, train seconds and training tokens, takes the largest peak RSS, and
 scores the last stage's model. ``÷ SparseGPT`` divides each corpus's perplexity by the SparseGPT
 row of the same sparsity *in this file* (the same machine and thread count: run the baseline
@@ -31,6 +33,9 @@ side by side, each with its own ``--results-dir``, then ``--merge DIR ...``).
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import logging
 import os
 import shutil
 import sys
@@ -44,6 +49,7 @@ from benchmarks.render import RESULTS_DIR, markdown_table, merge_rows, read_json
 from benchmarks.runner import CLI, Job, machine, run_job
 
 NAME = "learned"
+log = logging.getLogger(__name__)
 
 
 def build_command(method: str, sparsity: str, args: list[str], out: Path) -> list[str]:
@@ -76,29 +82,47 @@ def stage_tokens(manifest: dict[str, Any]) -> int:
     return int(steps * batch * SETTINGS["seq_len"])
 
 
+def run_stage(name: str, cmd: list[str], out: Path, work: Path) -> dict[str, Any]:
+    """One stage's process, or its stored run: a stage run before with the same command (the
+    same recipe prefix, e.g. the block-wise pass two recipes start from) is reused, its
+    measurements too (``reused``), from ``WORK/stages/<digest>``."""
+    key = hashlib.sha1(json.dumps(cmd[len(CLI) :]).encode()).hexdigest()[:12]
+    stored = work / "stages" / key
+    if (stored / "stage.json").is_file():
+        log.info("%s: reusing the stage run in %s", name, stored)
+        return {**json.loads((stored / "stage.json").read_text()), "out": str(stored / "out"),
+                "reused": True}  # fmt: skip
+    shutil.rmtree(out, ignore_errors=True)
+    run = run_job(Job(name, cmd, reads=out / "compression.json"), work)
+    stored.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(stored / "out", ignore_errors=True)
+    shutil.move(out, stored / "out")
+    record = {"wall_seconds": run.wall_seconds, "peak_rss_mb": run.peak_rss_mb,
+              "manifest": run.result}  # fmt: skip
+    (stored / "stage.json").write_text(json.dumps(record))
+    return {**record, "out": str(stored / "out"), "reused": False}
+
+
 def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     spec, work = CONFIGS[name], args.work
     outs, stages, commands = {}, [], []
     for index, stage in enumerate(spec["stages"], start=1):
-        out = work / f"{name}.stage{index}"
-        shutil.rmtree(out, ignore_errors=True)
         stage_args = [a.format(**outs) for a in stage["args"]]
-        cmd = build_command(stage["method"], spec["sparsity"], stage_args, out)
-        run = run_job(Job(f"{name}.stage{index}", cmd, reads=out / "compression.json"), work)
-        outs[f"stage{index}"] = str(out)
-        manifest = run.result
+        cmd = build_command(stage["method"], spec["sparsity"], stage_args, work / "out")
+        run = run_stage(f"{name}.stage{index}", cmd, work / "out", work)
+        outs[f"stage{index}"] = run["out"]
+        manifest = run["manifest"]
         report = manifest.get("report", {}) or {}
         stages.append({
-            "method": stage["method"], "wall_seconds": run.wall_seconds,
-            "peak_rss_mb": run.peak_rss_mb, "train_seconds": report.get("seconds"),
+            "method": stage["method"], "wall_seconds": run["wall_seconds"],
+            "peak_rss_mb": run["peak_rss_mb"], "train_seconds": report.get("seconds"),
             "tokens": stage_tokens(manifest), "steps": (report.get("extra") or {}).get("steps"),
             "hard_ppl": (report.get("extra") or {}).get("hard_ppl", []),
             "ppl": {c: _get(manifest, "results", "compressed", c, "perplexity") for c in CORPORA},
+            "reused": run["reused"],
         })  # fmt: skip
         commands.append(cmd[len(CLI) :])
         last = manifest
-    for out in outs.values():
-        shutil.rmtree(out, ignore_errors=True)
     results = last.get("results", {})
     evals = [c for c in CORPORA if _get(results, "compressed", c)]
     train_s = sum(s["train_seconds"] or 0.0 for s in stages)
@@ -147,8 +171,20 @@ def render(payload: dict[str, Any]) -> str:
         f"{', '.join(host.get('isa', []) or ['no AVX-512 VNNI/BF16 or AMX'])}); torch "
         f"{host.get('torch', '?')}; threads: the row's `OMP_NUM_THREADS`.\n",
     ]
-    header = ["recipe", "sparsity", "wiki-test ppl", "lee ppl", "÷ SparseGPT (wiki / lee)",
-              "tokens", "tokens/s", "train s", "wall s", "eval s", "peak RSS MiB", "threads"]
+    header = [
+        "recipe",
+        "sparsity",
+        "wiki-test ppl",
+        "lee ppl",
+        "÷ SparseGPT (wiki / lee)",
+        "tokens",
+        "tokens/s",
+        "train s",
+        "wall s",
+        "eval s",
+        "peak RSS MiB",
+        "threads",
+    ]
     table = []
     for row in rows:
         ref = baseline_of(rows, row["sparsity"])

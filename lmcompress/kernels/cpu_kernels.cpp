@@ -811,3 +811,17 @@ extern "C" void lmc_soft_mask_backward(const float* logits, const float* cand, i
     for (int c = 0; c < C; c++) grad_logits[g * C + c] = scale * p[c] * (dp[c] - dot);
   }
 }
+
+// out (G,) uint8 = the first index of each row's largest of C logits (torch.argmax's choice;
+// NaN rows give their first NaN, as torch does)
+extern "C" void lmc_group_argmax(const float* logits, int64_t G, int C, uint8_t* out,
+                                 int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t g = 0; g < G; g++) {
+    const float* l = logits + g * C;
+    int best = 0;
+    for (int c = 1; c < C && l[best] == l[best]; c++)
+      if (l[c] > l[best] || l[c] != l[c]) best = c;
+    out[g] = (uint8_t)best;
+  }
+}

@@ -79,6 +79,7 @@ SIGNATURES = {
     + [_U64, _INT, _F32, _VOID, _VOID, _INT],
     "lmc_soft_mask_backward": [_VOID, _VOID, _I64, _INT, _INT, _F32, _F32, _VOID, _I64, _I64]
     + [_U64, _VOID, _VOID, _VOID, _INT],
+    "lmc_group_argmax": [_VOID, _I64, _INT, _VOID, _INT],
 }
 
 

@@ -77,3 +77,16 @@ def soft_mask_backward(
         grad.data_ptr(), _ptr(w), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+def group_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1).to(torch.uint8)`` for fp32 CPU logits (G, C ≤ 256) in one pass:
+    torch's reduction over a dimension of 6 takes ~1.5 s for SmolLM2's 159M logits at one
+    thread, ~10x this."""
+    logits = logits.contiguous()
+    out = torch.empty(logits.shape[0], dtype=torch.uint8)
+    library().lmc_group_argmax(
+        logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out

@@ -128,3 +128,12 @@ def test_training_is_the_same_with_and_without_the_kernel(noise, monkeypatch):
     for name in logits[0]:  # AdamW magnifies float rounding where a gradient is tiny
         torch.testing.assert_close(logits[0][name], logits[1][name], rtol=1e-3, atol=1e-4)
         assert torch.equal(logits[0][name].argmax(-1), logits[1][name].argmax(-1)), name
+
+
+def test_group_argmax_is_torchs():
+    from lmcompress.kernels.soft_mask import group_argmax
+
+    logits = torch.randn(5000, 6)
+    logits[3] = 1.0  # ties: the first
+    logits[4, 2] = float("nan")  # NaN: the first NaN, as torch
+    assert torch.equal(group_argmax(logits), logits.argmax(-1).to(torch.uint8))

@@ -19,6 +19,7 @@ from transformers.pytorch_utils import Conv1D
 from lmcompress.compressor.model.surgery import add_parametrization, weight_matrix
 from lmcompress.compressor.training import distributed
 from lmcompress.compressor.training.drivers import ExtraLoss
+from lmcompress.kernels import soft_mask as kernel
 from lmcompress.methods.maskllm.config import MaskLLMConfig
 from lmcompress.methods.maskllm.masks import (
     candidate_patterns,
@@ -66,9 +67,13 @@ def schedules(
     logs them with the fraction of groups whose argmax changed since the last step."""
 
     def argmax(mask: LearnableNMMask) -> torch.Tensor:  # small ints: 1 byte for 2:4
-        small = torch.uint8 if mask.logits.shape[-1] <= 256 else torch.int32
         # this process's groups only, under FSDP (the counts are summed over processes)
-        return distributed.local_tensor(mask.logits.detach()).argmax(-1).to(small)
+        logits = distributed.local_tensor(mask.logits.detach())
+        if logits.shape[-1] > 256:
+            return logits.argmax(-1).to(torch.int32)
+        if kernel.soft_mask_supported(mask.candidates, logits):
+            return kernel.group_argmax(logits)  # one pass: ~10x torch's at C = 6
+        return logits.argmax(-1).to(torch.uint8)
 
     last_argmax = {n: argmax(m) for n, m in masks.items()}
 
