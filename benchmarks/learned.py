@@ -135,7 +135,7 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "ppl": {c: _get(results, "compressed", c, "perplexity") for c in CORPORA},
         "eval_seconds": sum(_get(results, "compressed", c, "seconds") or 0.0 for c in evals),
         "wall_seconds": sum(s["wall_seconds"] for s in stages),
-        "peak_rss_mb": max(s["peak_rss_mb"] for s in stages),
+        "peak_rss_mb": max((s["peak_rss_mb"] or 0.0 for s in stages), default=None),
         "train_seconds": train_s,
         "tokens": tokens,
         "tokens_per_second": tokens / train_s if tokens and train_s else None,

@@ -26,8 +26,9 @@ MASKLLM_BLOCKWISE = [
     "--kappa", "100", "500", "--prior", "sparsegpt", "--prior-strength", "3",
     "--weight-reg", "1e-5", "--eval-windows", "2", "--straight-through-from", "0.8",
 ]
-# The end-to-end pass after it (from the dense weights): the block-wise masks as the prior, distillation from the dense
-# model's logits, then the kept weights re-fitted (SparseGPT's OBS updates under the mask).
+# The end-to-end pass after it (from the dense weights): the block-wise masks as the prior,
+# distillation from the dense model's logits, then the kept weights re-fitted (SparseGPT's OBS
+# updates under the mask).
 def maskllm_e2e(steps: int, *extra: str) -> list[str]:
     return [
         "--steps", str(steps), "--batch-size", "1", "--lr", "2e-4", "--tau", "4", "0.05",
@@ -66,6 +67,18 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "note": "maskllm-blockwise (stage 1, scored too), then 100 end-to-end steps of one "
                 "window (pooled noise) with distillation from the dense weights, the block-wise "
                 "masks as the prior; then the re-fit",
+    },
+    "maskllm-2pass-b4-80": {
+        "sparsity": "2:4", "stages": two_pass(80, "--batch-size", "4"),
+        "note": "maskllm-2pass-100's recipe with 80 end-to-end steps of 4 windows (3.2x the "
+                "tokens: a step's mask work is shared by its windows)",
+    },
+    "maskllm-blockwise-pool": {
+        "sparsity": "2:4",
+        "stages": [{"method": "maskllm", "args": [*MASKLLM_BLOCKWISE, "--refit", "sparsegpt",
+                                                  "--noise", "pool"]}],
+        "note": "maskllm-blockwise with pooled noise, through the fused kernel: the block-wise "
+                "driver's speed and whether the pool costs quality",
     },
 }
 # fmt: on
