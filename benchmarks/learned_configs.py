@@ -56,12 +56,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "note": "block-wise (20 steps x 4 windows per block, straight-through in the last 20 %), "
                 "then the kept weights re-fitted: the best recipe before this benchmark",
     },
-    "maskllm-blockwise-bf16": {
-        "sparsity": "2:4",
-        "stages": [{"method": "maskllm",
-                    "args": [*MASKLLM_BLOCKWISE, "--refit", "sparsegpt", "--bf16"]}],
-        "note": "maskllm-blockwise under bf16 autocast (the logits stay fp32)",
-    },
     "maskllm-2pass-100": {
         "sparsity": "2:4", "stages": two_pass(100),
         "note": "maskllm-blockwise (stage 1, scored too), then 100 end-to-end steps of one "
@@ -72,13 +66,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "sparsity": "2:4", "stages": two_pass(80, "--batch-size", "4"),
         "note": "maskllm-2pass-100's recipe with 80 end-to-end steps of 4 windows (3.2x the "
                 "tokens: a step's mask work is shared by its windows)",
-    },
-    "maskllm-blockwise-pool": {
-        "sparsity": "2:4",
-        "stages": [{"method": "maskllm", "args": [*MASKLLM_BLOCKWISE, "--refit", "sparsegpt",
-                                                  "--noise", "pool"]}],
-        "note": "maskllm-blockwise with pooled noise, through the fused kernel: the block-wise "
-                "driver's speed and whether the pool costs quality",
     },
 }
 # fmt: on
