@@ -42,6 +42,11 @@ library) is in ``child/``, so a driver's ``--help`` stays cheap:
   loaders (checks against no-ops, interleaved).
 - ``memory_estimate``: the memory estimate every job is admitted with against its measured peak
   RSS, for every method on SmolLM2-135M and the tiny families (the stated factor: 1.5).
+- ``learned`` (recipes in ``learned_configs``): learned-mask recipes of one or more stages on
+  SmolLM2, each divided by SparseGPT measured in the same file (same machine and threads), with
+  training tokens, tokens/s, wall and peak RSS;
+- ``learned_speed``: MaskLLM's end-to-end step time and tokens/s, the fused soft-mask kernel
+  against the torch path, interleaved.
 
 ``kernels`` (GPU only: the packed 2:4 Triton kernel against cuBLAS and cuSPARSELt, and decode
 tokens/s) joins ``BENCHMARKS`` once a GPU run has committed its results: ``test_render`` redraws
@@ -71,4 +76,5 @@ BENCHMARKS = (
     "speed",
     "memory_estimate",
     "load_checks",
+    "learned",
 )

@@ -166,7 +166,10 @@ def render(payload: dict[str, Any]) -> str:
         "in this table (same machine, same thread count). Wall and peak RSS: the whole "
         "`compress-model` processes (all stages, evaluation included); train s: the methods' "
         "own time (prior, training, re-fit); tokens: training tokens (block-wise: the windows "
-        "through each block, once).\n",
+        "through each block, once); tokens/s: tokens over train s. The PNG: the held-out "
+        "hard-mask perplexity during training against the tokens (a line a stage: the last "
+        "point of a stage with `--refit` is after the re-fit), and each recipe's final "
+        "perplexities.\n",
         f"Machine: {host.get('cpu_model', '?')} ({host.get('cpu_count', '?')} cores; "
         f"{', '.join(host.get('isa', []) or ['no AVX-512 VNNI/BF16 or AMX'])}); torch "
         f"{host.get('torch', '?')}; threads: the row's `OMP_NUM_THREADS`.\n",
@@ -214,7 +217,9 @@ def render(payload: dict[str, Any]) -> str:
     lines.append(markdown_table(header, table))
     lines.append("")
     for row in rows:
-        lines.append(f"- **{row['name']}**: {row['note']} [run {row['finished']}]")
+        reused = [str(i) for i, st in enumerate(row["stages"], 1) if st.get("reused")]
+        again = f"; stage {', '.join(reused)} reused from an identical run" if reused else ""
+        lines.append(f"- **{row['name']}**: {row['note']} [run {row['finished']}{again}]")
         for cmd in row["commands"]:
             lines.append(f"  - `compress-model {' '.join(cmd)}`")
     return "\n".join(lines) + "\n"
@@ -228,17 +233,16 @@ def plot(payload: dict[str, Any], results_dir: Path, path: Path) -> None:  # noq
 
     rows = payload["results"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for row in rows:
-        done, xs, ys = 0, [], []
-        for stage in row["stages"]:
+    for index, row in enumerate(rows):
+        done, color = 0, f"C{index % 10}"
+        for number, stage in enumerate(row["stages"]):  # one line a stage: weights change
             per_step = stage["tokens"] / stage["steps"] if stage.get("steps") else 0
-            for point in stage.get("hard_ppl", []):
-                if point.get("perplexity") is not None:
-                    xs.append(done + point.get("step", 0) * per_step)
-                    ys.append(point["perplexity"])
+            hard = [p for p in stage.get("hard_ppl", []) if p.get("hard_ppl") is not None]
+            if hard:
+                xs = [done + p.get("step", 0) * per_step for p in hard]
+                left.plot(xs, [p["hard_ppl"] for p in hard], marker="o", color=color,
+                          label=row["name"] if number == 0 else None)  # fmt: skip
             done += stage["tokens"]
-        if xs:
-            left.plot(xs, ys, marker="o", label=row["name"])
     left.set_xlabel("training tokens")
     left.set_ylabel("hard-mask ppl (held-out wiki-calib)")
     left.set_yscale("log")

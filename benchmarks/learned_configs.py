@@ -29,10 +29,11 @@ MASKLLM_BLOCKWISE = [
 # The end-to-end pass after it (from the dense weights): the block-wise masks as the prior,
 # distillation from the dense model's logits, then the kept weights re-fitted (SparseGPT's OBS
 # updates under the mask).
-def maskllm_e2e(steps: int, *extra: str) -> list[str]:
+def maskllm_e2e(steps: int, *extra: str, prior: tuple[str, ...] = ("--prior-from", "{stage1}")
+                ) -> list[str]:
     return [
         "--steps", str(steps), "--batch-size", "1", "--lr", "2e-4", "--tau", "4", "0.05",
-        "--kappa", "100", "500", "--prior-from", "{stage1}", "--prior-strength", "3",
+        "--kappa", "100", "500", *prior, "--prior-strength", "3",
         "--weight-reg", "1e-5", "--distill", "--refit", "sparsegpt", "--eval-windows", "2",
         "--eval-every", str(max(steps // 4, 1)), "--noise", "pool", *extra,
     ]
@@ -62,10 +63,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
                 "window (pooled noise) with distillation from the dense weights, the block-wise "
                 "masks as the prior; then the re-fit",
     },
-    "maskllm-2pass-b4-80": {
-        "sparsity": "2:4", "stages": two_pass(80, "--batch-size", "4"),
-        "note": "maskllm-2pass-100's recipe with 80 end-to-end steps of 4 windows (3.2x the "
-                "tokens: a step's mask work is shared by its windows)",
+    "maskllm-e2e-refit-100": {
+        "sparsity": "2:4",
+        "stages": [{"method": "maskllm",
+                    "args": maskllm_e2e(100, prior=("--prior", "sparsegpt"))}],
+        "note": "the paper's end-to-end pass (SparseGPT prior on the dense weights, 100 steps "
+                "of one window, pooled noise) with distillation, then the re-fit: the "
+                "block-wise masks start the end-to-end pass at hard ppl ~250 on the dense "
+                "weights (maskllm-2pass-100), the SparseGPT prior at ~85",
     },
 }
 # fmt: on
