@@ -77,4 +77,5 @@ BENCHMARKS = (
     "memory_estimate",
     "load_checks",
     "learned",
+    "learned_speed",
 )

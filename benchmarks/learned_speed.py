@@ -11,7 +11,8 @@ time is the median over rounds of the steps after the first (which pays for firs
 allocations). Rows run interleaved, kernel off and on back to back in every round, so a change
 in the machine's load reaches both. The ratio column is the kernel-off step time over the row's,
 for the same noise and batch. Noise "counter" has no torch row: its torch path is the kernel's
-reference (int64 hashing, ~100 s a step), not a way to train. Results: ``results/learned_speed.{json,md}``.
+reference (int64 hashing, ~100 s a step), not a way to train.
+Results: ``results/learned_speed.{json,md}``.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def render(payload: dict[str, Any]) -> str:
     s, host = payload["settings"], payload.get("machine", {})
     rows = payload["results"]
     torch_path = {(r["noise"], r["batch_size"]): r for r in rows if not r["kernel"]}
+    paper = torch_path.get(("exact", 1))  # the paper's noise, the torch path, one window
     lines = [
         "# MaskLLM end-to-end step speed on SmolLM2-135M (`python -m benchmarks.learned_speed`)\n",
         f"One step: the masks sampled for all 159M logits, forward and backward of "
@@ -104,10 +106,13 @@ def render(payload: dict[str, Any]) -> str:
             r["name"], r["noise"], r["batch_size"], "bf16" if r["bf16"] else "fp32",
             "fused" if r["kernel"] else "torch", f"{r['median_seconds']:.2f}",
             f"{r['tokens_per_second']:.1f}", "-" if ratio is None else f"{ratio:.2f}x",
+            f"{r['tokens_per_second'] / paper['tokens_per_second']:.2f}x" if paper else "-",
         ])  # fmt: skip
     header = ["config", "noise", "batch", "dtype", "mask", "s / step", "tokens/s",
-              "speed-up over the torch path"]  # fmt: skip
+              "step speed-up over the torch path", "tokens/s ÷ exact, torch"]  # fmt: skip
     lines.append(markdown_table(header, table))
+    if payload.get("note"):
+        lines += ["", payload["note"], ""]
     return "\n".join(lines)
 
 
