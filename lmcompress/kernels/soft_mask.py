@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from lmcompress.kernels.cpu_kernels import _ptr, library
+from lmcompress.kernels.cpu_kernels import library
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
 
 # the largest pattern count and group size the fused soft-mask kernels take (8:16 has 12,870
 # candidates: such layers use the torch path)
