@@ -58,7 +58,10 @@ class MaskLLMConfig(PruningConfig):
     scope: LearningScope = field(default_factory=LearningScope)  # --blockwise, --refit
     noise: Noise = field(
         default="exact",
-        metadata={"help": "Gumbel noise: exact, or pool (windows of a pre-drawn pool, cheaper)"},
+        metadata={
+            "help": "Gumbel noise: exact; pool (windows of a pre-drawn pool); counter (fresh, "
+            "hashed); pool and counter run the fused CPU kernel"
+        },
     )
     straight_through_from: float = field(
         default=1.0,
