@@ -133,6 +133,34 @@ def add_harness_args(
         )
 
 
+def add_merge_arg(parser: argparse.ArgumentParser) -> None:
+    """``--merge DIR ...``: rows of runs made side by side, each in its own results dir."""
+    parser.add_argument(
+        "--merge", nargs="+", type=Path, default=[], metavar="DIR",
+        help="merge the rows of these results dirs (runs made side by side) and redraw",
+    )  # fmt: skip
+
+
+def merge_results(
+    results_dir: Path,
+    others: Sequence[Path],
+    name: str,
+    order: Sequence[str],
+    empty: Callable[[Path], Record],
+    render: Render,
+    plot: Plot | None = None,
+) -> None:
+    """``--merge``: the rows of ``others``' ``NAME.json`` replace those of the same name in
+    ``results_dir``'s (``empty(results_dir)`` where there is none yet), in the job table's
+    ``order``; the md and PNG are redrawn."""
+    payload = read_json(results_dir / f"{name}.json") or empty(results_dir)
+    rows = payload["results"]
+    for other in others:
+        new = read_json(other / f"{name}.json")["results"]
+        rows = merge_rows(rows, new, key=by_name, order=order)
+    write_results(results_dir, name, {**payload, "results": rows}, render, plot)
+
+
 def select_jobs(parser: argparse.ArgumentParser, names: Sequence[str], only: Sequence[str]) -> list:
     """The job names to run: all, or those of ``--only`` (an unknown name is a usage error)."""
     unknown = [name for name in only if name not in names]

@@ -43,31 +43,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import add_harness_args, row_table, run_table
-from benchmarks.learned_configs import CONFIGS, CORPORA, SETTINGS
-from benchmarks.render import RESULTS_DIR, markdown_table, merge_rows, read_json, write_results
+from benchmarks.harness import add_harness_args, add_merge_arg, merge_results, row_table, run_table
+from benchmarks.learned_configs import CONFIGS
+from benchmarks.render import RESULTS_DIR, dig, markdown_table
 from benchmarks.runner import CLI, Job, machine, run_job
+from benchmarks.subnet import CORPORA, build_command  # the same SmolLM2 job, other flags
+from benchmarks.subnet_configs import SETTINGS
 
 NAME = "learned"
 log = logging.getLogger(__name__)
-
-
-def build_command(method: str, sparsity: str, args: list[str], out: Path) -> list[str]:
-    s = SETTINGS
-    return [
-        *CLI, s["checkpoint"], "--method", method, "--sparsity", sparsity,
-        "--calib", s["calib"], "--nsamples", str(s["nsamples"]), "--seq-len", str(s["seq_len"]),
-        "--seed", str(s["seed"]), "--eval", *CORPORA, "--eval-tokens", str(s["eval_tokens"]),
-        "--skip-dense", "-o", str(out), "-q", *args,
-    ]  # fmt: skip
-
-
-def _get(data: Any, *keys: str) -> Any:
-    for key in keys:
-        if not isinstance(data, dict) or key not in data:
-            return None
-        data = data[key]
-    return data
 
 
 def stage_tokens(manifest: dict[str, Any]) -> int:
@@ -108,7 +92,8 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     outs, stages, commands = {}, [], []
     for index, stage in enumerate(spec["stages"], start=1):
         stage_args = [a.format(**outs) for a in stage["args"]]
-        cmd = build_command(stage["method"], spec["sparsity"], stage_args, work / "out")
+        stage_spec = {"method": stage["method"], "sparsity": spec["sparsity"], "args": stage_args}
+        cmd = build_command(stage_spec, work / "out")
         run = run_stage(f"{name}.stage{index}", cmd, work / "out", work)
         outs[f"stage{index}"] = run["out"]
         manifest = run["manifest"]
@@ -118,13 +103,13 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
             "peak_rss_mb": run["peak_rss_mb"], "train_seconds": report.get("seconds"),
             "tokens": stage_tokens(manifest), "steps": (report.get("extra") or {}).get("steps"),
             "hard_ppl": (report.get("extra") or {}).get("hard_ppl", []),
-            "ppl": {c: _get(manifest, "results", "compressed", c, "perplexity") for c in CORPORA},
+            "ppl": {c: dig(manifest, "results", "compressed", c, "perplexity") for c in CORPORA},
             "reused": run["reused"],
         })  # fmt: skip
         commands.append(cmd[len(CLI) :])
         last = manifest
     results = last.get("results", {})
-    evals = [c for c in CORPORA if _get(results, "compressed", c)]
+    evals = [c for c in CORPORA if dig(results, "compressed", c)]
     train_s = sum(s["train_seconds"] or 0.0 for s in stages)
     tokens = sum(s["tokens"] for s in stages)
     return {
@@ -132,8 +117,8 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "sparsity": spec["sparsity"],
         "stages": stages,
         "note": spec["note"],
-        "ppl": {c: _get(results, "compressed", c, "perplexity") for c in CORPORA},
-        "eval_seconds": sum(_get(results, "compressed", c, "seconds") or 0.0 for c in evals),
+        "ppl": {c: dig(results, "compressed", c, "perplexity") for c in CORPORA},
+        "eval_seconds": sum(dig(results, "compressed", c, "seconds") or 0.0 for c in evals),
         "wall_seconds": sum(s["wall_seconds"] for s in stages),
         "peak_rss_mb": max((s["peak_rss_mb"] or 0.0 for s in stages), default=None),
         "train_seconds": train_s,
@@ -265,27 +250,19 @@ def record(args: argparse.Namespace, rows: list[dict]) -> dict[str, Any]:  # noq
     return {"settings": SETTINGS, "results": rows}
 
 
-def merge_dirs(results_dir: Path, others: list[Path]) -> None:
-    """``--merge``: the rows of runs made side by side, each in its own results dir."""
-    payload = read_json(results_dir / f"{NAME}.json") or {
-        "settings": SETTINGS, "machine": machine(), "results": []}  # fmt: skip
-    rows = payload["results"]
-    for other in others:
-        new = read_json(other / f"{NAME}.json")["results"]
-        rows = merge_rows(rows, new, key=lambda r: r["name"], order=list(CONFIGS))
-    write_results(results_dir, NAME, {**payload, "results": rows}, render, plot)
+def empty_record(_results_dir: Path) -> dict[str, Any]:
+    """The record a ``--merge`` starts from when there is no results file yet."""
+    return {"settings": SETTINGS, "machine": machine(), "results": []}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_harness_args(parser, "run only these recipes")
-    parser.add_argument(
-        "--merge", nargs="+", type=Path, default=[], metavar="DIR",
-        help="merge the rows of these results dirs (runs made side by side) and redraw",
-    )  # fmt: skip
+    add_merge_arg(parser)
     args = parser.parse_args(argv)
     if args.merge and not args.render_only:
-        merge_dirs(args.results_dir or RESULTS_DIR, args.merge)
+        merge_results(args.results_dir or RESULTS_DIR, args.merge, NAME, list(CONFIGS),
+                      empty_record, render, plot)  # fmt: skip
         return 0
     table = row_table(NAME, render, list(CONFIGS), run_config, record, plot=plot)
     return run_table(table, args, parser)

@@ -8,16 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-SETTINGS = {
-    "checkpoint": "smollm2-135m",
-    "calib": "wiki-calib",
-    "nsamples": 128,
-    "seq_len": 512,
-    "seed": 0,
-    "eval_tokens": 32768,
-}
-CORPORA = ("wiki-test", "lee")
-
 # fmt: off
 # MaskLLM block-wise, the best recipe of benchmarks.maskllm (blockwise-refit-20-st): 20 steps of
 # one batch of 4 windows per block, straight-through hard samples in the last 20 %.

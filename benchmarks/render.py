@@ -33,6 +33,15 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def dig(data: Any, *keys: str) -> Any:
+    """``data[k1][k2]...``, or None where a key is missing or a level is not a dict."""
+    for key in keys:
+        if not isinstance(data, dict) or key not in data:
+            return None
+        data = data[key]
+    return data
+
+
 def read_json(path: Path, default: Any = None) -> Any:
     return json.loads(path.read_text()) if path.is_file() else default
 

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import add_harness_args, row_table, run_table
-from benchmarks.render import RESULTS_DIR, markdown_table, merge_rows, read_json, write_results
+from benchmarks.harness import add_harness_args, add_merge_arg, merge_results, row_table, run_table
+from benchmarks.render import RESULTS_DIR, dig, markdown_table, read_json
 from benchmarks.runner import CLI, Job, machine, run_job
 from benchmarks.subnet_configs import (
     ABLATION_BLOCKS,
@@ -54,14 +54,6 @@ def build_command(spec: dict[str, Any], out: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def _get(data: Any, *keys: str) -> Any:
-    for key in keys:
-        if not isinstance(data, dict) or key not in data:
-            return None
-        data = data[key]
-    return data
-
-
 def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     spec, work = CONFIGS[name], args.work
     out = work / name
@@ -74,7 +66,7 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     layers = report.get("layers", []) or []
     kept = sum(layer.get("params_kept", 0) for layer in layers)
     total = sum(layer.get("params", 0) for layer in layers) or 1
-    evals = [r for r in _get(results, "compressed") or {} if isinstance(r, str)]
+    evals = [r for r in dig(results, "compressed") or {} if isinstance(r, str)]
     shutil.rmtree(out, ignore_errors=True)
     return {
         "name": name,
@@ -82,9 +74,9 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "sparsity": spec["sparsity"],
         "args": list(spec["args"]),
         "note": spec["note"],
-        "ppl": {c: _get(results, "compressed", c, "perplexity") for c in CORPORA},
-        "scored_tokens": {c: _get(results, "compressed", c, "tokens") for c in CORPORA},
-        "eval_seconds": sum(_get(results, "compressed", c, "seconds") or 0.0 for c in evals),
+        "ppl": {c: dig(results, "compressed", c, "perplexity") for c in CORPORA},
+        "scored_tokens": {c: dig(results, "compressed", c, "tokens") for c in CORPORA},
+        "eval_seconds": sum(dig(results, "compressed", c, "seconds") or 0.0 for c in evals),
         "wall_seconds": run.wall_seconds,
         "peak_rss_mb": run.peak_rss_mb,
         "train_seconds": report.get("seconds"),
@@ -122,7 +114,7 @@ def load_baselines(results_dir: Path) -> list[dict[str, Any]]:
                 "name": f"{method} {sparsity}",
                 "method": method,
                 "sparsity": sparsity,
-                "ppl": {c: _get(found, "ppl", c, "perplexity") for c in CORPORA},
+                "ppl": {c: dig(found, "ppl", c, "perplexity") for c in CORPORA},
                 "wall_seconds": found.get("wall_seconds"),
                 "peak_rss_mb": found.get("peak_rss_mb"),
                 "source": "pruning.json",
@@ -131,7 +123,7 @@ def load_baselines(results_dir: Path) -> list[dict[str, Any]]:
     dense = next((r for r in pruning.get("results", []) if r.get("method") == "dense"), None)
     if dense is not None:
         rows.insert(0, {"name": "dense", "method": "dense", "sparsity": "-", "source":
-                        "pruning.json", "ppl": {c: _get(dense, "ppl", c, "perplexity")
+                        "pruning.json", "ppl": {c: dig(dense, "ppl", c, "perplexity")
                                                 for c in CORPORA}})  # fmt: skip
     return rows
 
@@ -243,31 +235,20 @@ def record(args: argparse.Namespace, rows: list[dict]) -> dict[str, Any]:
     return {"settings": SETTINGS, "baselines": load_baselines(args.results_dir), "results": rows}
 
 
-def merge_dirs(results_dir: Path, others: list[Path]) -> None:
-    """``--merge``: the rows of runs made side by side, each in its own results dir."""
-    payload = read_json(results_dir / f"{NAME}.json") or {
-        "settings": SETTINGS,
-        "machine": machine(),
-        "baselines": load_baselines(results_dir),
-        "results": [],
-    }
-    rows = payload["results"]
-    for other in others:
-        new = read_json(other / f"{NAME}.json")["results"]
-        rows = merge_rows(rows, new, key=lambda r: r["name"], order=list(CONFIGS))
-    write_results(results_dir, NAME, {**payload, "results": rows}, render, plot)
+def empty_record(results_dir: Path) -> dict[str, Any]:
+    """The record a ``--merge`` starts from when there is no results file yet."""
+    return {"settings": SETTINGS, "machine": machine(), "baselines": load_baselines(results_dir),
+            "results": []}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_harness_args(parser, "run only these configurations")
-    parser.add_argument(
-        "--merge", nargs="+", type=Path, default=[], metavar="DIR",
-        help="merge the rows of these results dirs (runs made side by side) and redraw",
-    )  # fmt: skip
+    add_merge_arg(parser)
     args = parser.parse_args(argv)
     if args.merge and not args.render_only:
-        merge_dirs(args.results_dir or RESULTS_DIR, args.merge)
+        merge_results(args.results_dir or RESULTS_DIR, args.merge, NAME, list(CONFIGS),
+                      empty_record, render, plot)  # fmt: skip
         return 0
     table = row_table(NAME, render, list(CONFIGS), run_config, record, plot=plot)
     return run_table(table, args, parser)

@@ -64,7 +64,7 @@ def test_pool_window_wraps_like_the_pool():
     logits = torch.zeros(700, 6)  # 4200 values: the window wraps four times
     for offset in (0, 7, 999):
         expected = C[pool.sample((700, 6), offset=offset).argmax(-1)]
-        doubled = pool._on(torch.device("cpu"), torch.float32)
+        doubled = pool.doubled(torch.device("cpu"), torch.float32)
         got = kernel.soft_mask_forward(logits, C, 1.0, 1.0, (doubled, offset, 0), True, 0, None)
         assert torch.equal(got, expected), offset
 

@@ -27,7 +27,7 @@ def draw_noise(source: str) -> NoiseSpec:
     if source == "pool":
         pool = shared_gumbel_pool()
         offset = int(torch.randint(pool.size, ()))
-        return pool._on(torch.device("cpu"), torch.float32), offset, 0
+        return pool.doubled(torch.device("cpu"), torch.float32), offset, 0
     if source == "counter":
         return None, 0, int(torch.randint(2**62, ()))
     raise ValueError(f"the fused mask takes noise {FUSED_NOISES}, got {source!r}")

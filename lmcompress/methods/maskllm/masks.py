@@ -144,7 +144,7 @@ class GumbelPool:
         self.values = gumbel_noise((size,), generator=torch.Generator().manual_seed(seed))
         self._doubled: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
-    def _on(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    def doubled(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """The pool twice over, ``(2·size,)``, cached per device and dtype: every circular
         window of at most ``size`` values is then one contiguous slice."""
         key = (device, dtype)
@@ -165,7 +165,7 @@ class GumbelPool:
         numel = math.prod(shape)
         if offset is None:
             offset = int(torch.randint(self.size, ()))
-        window = self._on(device, dtype)[offset : offset + self.size]
+        window = self.doubled(device, dtype)[offset : offset + self.size]
         out = torch.empty(numel, device=device, dtype=dtype)
         whole, rest = divmod(numel, self.size)
         out[: whole * self.size].view(whole, self.size).copy_(window)  # broadcast over rows

@@ -19,7 +19,6 @@ from lmcompress.methods.maskllm.masks import (
     MASK_FLOOR,
     NOISES,
     candidate_patterns,
-    counter_gumbel,
     gumbel_noise,
     hard_mask,
     pooled_gumbel_noise,
@@ -62,9 +61,8 @@ class LearnableNMMask(nn.Module):
             return gumbel_noise(shape, device=device)
         if self.noise == "pool":
             return pooled_gumbel_noise(shape, device=device, dtype=self.logits.dtype)
-        if self.noise == "counter":
-            seed = int(torch.randint(2**62, ()))
-            return counter_gumbel(shape, seed).to(device=device, dtype=self.logits.dtype)
+        if self.noise == "counter":  # fresh: one seed from the global RNG, as the replay draws
+            return replayable_noise("counter", shape, device, self.logits.dtype)()
         raise ValueError(f"noise must be one of {NOISES}, got {self.noise!r}")
 
     def mask(self) -> torch.Tensor:
