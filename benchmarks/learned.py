@@ -92,7 +92,12 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     outs, stages, commands = {}, [], []
     for index, stage in enumerate(spec["stages"], start=1):
         stage_args = [a.format(**outs) for a in stage["args"]]
-        stage_spec = {"method": stage["method"], "sparsity": spec["sparsity"], "args": stage_args}
+        stage_spec = {
+            "method": stage["method"],
+            "sparsity": stage.get("sparsity", spec["sparsity"]),  # None: a stage without one
+            "checkpoint": stage.get("checkpoint", "").format(**outs),  # "": the dense model
+            "args": stage_args,
+        }
         cmd = build_command(stage_spec, work / "out")
         run = run_stage(f"{name}.stage{index}", cmd, work / "out", work)
         outs[f"stage{index}"] = run["out"]
@@ -115,6 +120,7 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "name": name,
         "sparsity": spec["sparsity"],
+        "baseline": spec.get("baseline"),
         "stages": stages,
         "note": spec["note"],
         "ppl": {c: dig(results, "compressed", c, "perplexity") for c in CORPORA},
@@ -134,9 +140,13 @@ def _num(value: Any, digits: int = 2) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
-def baseline_of(rows: list[dict[str, Any]], sparsity: str) -> dict[str, Any] | None:
+def baseline_of(rows: list[dict[str, Any]], row: dict[str, Any]) -> dict[str, Any] | None:
+    """The row ``row`` is divided by: the one its recipe names (``baseline``: e.g. SparseGPT
+    then int8 for the int8 rows), else the first SparseGPT row of its sparsity."""
+    if row.get("baseline"):
+        return next((r for r in rows if r["name"] == row["baseline"]), None)
     return next((r for r in rows if r["name"].startswith("sparsegpt") and
-                 r["sparsity"] == sparsity), None)  # fmt: skip
+                 r["sparsity"] == row["sparsity"] and not r.get("baseline")), None)  # fmt: skip
 
 
 def render(payload: dict[str, Any]) -> str:
@@ -175,10 +185,12 @@ def render(payload: dict[str, Any]) -> str:
     ]
     table = []
     for row in rows:
-        ref = baseline_of(rows, row["sparsity"])
+        ref = baseline_of(rows, row)
         ratios = "-"
         if ref and ref is not row and all(row["ppl"].get(c) for c in CORPORA):
             ratios = " / ".join(f"{row['ppl'][c] / ref['ppl'][c]:.3f}" for c in CORPORA)
+            if row.get("baseline"):
+                ratios += f" (÷ {ref['name']})"
             if ref.get("threads") != row.get("threads"):
                 ratios += " (other threads)"
         table.append([

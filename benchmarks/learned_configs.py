@@ -36,6 +36,12 @@ def two_pass(steps: int, *extra: str) -> list[dict[str, Any]]:
     ]
 
 
+# W8A8 int8 (dynamic per-token activations) on an earlier stage's output: the 2:4 -> int8 rows
+INT8_AFTER_STAGE1 = {"method": "int8", "sparsity": None, "checkpoint": "{stage1}", "args": []}
+MASKLLM_BLOCKWISE_REFIT = {
+    "method": "maskllm", "args": [*MASKLLM_BLOCKWISE, "--refit", "sparsegpt"],
+}
+
 CONFIGS: dict[str, dict[str, Any]] = {
     "sparsegpt-24": {
         "sparsity": "2:4", "stages": [{"method": "sparsegpt", "args": []}],
@@ -43,7 +49,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
     "maskllm-blockwise": {
         "sparsity": "2:4",
-        "stages": [{"method": "maskllm", "args": [*MASKLLM_BLOCKWISE, "--refit", "sparsegpt"]}],
+        "stages": [MASKLLM_BLOCKWISE_REFIT],
         "note": "block-wise (20 steps x 4 windows per block, straight-through in the last 20 %), "
                 "then the kept weights re-fitted: the best recipe before this benchmark",
     },
@@ -61,6 +67,28 @@ CONFIGS: dict[str, dict[str, Any]] = {
                 "of one window, pooled noise) with distillation, then the re-fit: the "
                 "block-wise masks start the end-to-end pass at hard ppl ~250 on the dense "
                 "weights (maskllm-2pass-100), the SparseGPT prior at ~85",
+    },
+    "sparsegpt-24-int8": {
+        "sparsity": "2:4", "baseline": "sparsegpt-24",
+        "stages": [{"method": "sparsegpt", "args": []}, INT8_AFTER_STAGE1],
+        "note": "prune then quantize: SparseGPT 2:4, then int8 (W8A8, per-channel weights, "
+                "per-token activations) on its output; the baseline of the int8 rows",
+    },
+    "maskllm-blockwise-int8": {
+        "sparsity": "2:4", "baseline": "sparsegpt-24-int8",
+        "stages": [MASKLLM_BLOCKWISE_REFIT, INT8_AFTER_STAGE1],
+        "note": "maskllm-blockwise's masks (learned in float), then int8",
+    },
+    "maskllm-blockwise-qa-int8": {
+        "sparsity": "2:4", "baseline": "sparsegpt-24-int8",
+        "stages": [
+            {"method": "maskllm",
+             "args": [*MASKLLM_BLOCKWISE, "--refit", "sparsegpt", "--quant-aware", "int8"]},
+            INT8_AFTER_STAGE1,
+        ],
+        "note": "maskllm-blockwise learned under int8 fake quantization (weights per channel, "
+                "inputs per token, straight-through), the re-fit quantizing column by column "
+                "(GPTQ-style), then int8",
     },
 }
 # fmt: on

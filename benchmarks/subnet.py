@@ -46,8 +46,9 @@ CORPORA = ("wiki-test", "lee")
 
 def build_command(spec: dict[str, Any], out: Path) -> list[str]:
     s = SETTINGS
+    sparsity = ["--sparsity", spec["sparsity"]] if spec.get("sparsity") else []
     return [
-        *CLI, s["checkpoint"], "--method", spec["method"], "--sparsity", spec["sparsity"],
+        *CLI, spec.get("checkpoint") or s["checkpoint"], "--method", spec["method"], *sparsity,
         "--calib", s["calib"], "--nsamples", str(s["nsamples"]), "--seq-len", str(s["seq_len"]),
         "--seed", str(s["seed"]), "--eval", *CORPORA, "--eval-tokens", str(s["eval_tokens"]),
         "--skip-dense", "-o", str(out), "-q", *spec["args"],

@@ -15,6 +15,7 @@ import time
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.utils.hooks import RemovableHandle
 
 from lmcompress.compressor.calibration.layerwise import Accumulator
 from lmcompress.compressor.method import Stats
@@ -56,17 +57,21 @@ def _finish_block(
     masks: dict[str, LearnableNMMask],
     accumulators: dict[str, Accumulator],
     logits: dict[str, torch.Tensor],
+    hooks: list[RemovableHandle],
 ) -> list[LayerReport]:
-    """Keep each trained layer's logits (into ``logits``), remove its parametrization and prune
-    it to the argmax mask, or re-fit its kept weights (``refit``) with the Hessian on the
-    compressed inputs."""
+    """Keep each trained layer's logits (into ``logits``), remove its parametrization (and the
+    fake quantization's ``hooks``) and prune it to the argmax mask, or re-fit its kept weights
+    (``refit``) with the Hessian on the compressed inputs, onto the int8 grid if quant-aware."""
+    for hook in hooks:
+        hook.remove()
     reports = []
     for n in names:
         logits[n] = masks[n].logits.detach().cpu().clone()
         parametrize.remove_parametrizations(layers[n], "weight", leave_parametrized=False)
         keep = learning.keep_mask(config, n, layers[n], logits[n])
         if config.scope.refit == "sparsegpt":
-            reports.append(refit_layer(config, n, layers[n], accumulators[n].H, keep))
+            H, quantize = accumulators[n].H, config.quant_aware == "int8"
+            reports.append(refit_layer(config, n, layers[n], H, keep, quantize))
         else:
             sparsity = config.sparsity_of(n)
             reports.append(prune_layer_(n, layers[n], keep, sparsity, time.perf_counter()))
@@ -106,11 +111,12 @@ def calibrate_blockwise(
             for n in names
         }
         held += sum(m.logits.numel() for m in masks.values())
+        hooks = learning.quant_aware_hooks(config, {n: layers[n] for n in names}, masks)
         return Learnable(
             params={n: m.logits for n, m in masks.items()},
             extra_loss=learning.sparse_weight_term(config, [layers[n] for n in names]),
             before_step=learning.schedules(config, masks, training.steps),
-            finish=lambda: _finish_block(config, names, layers, masks, accumulators, logits),
+            finish=lambda: _finish_block(config, names, layers, masks, accumulators, logits, hooks),
             masks=list(masks.values()),
         )
 

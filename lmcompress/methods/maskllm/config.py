@@ -63,6 +63,13 @@ class MaskLLMConfig(PruningConfig):
             "hashed); pool and counter run the fused CPU kernel"
         },
     )
+    quant_aware: Literal["none", "int8"] = field(
+        default="none",
+        metadata={
+            "help": "int8: learn the masks for an int8 stage after this one (W8A8 fake "
+            "quantization in training, straight-through) and re-fit onto the int8 grid"
+        },
+    )
     straight_through_from: float = field(
         default=1.0,
         metadata={

@@ -67,6 +67,7 @@ def calibrate_end_to_end(
         name: learning.new_mask(config, name, module, priors.get(name), generator)
         for name, module in layers.items()
     }
+    hooks = learning.quant_aware_hooks(config, layers, masks)
     # joins the processes, if several; with --fsdp each keeps 1/world of the logits (sharding
     # replaces them: the learnable below takes the sharded ones)
     accelerator = distributed.join_processes(
@@ -99,11 +100,14 @@ def calibrate_end_to_end(
         "step0": result.step0,
         "trainable_elements_per_process": held,
     }
+    for hook in hooks:  # the input fake quantization (the weight's goes with the masks)
+        hook.remove()
     if config.scope.refit != "none":
         for module in layers.values():  # back to the original dense weights
             parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
         keeps = {n: learning.keep_mask(config, n, layers[n], logits[n]) for n in layers}
-        meta["layer_errors"] = refit(config, model, train_data, layers, keeps, compute)
+        quantize = config.quant_aware == "int8"
+        meta["layer_errors"] = refit(config, model, train_data, layers, keeps, compute, quantize)
         meta["evals"] = meta["evals"] + [
             {
                 "step": training.steps,

@@ -14,12 +14,14 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 from transformers.pytorch_utils import Conv1D
 
 from lmcompress.compressor.model.surgery import add_parametrization, weight_matrix
 from lmcompress.compressor.training import distributed
 from lmcompress.compressor.training.drivers import ExtraLoss
 from lmcompress.kernels import soft_mask as kernel
+from lmcompress.methods.maskllm import quant_aware
 from lmcompress.methods.maskllm.config import MaskLLMConfig
 from lmcompress.methods.maskllm.masks import (
     candidate_patterns,
@@ -58,6 +60,17 @@ def new_mask(
     mask.noise = config.noise
     add_parametrization(module, mask)
     return mask
+
+
+def quant_aware_hooks(
+    config: MaskLLMConfig, layers: dict[str, nn.Module], masks: dict[str, LearnableNMMask]
+) -> list[RemovableHandle]:
+    """With ``quant_aware`` int8, fake-quantize each layer's masked weight and input (see
+    :mod:`quant_aware`); the handles remove the input hooks (the weight's goes with the
+    parametrizations). Call after ``new_mask``, in the same order as the layers."""
+    if config.quant_aware == "none":
+        return []
+    return [quant_aware.attach(layers[n], masks[n]) for n in masks]
 
 
 def schedules(

@@ -114,6 +114,7 @@ def sparsegpt_prune(
     percdamp: float = 0.01,
     update_weights: bool = True,
     mask: torch.Tensor | None = None,
+    quant_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prune ``W`` (out, in) given the layer Hessian ``H`` (in, in): SparseGPT, Alg. 1.
 
@@ -138,6 +139,12 @@ def sparsegpt_prune(
     ``mask`` (out, in) bool fixes the mask instead of selecting it: the OBS updates then re-fit
     the kept weights to that mask (MaskLLM's weight re-fitting under a learned mask). It must
     satisfy ``sparsity`` only in the sense that it is what gets kept; it is not checked here.
+
+    ``quant_scale`` (out,) quantizes as it prunes (the SparseGPT paper's joint sparsification
+    and quantization, GPTQ's update): each kept weight of column j becomes its symmetric int8
+    value ``clamp(round(w / s_r), -127, 127) · s_r`` on its row's scale, and ``e`` carries the
+    rounding error ``(w − ŵ) / d_j`` as well as the pruned weights' ``w / d_j``. The result's
+    kept weights then lie exactly on that grid.
 
     Computes in float32 on W's device (the Cholesky in float64 if H is float64). Returns
     ``(W_new, keep)``: W_new in W's dtype, zero wherever the bool mask ``keep`` is False.
@@ -169,9 +176,14 @@ def sparsegpt_prune(
     step = max(m, blocksize - blocksize % m) if sparsity.is_nm else blocksize
     sub = m * max(1, SUB_BLOCK // m) if sparsity.is_nm else SUB_BLOCK
 
+    qscale = None
+    if quant_scale is not None:
+        qscale = quant_scale.detach().to(W.device, torch.float32).reshape(rows)  # (out,)
     for i1 in range(0, cols, step):
         i2 = min(i1 + step, cols)
-        _prune_columns(Wt, U, keep, i1, i2, sparsity, fixed, sub)
+        _prune_columns(Wt, U, keep, i1, i2, sparsity, fixed, sub, qscale)
+    if qscale is not None:  # exactly on the grid (the updates leave ~1 ulp of rounding)
+        Wt.copy_(_on_grid(Wt, qscale))
 
     keep = keep.T.contiguous()  # (out, in)
     if not update_weights:
@@ -188,6 +200,7 @@ def _prune_columns(
     sparsity: Sparsity,
     fixed: bool,
     sub: int,
+    qscale: torch.Tensor | None = None,
 ) -> None:
     """Columns ``i1:i2`` of :func:`sparsegpt_prune`, in place: choose their mask (unless
     ``fixed``), the OBS updates inside the block, then the lazy update of the columns after it.
@@ -212,13 +225,22 @@ def _prune_columns(
                 scores = W1[g].square() / d1[g, None].square()  # (M, out)
                 keep1[g] = nm_mask(scores.T, n, m).T
                 torch.div(~keep1[g], d1[g, None], out=scale1[g])
-            torch.mul(W1[j], scale1[j], out=E1[j])  # e = w / d on pruned weights, (out,)
+            if qscale is None:
+                torch.mul(W1[j], scale1[j], out=E1[j])  # e = w / d on pruned weights, (out,)
+            else:  # e = (w - ŵ) / d: ŵ the int8 value where kept, 0 where pruned
+                target = _on_grid(W1[j], qscale).mul_(keep1[j])
+                torch.sub(W1[j], target, out=E1[j]).div_(d1[j])
             W1[j:s2].addr_(U1[j, j:s2], E1[j], alpha=-1)  # OBS update within the sub-block
         W1[s2:].addmm_(U1[s1:s2, s2:].T, E1[s1:s2], alpha=-1)  # lazy update, rest of block
     # Kept weights of column j are untouched by its own update (e = 0 there); pruned
     # ones come out ~0 up to rounding, so zero them exactly.
     W1.masked_fill_(~keep1, 0)
     Wt[i2:].addmm_(U[i1:i2, i2:].T, E1, alpha=-1)  # lazy batch update
+
+
+def _on_grid(x: torch.Tensor, qscale: torch.Tensor) -> torch.Tensor:
+    """``clamp(round(x / s), -127, 127) · s`` along the last dim (one scale per output)."""
+    return torch.div(x, qscale).round_().clamp_(-127, 127).mul_(qscale)
 
 
 def sparsegpt_mask(
