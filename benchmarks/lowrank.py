@@ -11,10 +11,13 @@ that job: one forward pass for ASVD and SVD-LLM, one gradient pass of 8 windows 
 for FWSVD and both GFWSVD variants) and cached under ``--work``; each row then loads them,
 factorises (``Method.apply``) and scores perplexity on ``wiki-test`` and ``lee`` (seq-len 512,
 the library's evaluate step) in a process of its own (``benchmarks.child.lowrank``).
-``combined`` factorises the MLP layers with GFWSVD and prunes the attention layers with
-SparseGPT 2:4. ``cli`` runs ``compress-model --method gfwsvd`` end to end
-(gradient pass included) with the dense copy off, checks the size of ``compressed.safetensors``
-against the kept parameters, and reloads it with ``compress-model eval --runtime packed``.
+Rows with a variant (``refit``, ``sequential``, ``sequential+refit``) factorise block by block
+on the compressed model with the calibration windows (``methods.svd.sequential``), the ranks
+still from the cached dense statistics. ``combined`` factorises the MLP layers with GFWSVD and
+prunes the attention layers with SparseGPT 2:4. ``cli`` runs ``compress-model --method gfwsvd``
+end to end (gradient pass included) with the dense copy off, checks the size of
+``compressed.safetensors`` against the kept parameters, and reloads it with
+``compress-model eval --runtime packed``.
 Writes ``benchmarks/results/lowrank.{json,md}`` and ``lowrank_curves.png``.
 """
 
@@ -53,10 +56,18 @@ GREEDY = {  # allocated ranks: every ratio for GFWSVD, 0.8 for the others
     "gfwsvd-nearest": (0.8,),
 }
 STATS_JOBS = {"stats:activations": ("asvd", "svd-llm"), "stats:gradients": ("fwsvd", "gfwsvd")}
+# Block by block on the compressed model (``methods.svd.sequential``), at 0.8 with greedy ranks:
+# variant -> options. The dense statistics still allocate the ranks.
+VARIANTS = {
+    "refit": {"refit": "output"},
+    "sequential": {"sequential": True},
+    "sequential+refit": {"sequential": True, "refit": "output"},
+}
+VARIANT_ROWS = {"svd-llm": tuple(VARIANTS), "gfwsvd": tuple(VARIANTS)}
 
 
-def row_name(method: str, ratio: float, allocation: str) -> str:
-    return f"{method} {ratio:g} {allocation}"
+def row_name(method: str, ratio: float, allocation: str, variant: str | None = None) -> str:
+    return f"{method} {ratio:g} {allocation}" + (f" {variant}" if variant else "")
 
 
 def _rows() -> list[dict[str, Any]]:
@@ -66,8 +77,12 @@ def _rows() -> list[dict[str, Any]]:
             rows.append({"method": method, "ratio": ratio, "allocation": "uniform"})
             if ratio in GREEDY[method]:
                 rows.append({"method": method, "ratio": ratio, "allocation": "greedy"})
+    for method, variants in VARIANT_ROWS.items():
+        for variant in variants:
+            rows.append({"method": method, "ratio": 0.8, "allocation": "greedy",
+                         "variant": variant})  # fmt: skip
     for row in rows[1:]:
-        row["name"] = row_name(row["method"], row["ratio"], row["allocation"])
+        row["name"] = row_name(row["method"], row["ratio"], row["allocation"], row.get("variant"))
     rows.append({"name": "combined", "method": "gfwsvd+sparsegpt", "ratio": 0.8})
     rows.append({"name": "cli", "method": "gfwsvd", "ratio": 0.8})
     return rows

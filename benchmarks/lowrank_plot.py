@@ -60,8 +60,9 @@ def render(payload: dict[str, Any]) -> str:
             table.append(["dense", "1", "-", "100", _ppl(row, "wiki-test"), _ppl(row, "lee"),
                           "-", f"{row['peak_rss_mb']:.0f}", "-"])  # fmt: skip
             continue
+        label = LABELS[row["method"]] + (f", {row['variant']}" if row.get("variant") else "")
         table.append([
-            LABELS[row["method"]], f"{row['ratio']:g}", row["allocation"],
+            label, f"{row['ratio']:g}", row["allocation"],
             f"{100 * row['params_kept_fraction']:.2f}", _ppl(row, "wiki-test"), _ppl(row, "lee"),
             f"{row['apply_seconds']:.1f}", f"{row['peak_rss_mb']:.0f}",
             _stats_cell(stats.get(row["method"])),

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.lowrank import CHECKPOINT, CORPORA, METHODS, NSAMPLES, SEED, SEQ_LEN
+from benchmarks.lowrank import CHECKPOINT, CORPORA, METHODS, NSAMPLES, SEED, SEQ_LEN, VARIANTS
 from lmcompress import compress
 from lmcompress.compressor.calibration.gradients import gradient_statistics
 from lmcompress.compressor.method import Stats
@@ -34,6 +34,7 @@ from lmcompress.methods.sparsegpt import SparseGPTConfig
 from lmcompress.methods.svd import ASVDConfig, SVDLLMConfig
 from lmcompress.methods.svd.activation import ASVD, SVDLLM, forward_statistics
 from lmcompress.methods.svd.fisher import SampleStore, fwsvd_stats, gfwsvd_stats, sample_count
+from lmcompress.methods.svd.sequential import compress_sequential
 
 
 def setup(eval_tokens: int | None = None) -> tuple[nn.Module, JobText]:
@@ -105,10 +106,15 @@ def factorise(model: nn.Module, spec: dict[str, Any], stats_dir: Path, text: Job
     options = {"ratio": spec["ratio"], "allocation": spec.get("allocation", "uniform")}
     if combined:
         options["include"] = ("model.layers.*.mlp.*",)
-    method = method_class(method_class.config_class(**options, **overrides))
+    variant = VARIANTS.get(spec.get("variant"), {})
+    method = method_class(method_class.config_class(**options, **overrides, **variant))
     cached = Stats() if stats_file is None else Stats.load(stats_dir / f"{stats_file}.safetensors")
     start = time.perf_counter()
-    report = method.apply(model, cached)
+    if variant:  # block by block on the compressed inputs (the calibration windows again)
+        with torch.no_grad():
+            report = compress_sequential(method, model, text.calibration(), cached)
+    else:
+        report = method.apply(model, cached)
     result: dict[str, Any] = {"apply_seconds": round(time.perf_counter() - start, 1)}
     params, kept = report.params, report.params_kept
     if combined:

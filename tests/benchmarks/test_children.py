@@ -56,6 +56,26 @@ def test_lowrank_factorise_keeps_the_ratio(tiny_checkpoint, tmp_path):
     assert 0 < result["params_kept_fraction"] <= 0.85 and result["ranks"]
 
 
+def test_lowrank_variant_rows_factorise_block_by_block(tiny_checkpoint, tmp_path, monkeypatch):
+    from lmcompress.methods.svd import SVDLLM, SVDLLMConfig
+
+    data = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
+    SVDLLM(SVDLLMConfig()).calibrate(make_tiny_model("llama"), data).save(
+        tmp_path / "svd-llm.safetensors"
+    )
+    text = JobText(None, RunOptions(checkpoint=str(tiny_checkpoint)), evaluates=False)
+    monkeypatch.setattr(text, "calibration", lambda: data)
+    found = {}
+    for variant in (None, "sequential+refit"):
+        spec = {"name": "x", "method": "svd-llm", "ratio": 0.8, "allocation": "greedy",
+                "variant": variant}  # fmt: skip
+        model = make_tiny_model("llama")
+        found[variant] = lowrank.factorise(model, spec, tmp_path, text)
+    plain, ours = found[None], found["sequential+refit"]
+    assert ours["ranks"] == plain["ranks"]  # the dense statistics allocate them
+    assert ours["params_kept_fraction"] == plain["params_kept_fraction"]
+
+
 def test_streaming_compare_finds_equal_and_different_tensors(tmp_path):
     tensors = {"a": torch.arange(6.0), "b": torch.ones(2, 2)}
     for name in ("left", "right", "other"):

@@ -111,6 +111,9 @@ class SVDLLM(_ActivationMethod):
     def read(self, observer: GramObserver) -> torch.Tensor:
         return observer.gram / max(observer.tokens, 1)  # the mean: same factor up to scale
 
+    def input_gram(self) -> str | None:
+        return GRAM
+
     def weights(self, name: str, W: torch.Tensor, stats: Stats) -> Weights:  # noqa: ARG002
         gram = stat(stats, name, GRAM).to(W.device).double()
         L, alpha = regularised_cholesky(gram, self.config.damp)

@@ -64,6 +64,17 @@ class _CalibratedConfig(LowRankConfig):
     calib_batch_size: int = field(
         default=4, metadata={"help": "calibration windows per forward or backward pass"}
     )
+    sequential: bool = field(
+        default=False,
+        metadata={"help": "factorise block by block, each layer weighted by the Gram of its "
+                  "inputs in the compressed model (svd-llm; gfwsvd's K-FAC input factor); "
+                  "ranks from the dense statistics"},
+    )  # fmt: skip
+    refit: Literal["none", "output"] = field(
+        default="none",
+        metadata={"help": "output: re-fit each layer's output factor in closed form to its "
+                  "dense output on its inputs in the compressed model, block by block"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -195,6 +195,10 @@ class GFWSVD(_GradientMethod):
         found = self._gradient_pass(model, data, fisher=False, kronecker=True, on_sample=kept)
         return gfwsvd_stats(found, int(data.shape[0]), kept, self.config.power_iters)
 
+    def input_gram(self) -> str | None:
+        """K-FAC's input factor is the inputs' Gram; the nearest product's is not."""
+        return INPUT_FACTOR if self.config.kronecker == "kfac" else None
+
     def weights(self, name: str, W: torch.Tensor, stats: Stats) -> Weights:  # noqa: ARG002
         X = stat(stats, name, INPUT_FACTOR).to(W.device).double()
         Y = stat(stats, name, OUTPUT_FACTOR).to(W.device).double()

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +27,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers.pytorch_utils import Conv1D
 
+from lmcompress.compressor.calibration.layerwise import BlockSource
 from lmcompress.compressor.formats.low_rank import LowRankLinear
 from lmcompress.compressor.method import Method, Stats
 from lmcompress.compressor.model.surgery import replace_modules, weight_matrix
@@ -40,6 +43,7 @@ from lmcompress.methods.svd.ranks import (
     smallest_greedy_ratio,
     smallest_ratio,
 )
+from lmcompress.methods.svd.sequential import compress_sequential
 from lmcompress.methods.svd.weighted import (
     Weight,
     weighted_error,
@@ -65,6 +69,31 @@ class LowRankMethod(Method):
         """The input-side and output-side weights of layer ``name`` (``None``: identity)."""
         return None, None, {}
 
+    def input_gram(self) -> str | None:
+        """The key of the statistic that is the inputs' Gram Σ x xᵀ (up to scale), which
+        ``--sequential`` re-collects on the compressed model; ``None``: the method has none."""
+        return None
+
+    def compress(
+        self,
+        model: nn.Module,
+        data: torch.Tensor | None = None,
+        source: BlockSource | None = None,
+        offload_dir: str | Path | None = None,
+    ) -> tuple[CompressionReport, Stats]:
+        """The dense statistics, then the factorisation: all at once (``apply``), or block by
+        block on the compressed inputs with ``sequential`` / ``refit`` (``sequential``)."""
+        config = self.config
+        if not getattr(config, "sequential", False) and getattr(config, "refit", "none") == "none":
+            return super().compress(model, data, source, offload_dir)
+        if source is not None:
+            raise ConfigError(f"{self.name} --sequential / --refit cannot stream")
+        if data is None:
+            raise ConfigError(f"method {self.name!r} needs calibration data")
+        model.eval()
+        stats = self.calibrate(model, data)
+        return compress_sequential(self, model, data, stats), stats
+
     def validate(self, model: nn.Module) -> dict[str, nn.Module]:
         """The selected layers; a :class:`ConfigError` naming the smallest ratio that works
         when ``ratio`` (below 1, which keeps every layer dense on purpose) would compress
@@ -72,6 +101,11 @@ class LowRankMethod(Method):
         :data:`RANK_MULTIPLE` everywhere (greedy, which would keep more than asked). Shapes
         only, so it runs on the skeleton before any weight is read."""
         layers = super().validate(model)
+        if getattr(self.config, "sequential", False) and self.input_gram() is None:
+            raise ConfigError(
+                f"{self.name}: --sequential re-collects the inputs' Gram matrix, which only "
+                "svd-llm and gfwsvd (--kronecker kfac) weight by"
+            )
         ratio = self.config.ratio
         if ratio >= 1.0 or not layers:
             return layers
@@ -125,27 +159,46 @@ class LowRankMethod(Method):
         with tqdm(total=len(layers), desc=self.name, unit="layer", disable=bar_disabled()) as bar:
 
             def factorize(name: str, module: nn.Module) -> LowRankLinear | None:
-                layer_start = time.perf_counter()
-                W = weight_matrix(module).detach()
-                right, left, info = self.weights(name, W, stats)
-                rank, new = ranks[name], None
-                if rank is not None:
-                    A, B = weighted_factors(W, rank, right, left)
-                    bias = module.bias.detach().clone() if module.bias is not None else None
-                    new = LowRankLinear.from_factors(A, B, bias, isinstance(module, Conv1D))
-                else:
-                    logger.info("%s (%dx%d) stays dense", name, *W.shape)
-                layer = layer_report(name, module, new, layer_start)
-                if new is not None and (right is not None or left is not None):
-                    total = weighted_error(W, torch.zeros_like(W), right, left)
-                    error = weighted_error(W, new.dense_weight(), right, left)
-                    info = {**info, "weighted_rel_error": (error / max(total, 1e-300)) ** 0.5}
-                layer.extra = info
+                new, layer = self.factorize(name, module, ranks[name], stats)
                 report.layers.append(layer)
                 bar.update(1)
                 return new
 
             replace_modules(model, layers, factorize)
+        return self.finish_report(report, start)
+
+    def factorize(
+        self,
+        name: str,
+        module: nn.Module,
+        rank: int | None,
+        stats: Stats,
+        refit: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[LowRankLinear | None, LayerReport]:
+        """``module``'s factor pair at ``rank`` (``None``: it stays dense) and its report;
+        ``refit(W, A, B)`` returns a new output factor B (``sequential.output_refit``)."""
+        layer_start = time.perf_counter()
+        W = weight_matrix(module).detach()
+        right, left, info = self.weights(name, W, stats)
+        new = None
+        if rank is not None:
+            A, B = weighted_factors(W, rank, right, left)
+            if refit is not None:
+                B = refit(W, A, B)
+            bias = module.bias.detach().clone() if module.bias is not None else None
+            new = LowRankLinear.from_factors(A, B, bias, isinstance(module, Conv1D))
+        else:
+            logger.info("%s (%dx%d) stays dense", name, *W.shape)
+        layer = layer_report(name, module, new, layer_start)
+        if new is not None and (right is not None or left is not None):
+            total = weighted_error(W, torch.zeros_like(W), right, left)
+            error = weighted_error(W, new.dense_weight(), right, left)
+            info = {**info, "weighted_rel_error": (error / max(total, 1e-300)) ** 0.5}
+        layer.extra = info
+        return new, layer
+
+    def finish_report(self, report: CompressionReport, start: float) -> CompressionReport:
+        """Set the report's time and totals once every layer is in, and log them."""
         report.seconds = time.perf_counter() - start
         report.extra = {
             "ratio": self.config.ratio,

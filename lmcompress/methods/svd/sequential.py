@@ -1,0 +1,107 @@
+"""Low rank block by block (``--sequential``, ``--refit output``; beyond the reference
+implementations, which take every statistic from the dense model before any layer changes).
+
+SparseGPT's strength is that each layer is compressed for the inputs it will see: those of the
+already-compressed layers below it. Here the same layer-wise loop (the core's
+``compress_layerwise``) runs over the model after the dense statistics are collected and the
+ranks allocated from them; in each block, every selected layer's input Gram ``Σ = Σ x xᵀ`` is
+accumulated on the compressed model's hidden states, then
+
+- ``sequential``: the method's input-side statistic is that Σ instead of the dense one
+  (SVD-LLM's Gram; GFWSVD's K-FAC input factor, its output factor staying the dense
+  gradients'), so the truncation minimises the error on the inputs the layer will get;
+- ``refit="output"``: after the truncation, the output factor B of ``W ≈ B A`` is re-fitted in
+  closed form to the layer's dense output on those inputs, A fixed:
+  ``B' = argmin ‖(W − B' A) X‖² + λ ‖B' − B‖² = (W Σ Aᵀ + λ B)(A Σ Aᵀ + λ I)⁻¹``,
+  λ = ``REFIT_DAMP`` × the mean diagonal of ``A Σ Aᵀ``. Any output-side weighting (GFWSVD's
+  gradient factor) leaves this minimiser unchanged: B' is the least-squares fit of every
+  output row alike.
+
+The compressed layer's product ``B A`` replaces the weight inside the loop, so the next block
+sees the compressed outputs; the modules are swapped for their factor pairs at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from lmcompress.compressor.calibration.layerwise import compress_layerwise
+from lmcompress.compressor.calibration.observers import HessianAccumulator
+from lmcompress.compressor.formats.low_rank import LowRankLinear
+from lmcompress.compressor.method import Stats
+from lmcompress.compressor.model.surgery import replace_modules, weight_matrix
+from lmcompress.compressor.report import CompressionReport
+from lmcompress.methods.common import count_params
+
+if TYPE_CHECKING:
+    from lmcompress.methods.svd.method import LowRankMethod
+
+REFIT_DAMP = 1e-2  # of the mean diagonal of A Σ Aᵀ, as SparseGPT's percdamp
+
+
+@torch.no_grad()
+def output_refit(
+    W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, gram: torch.Tensor, damp: float = REFIT_DAMP
+) -> torch.Tensor:
+    """The output factor (out, r) minimising ``‖(W − B' A) X‖² + λ‖B' − B‖²`` for the inputs
+    whose Gram is ``gram`` (in, in); ``A`` (r, in), ``B`` (out, r). Float64, in B's dtype."""
+    G, A64 = gram.to(W.device, torch.float64), A.to(torch.float64)
+    AG = A64 @ G  # (r, in)
+    lhs = AG @ A64.T  # (r, r), symmetric
+    lam = damp * float(lhs.diagonal().mean().clamp_min(1e-300))
+    rhs = W.to(torch.float64) @ AG.T + lam * B.to(torch.float64)  # (out, r)
+    lhs.diagonal().add_(lam)
+    return torch.linalg.solve(lhs, rhs.T).T.to(B.dtype).contiguous()
+
+
+def _layer_stats(stats: Stats, name: str, key: str | None, gram: torch.Tensor) -> Stats:
+    """``name``'s statistics, its input-side one (``key``) replaced by ``gram``."""
+    prefix = f"{name}."
+    tensors = {k: v for k, v in stats.tensors.items() if k.startswith(prefix)}
+    if key is not None:
+        tensors[prefix + key] = gram
+    return Stats(tensors=tensors, meta=stats.meta)
+
+
+def compress_sequential(
+    method: LowRankMethod, model: nn.Module, data: torch.Tensor, stats: Stats
+) -> CompressionReport:
+    """Factorise ``method``'s layers block by block on the compressed model's inputs (see the
+    module doc); ``stats``: the dense statistics, which allocate the ranks."""
+    start = time.perf_counter()
+    config = method.config
+    layers = method.validate(model)
+    report = CompressionReport(method.name, config.to_dict(), model_params=count_params(model))
+    ranks = method.ranks(layers, stats)
+    key = method.input_gram() if config.sequential else None
+    built: dict[str, LowRankLinear | None] = {}
+
+    def compress_layer(name: str, module: nn.Module, accumulator: HessianAccumulator):
+        gram = accumulator.H.detach().clone()
+        refit = None
+        if config.refit == "output":
+            refit = lambda W, A, B: output_refit(W, A, B, gram)  # noqa: E731
+        layer_stats = _layer_stats(stats, name, key, gram)
+        new, layer = method.factorize(name, module, ranks[name], layer_stats, refit)
+        if new is not None:  # the next blocks see the compressed layer
+            weight = new.dense_weight().to(module.weight.dtype)  # (out, in)
+            module.weight.data.copy_(weight.T if isinstance(module, Conv1D) else weight)
+        built[name] = new
+        return layer
+
+    report.layers, _ = compress_layerwise(
+        model,
+        data,
+        layers,
+        make_accumulator=lambda _n, m: HessianAccumulator(weight_matrix(m).shape[1]),
+        compress_layer=compress_layer,
+        device=method.device or next(model.parameters()).device,
+        batch_size=config.calib_batch_size,
+    )
+    replace_modules(model, layers, lambda name, _module: built[name])
+    return method.finish_report(report, start)
