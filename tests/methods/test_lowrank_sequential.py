@@ -92,7 +92,8 @@ def test_sequential_svd_llm_fits_the_inputs_of_the_compressed_model():
 )
 def test_refit_lowers_every_layers_output_error_and_keeps_the_budget(config):
     model, plain = make_tiny_model("llama"), make_tiny_model("llama")
-    dense = {n: weight_matrix(m).detach().clone() for n, m in LayerSelection().select(model).items()}
+    layers = LayerSelection().select(model)
+    dense = {n: weight_matrix(m).detach().clone() for n, m in layers.items()}
     base = type(config)(ratio=config.ratio, allocation=config.allocation)
     plain_report = compress(plain, base, _data())
     report = compress(model, config, _data())
