@@ -313,7 +313,14 @@ def lowrank_corpus(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("flags", [["--method", "gfwsvd", "--ratio", "0.8"], ["--method", "asvd"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--method", "gfwsvd", "--ratio", "0.8"],
+        ["--method", "asvd"],
+        ["--method", "svd-llm", "--allocation", "greedy", "--sequential", "--refit", "output"],
+    ],
+)
 def test_cli_end_to_end(tiny_checkpoint, lowrank_corpus, tmp_path, capsys, flags):
     out = tmp_path / "out"
     corpus = str(lowrank_corpus)
@@ -334,9 +341,14 @@ def test_cli_end_to_end(tiny_checkpoint, lowrank_corpus, tmp_path, capsys, flags
     assert scored == pytest.approx(compressed, rel=1e-5)
 
 
-def test_cli_bad_option_is_one_line(tiny_checkpoint, lowrank_corpus, capsys):
+@pytest.mark.parametrize(
+    ("flags", "word"),
+    [(["gfwsvd", "--kronecker", "foo"], "kronecker"), (["fwsvd", "--sequential"], "sequential")],
+)
+def test_cli_bad_option_is_one_line(tiny_checkpoint, lowrank_corpus, capsys, flags, word, tmp_path):
     corpus = str(lowrank_corpus)
-    argv = [str(tiny_checkpoint), "--method", "gfwsvd", "--kronecker", "foo", "--calib", corpus]
+    argv = [str(tiny_checkpoint), "--method", *flags, "--calib", corpus, "-o", str(tmp_path / "o")]
     assert main([*argv, "--eval", corpus, "--seq-len", "32", "-q"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "kronecker" in err and len(err.splitlines()) == 1
+    assert word in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "o").exists()

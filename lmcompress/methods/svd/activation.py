@@ -66,6 +66,7 @@ class _ActivationMethod(LowRankMethod):
             "activation statistics": sum(
                 4 * self._stat_numel(weight_matrix(m).shape[1]) for m in layers.values()
             ),
+            **self.block_pass_estimate(model, nsamples, seq_len, itemsize),
         }
 
     def _stat_numel(self, in_features: int) -> int:

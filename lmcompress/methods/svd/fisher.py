@@ -159,7 +159,7 @@ class FWSVD(_GradientMethod):
         layers = self.validate(model)
         parts = self._pass_estimate(model, nsamples, seq_len, itemsize)
         parts["Fisher accumulators"] = sum(4 * weight_matrix(m).numel() for m in layers.values())
-        return parts
+        return {**parts, **self.block_pass_estimate(model, nsamples, seq_len, itemsize)}
 
     def calibrate(self, model: nn.Module, data: torch.Tensor | None) -> Stats:
         found = self._gradient_pass(model, data, fisher=True, kronecker=False)
@@ -185,7 +185,7 @@ class GFWSVD(_GradientMethod):
         if self.config.kronecker == "nearest":
             samples = sample_count(nsamples, self.config.calib_batch_size)
             parts["per-sample gradients"] = samples * sum(2 * m * n for m, n in shapes)
-        return parts
+        return {**parts, **self.block_pass_estimate(model, nsamples, seq_len, itemsize)}
 
     def calibrate(self, model: nn.Module, data: torch.Tensor | None) -> Stats:
         kept = None

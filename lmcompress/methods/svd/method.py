@@ -27,7 +27,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers.pytorch_utils import Conv1D
 
-from lmcompress.compressor.calibration.layerwise import BlockSource
+from lmcompress.compressor.calibration.layerwise import BlockSource, layerwise_estimate
 from lmcompress.compressor.formats.low_rank import LowRankLinear
 from lmcompress.compressor.method import Method, Stats
 from lmcompress.compressor.model.surgery import replace_modules, weight_matrix
@@ -73,6 +73,21 @@ class LowRankMethod(Method):
         """The key of the statistic that is the inputs' Gram Σ x xᵀ (up to scale), which
         ``--sequential`` re-collects on the compressed model; ``None``: the method has none."""
         return None
+
+    def block_pass_estimate(
+        self, model: nn.Module, nsamples: int, seq_len: int, itemsize: int = 4
+    ) -> dict[str, int]:
+        """Bytes of the block-by-block pass of ``sequential`` / ``refit`` (none without them):
+        the layer-wise loop's hidden states and each layer's float32 input Gram."""
+        config = self.config
+        if not getattr(config, "sequential", False) and getattr(config, "refit", "none") == "none":
+            return {}
+        layers = self.validate(model)
+        parts = layerwise_estimate(
+            model, layers, nsamples, seq_len, config.calib_batch_size, itemsize,
+            state={"input Gram": lambda m: 4 * weight_matrix(m).shape[1] ** 2},
+        )  # fmt: skip
+        return {"block-by-block pass": sum(parts.values())}
 
     def compress(
         self,
