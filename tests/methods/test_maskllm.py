@@ -131,6 +131,9 @@ def test_export_round_trip_and_transfer(tmp_path):
         ({"straight_through_from": 1.5}, "straight_through_from"),
         ({"checkpoint_dir": "nowhere", "resume": True}, "no checkpoint in nowhere"),
         ({"blockwise": True, "distill": True}, "distill"),
+        ({"tune_steps": 5}, "--blockwise"),
+        ({"blockwise": True, "tune_steps": 5, "quant_aware": "int8"}, "int8 grid"),
+        ({"blockwise": True, "tune_steps": -1}, "tune_steps"),
         ({"blockwise": True, "fsdp": True}, "fsdp"),
     ],
 )
@@ -178,6 +181,22 @@ def test_blockwise_training_lowers_the_block_error_and_ends_exactly_nm():
         errors = [h["rel_err"] for h in block["curve"]]
         assert len(errors) == 30
         assert sum(errors[-5:]) / 5 < 0.8 * sum(errors[:5]) / 5, (block["block"], errors)
+
+
+def test_blockwise_weight_tuning_keeps_the_masks_and_lowers_each_block_error():
+    config = dict(sparsity="2:4", steps=6, lr=0.05, batch_size=2, blockwise=True,
+                  prior="magnitude", refit="sparsegpt")  # fmt: skip
+    plain, _, plain_stats = _run(MaskLLMConfig(**config))
+    tuned, report, stats = _run(MaskLLMConfig(**config, tune_steps=15, tune_lr=1e-3))
+    for key, value in plain_stats.tensors.items():  # block 0 trains the same logits
+        if key.startswith("model.layers.0."):
+            assert torch.equal(stats.tensors[key], value), key
+    for name, keep in _masks(tuned).items():
+        assert torch.all(keep.reshape(-1, 4).sum(1) <= 2), name
+    for block in report.extra["block_curves"]:
+        assert block["tune_after"] < 0.8 * block["tune_before"], block
+    assert all(p.requires_grad for p in tuned.parameters())
+    assert not any(hasattr(m, "parametrizations") for m in tuned.modules())
 
 
 def test_end_to_end_refit_keeps_the_learned_mask_and_lowers_output_error():

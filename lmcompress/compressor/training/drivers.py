@@ -74,6 +74,11 @@ class Learnable:
     # measure the hard perplexity or block error; ``enabled`` (False: the dense weight) off for
     # the teacher of end-to-end distillation
     masks: list[nn.Module] = field(default_factory=list)
+    # blockwise: after ``finish``, a second training of the block on the same examples (e.g.
+    # its kept weights under the fixed masks; not checkpointed), whose ``finish`` bakes it
+    tune: Callable[[], Learnable] | None = None
+    # the TrainConfig fields this learnable trains under instead of the run's (steps, lr)
+    overrides: dict[str, Any] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -127,6 +132,7 @@ def training_extra(meta: dict[str, Any], curve_keys: tuple[str, ...]) -> dict[st
                 "curve": curve(b["history"]),
                 "hard_before": b.get("hard_before"),
                 "hard_after": b.get("hard_after"),
+                **{k: b[k] for k in ("tune_before", "tune_after") if k in b},
             }
             for b in blocks
         ]
@@ -216,7 +222,16 @@ def _hard_error(learnable: Learnable, block, index, examples, count: int) -> flo
     """The mean relative block-output error of the hard masks on the first ``count`` batches."""
     if not learnable.masks or count == 0:
         return None
-    with masks_set(learnable.masks, hard=True), torch.no_grad():
+    with masks_set(learnable.masks, hard=True):
+        return _block_error(block, index, examples, count)
+
+
+def _block_error(block, index, examples, count: int) -> float | None:
+    """The mean relative block-output error of ``block`` as it is on the first ``count``
+    batches."""
+    if count == 0:
+        return None
+    with torch.no_grad():
         errors = [
             float((_run(block, index, b["hidden"], b).float() - y.float()).square().mean() / s)
             for b, y, s in examples[:count]
@@ -325,6 +340,16 @@ def learn_blockwise(
             {"block": index, "history": state.history, "hard_before": before, "hard_after": after}
         )
         reports = learnable.finish() if learnable.finish else []
+        if learnable.tune is not None:  # a second training on the same examples
+            tuned = learnable.tune()
+            tune_config = dataclasses.replace(block_config, **tuned.overrides)
+            histories[-1]["tune_before"] = _block_error(block, index, examples, hard_batches)
+            tuned_state = _train_block(block, index, tuned, examples, tune_config, Checkpoints(),
+                                       source)  # fmt: skip
+            if tuned.finish:
+                tuned.finish()
+            histories[-1]["tune_history"] = tuned_state.history
+            histories[-1]["tune_after"] = _block_error(block, index, examples, hard_batches)
         dense[:] = [target for _, target, _ in examples]
         return reports
 

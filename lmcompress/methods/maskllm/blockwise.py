@@ -16,10 +16,11 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
+from transformers.pytorch_utils import Conv1D
 
 from lmcompress.compressor.calibration.layerwise import Accumulator
 from lmcompress.compressor.method import Stats
-from lmcompress.compressor.model.surgery import weight_matrix
+from lmcompress.compressor.model.surgery import WeightMask, add_parametrization, bake, weight_matrix
 from lmcompress.compressor.report import LayerReport
 from lmcompress.compressor.training.checkpoint import Checkpoints
 from lmcompress.compressor.training.drivers import Learnable, hard_perplexity, learn_blockwise
@@ -78,6 +79,34 @@ def _finish_block(
     return reports
 
 
+def _tune_weights(
+    config: MaskLLMConfig,
+    names: list[str],
+    layers: dict[str, nn.Module],
+    logits: dict[str, torch.Tensor],
+) -> Learnable:
+    """The second training of a finished block (``tune_steps``): its kept weights, the learned
+    masks fixed (a ``WeightMask`` parametrization, baked by ``finish``), no weight decay."""
+    for n in names:
+        keep = learning.keep_mask(config, n, layers[n], logits[n]).to(weight_matrix(layers[n]))
+        add_parametrization(
+            layers[n], WeightMask(keep.T if isinstance(layers[n], Conv1D) else keep)
+        )
+    params = {n: layers[n].parametrizations.weight.original for n in names}
+
+    def finish() -> list[LayerReport]:
+        for n in names:
+            bake(layers[n])
+        return []
+
+    return Learnable(
+        params=params,
+        param_options={n: {"weight_decay": 0.0} for n in names},
+        finish=finish,
+        overrides={"steps": config.tune_steps, "lr": config.tune_lr},
+    )
+
+
 def calibrate_blockwise(
     config: MaskLLMConfig,
     model: nn.Module,
@@ -118,6 +147,9 @@ def calibrate_blockwise(
             before_step=learning.schedules(config, masks, training.steps),
             finish=lambda: _finish_block(config, names, layers, masks, accumulators, logits, hooks),
             masks=list(masks.values()),
+            tune=(lambda: _tune_weights(config, names, layers, logits))
+            if config.tune_steps
+            else None,
         )
 
     result = learn_blockwise(
