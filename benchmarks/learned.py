@@ -200,7 +200,10 @@ def render(payload: dict[str, Any]) -> str:
             _num(row.get("wall_seconds"), 0), _num(row.get("eval_seconds"), 0),
             _num(row.get("peak_rss_mb"), 0), row.get("threads") or "all",
         ])  # fmt: skip
-        for index, stage in enumerate(row["stages"][:-1], start=1):  # earlier stages scored
+        # earlier stages scored: divided by the plain SparseGPT row (an int8 row's stage 1 is
+        # still float)
+        ref = baseline_of(rows, {**row, "baseline": None})
+        for index, stage in enumerate(row["stages"][:-1], start=1):
             if all(stage.get("ppl", {}).get(c) for c in CORPORA) and ref:
                 table.append([
                     f"{row['name']} (stage {index})", row["sparsity"],

@@ -62,3 +62,25 @@ def test_rows_are_divided_by_the_sparsegpt_row_of_the_table():
     assert "| m | 2:4 | 42.00 | 90.00 | 0.700 / 0.750 |" in md
     assert "0.500 / 0.500 (other threads)" in md
     json.dumps(payload)
+
+
+def test_a_row_naming_its_baseline_is_divided_by_that_row():
+    def row(name, wiki, lee, baseline=None, stages=()):
+        ppl = {"wiki-test": wiki, "lee": lee}
+        return {"name": name, "sparsity": "2:4", "note": "", "finished": "-", "commands": [],
+                "stages": list(stages), "ppl": ppl, "threads": "1",
+                "baseline": baseline}  # fmt: skip
+
+    float_stage = {"ppl": {"wiki-test": 50.0, "lee": 100.0}, "tokens": 10, "train_seconds": 1.0,
+                   "wall_seconds": 2.0, "peak_rss_mb": 1.0}  # fmt: skip
+    rows = [
+        row("sparsegpt-24", 60.0, 120.0),
+        row("sparsegpt-24-int8", 62.0, 124.0, baseline="sparsegpt-24"),
+        row("m-int8", 46.5, 93.0, baseline="sparsegpt-24-int8", stages=[float_stage, {}]),
+        row("m", 45.0, 90.0),
+    ]
+    md = learned.render({"settings": learned.SETTINGS, "machine": {}, "results": rows})
+    assert "| m-int8 | 2:4 | 46.50 | 93.00 | 0.750 / 0.750 (÷ sparsegpt-24-int8) |" in md
+    assert "| sparsegpt-24-int8 | 2:4 | 62.00 | 124.00 | 1.033 / 1.033 (÷ sparsegpt-24) |" in md
+    assert "| m-int8 (stage 1) | 2:4 | 50.00 | 100.00 | 0.833 / 0.833 |" in md  # float: ÷ float
+    assert "| m | 2:4 | 45.00 | 90.00 | 0.750 / 0.750 |" in md
