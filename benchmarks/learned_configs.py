@@ -79,19 +79,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "stages": [MASKLLM_BLOCKWISE_REFIT, INT8_AFTER_STAGE1],
         "note": "maskllm-blockwise's masks (learned in float), then int8",
     },
-    "maskllm-blockwise-qrefit-int8": {
-        "sparsity": "2:4", "baseline": "sparsegpt-24-int8",
-        "stages": [
-            MASKLLM_BLOCKWISE_REFIT,
-            {"method": "maskllm",
-             "args": ["--steps", "1", "--lr", "1e-12", "--batch-size", "1", "--prior-from",
-                      "{stage1}", "--refit", "sparsegpt", "--quant-aware", "int8",
-                      "--eval-windows", "2", "--noise", "pool"]},
-            {**INT8_AFTER_STAGE1, "checkpoint": "{stage2}"},
-        ],
-        "note": "maskllm-blockwise's masks (learned in float), re-fitted from the dense weights "
-                "onto the int8 grid (stage 2: one step at lr 1e-12 keeps stage 1's masks, then "
-                "the quantizing re-fit), then int8: the re-fit's share of the quant-aware row",
+    "maskllm-blockwise-tune": {
+        "sparsity": "2:4",
+        "stages": [{"method": "maskllm", "args": [*MASKLLM_BLOCKWISE, "--refit", "sparsegpt",
+                                                  "--tune-steps", "20", "--tune-lr", "1e-3"]}],
+        "note": "maskllm-blockwise, then each block's kept weights trained 20 steps (AdamW, lr "
+                "1e-3, cosine, no weight decay) on the block error under the fixed masks",
     },
     "maskllm-blockwise-qa-int8": {
         "sparsity": "2:4", "baseline": "sparsegpt-24-int8",

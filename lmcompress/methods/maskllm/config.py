@@ -77,7 +77,7 @@ class MaskLLMConfig(PruningConfig):
             "steps on the block error (0: off)"
         },
     )
-    tune_lr: float = field(default=2e-5, metadata={"help": "learning rate of --tune-steps"})
+    tune_lr: float = field(default=1e-3, metadata={"help": "learning rate of --tune-steps"})
     straight_through_from: float = field(
         default=1.0,
         metadata={
