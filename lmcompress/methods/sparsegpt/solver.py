@@ -140,11 +140,9 @@ def sparsegpt_prune(
     the kept weights to that mask (MaskLLM's weight re-fitting under a learned mask). It must
     satisfy ``sparsity`` only in the sense that it is what gets kept; it is not checked here.
 
-    ``quant_scale`` (out,) quantizes as it prunes (the SparseGPT paper's joint sparsification
-    and quantization, GPTQ's update): each kept weight of column j becomes its symmetric int8
-    value ``clamp(round(w / s_r), -127, 127) · s_r`` on its row's scale, and ``e`` carries the
-    rounding error ``(w − ŵ) / d_j`` as well as the pruned weights' ``w / d_j``. The result's
-    kept weights then lie exactly on that grid.
+    ``quant_scale`` (out,): prune and quantize jointly (the SparseGPT paper; GPTQ's update):
+    kept weights become ``ŵ = clamp(round(w / s_r), -127, 127) · s_r`` column by column, ``e``
+    carrying ``(w − ŵ) / d_j`` too; the result lies exactly on that grid.
 
     Computes in float32 on W's device (the Cholesky in float64 if H is float64). Returns
     ``(W_new, keep)``: W_new in W's dtype, zero wherever the bool mask ``keep`` is False.
@@ -176,9 +174,7 @@ def sparsegpt_prune(
     step = max(m, blocksize - blocksize % m) if sparsity.is_nm else blocksize
     sub = m * max(1, SUB_BLOCK // m) if sparsity.is_nm else SUB_BLOCK
 
-    qscale = None
-    if quant_scale is not None:
-        qscale = quant_scale.detach().to(W.device, torch.float32).reshape(rows)  # (out,)
+    qscale = None if quant_scale is None else quant_scale.detach().to(Wt).reshape(rows)
     for i1 in range(0, cols, step):
         i2 = min(i1 + step, cols)
         _prune_columns(Wt, U, keep, i1, i2, sparsity, fixed, sub, qscale)

@@ -24,7 +24,6 @@ sees the compressed outputs; the modules are swapped for their factor pairs at t
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -33,13 +32,10 @@ from transformers.pytorch_utils import Conv1D
 from lmcompress.compressor.calibration.layerwise import compress_layerwise
 from lmcompress.compressor.calibration.observers import HessianAccumulator
 from lmcompress.compressor.formats.low_rank import LowRankLinear
-from lmcompress.compressor.method import Stats
+from lmcompress.compressor.method import Method, Stats
 from lmcompress.compressor.model.surgery import replace_modules, weight_matrix
 from lmcompress.compressor.report import CompressionReport
 from lmcompress.methods.common import count_params
-
-if TYPE_CHECKING:
-    from lmcompress.methods.svd.method import LowRankMethod
 
 REFIT_DAMP = 1e-2  # of the mean diagonal of A Σ Aᵀ, as SparseGPT's percdamp
 
@@ -69,9 +65,10 @@ def _layer_stats(stats: Stats, name: str, key: str | None, gram: torch.Tensor) -
 
 
 def compress_sequential(
-    method: LowRankMethod, model: nn.Module, data: torch.Tensor, stats: Stats
+    method: Method, model: nn.Module, data: torch.Tensor, stats: Stats
 ) -> CompressionReport:
-    """Factorise ``method``'s layers block by block on the compressed model's inputs (see the
+    """Factorise ``method``'s layers (a ``LowRankMethod``: ``ranks``, ``factorize``,
+    ``input_gram``, ``finish_report``) block by block on the compressed model's inputs (see the
     module doc); ``stats``: the dense statistics, which allocate the ranks."""
     start = time.perf_counter()
     config = method.config
