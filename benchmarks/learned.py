@@ -158,7 +158,8 @@ def render(payload: dict[str, Any]) -> str:
         f"{s['calib']} (seed {s['seed']}) to learn from (2 held out); perplexity at seq-len "
         f"{s['seq_len']} over the first {s['eval_tokens']} tokens of wiki-test and lee. "
         "`÷ SparseGPT`: each corpus's perplexity over the SparseGPT row of the same sparsity "
-        "in this table (same machine, same thread count). Wall and peak RSS: the whole "
+        "in this table (same machine, same thread count); a row divided by another row says "
+        "which (the int8 rows: by SparseGPT then int8). Wall and peak RSS: the whole "
         "`compress-model` processes (all stages, evaluation included); train s: the methods' "
         "own time (prior, training, re-fit); tokens: training tokens (block-wise: the windows "
         "through each block, once); tokens/s: tokens over train s. The PNG: the held-out "
@@ -210,7 +211,8 @@ def render(payload: dict[str, Any]) -> str:
                     *(_num(stage["ppl"][c]) for c in CORPORA),
                     " / ".join(f"{stage['ppl'][c] / ref['ppl'][c]:.3f}" for c in CORPORA),
                     f"{stage['tokens']:,}", _num(stage["tokens"] / stage["train_seconds"]
-                                                 if stage.get("train_seconds") else None, 1),
+                                                 if stage.get("train_seconds") and
+                                                 stage["tokens"] else None, 1),
                     _num(stage.get("train_seconds"), 0), _num(stage["wall_seconds"], 0), "-",
                     _num(stage["peak_rss_mb"], 0), row.get("threads") or "all",
                 ])  # fmt: skip
