@@ -29,8 +29,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import add_harness_args, row_table, run_table
+from benchmarks.harness import add_harness_args, add_merge_arg, merge_results, row_table, run_table
 from benchmarks.lowrank_plot import plot, render
+from benchmarks.render import RESULTS_DIR
 from benchmarks.runner import CLI, PYTHON, STDOUT, Job, Run, run_job
 
 NAME = "lowrank"
@@ -170,7 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_harness_args(parser, "rerun only these jobs (names as in the table)")
     parser.add_argument("--eval-tokens", type=int, default=16384)
+    add_merge_arg(parser)
     args = parser.parse_args(argv)
+    if args.merge and not args.render_only:
+        merge_results(args.results_dir or RESULTS_DIR, args.merge, NAME, ORDER,
+                      lambda _dir: {"results": []}, render, plot)  # fmt: skip
+        return 0
     check_cached_stats(parser, args)
     return run_table(row_table(NAME, render, ORDER, run_row, record, plot=plot), args, parser)
 

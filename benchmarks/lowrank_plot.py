@@ -106,6 +106,9 @@ def render(payload: dict[str, Any]) -> str:
 NSAMPLES_TEXT = "the same 128 calibration windows"
 
 
+VARIANT_MARKERS = {"refit": "^", "sequential": "s", "sequential+refit": "D"}
+
+
 def plot(payload: dict[str, Any], results_dir: Path, path: Path) -> None:  # noqa: ARG001
     import matplotlib
 
@@ -113,6 +116,8 @@ def plot(payload: dict[str, Any], results_dir: Path, path: Path) -> None:  # noq
     import matplotlib.pyplot as plt
 
     rows = [r for r in payload["results"] if r.get("allocation") in ("uniform", "greedy")]
+    variants = [r for r in rows if r.get("variant")]  # block by block: markers of their own
+    rows = [r for r in rows if not r.get("variant")]
     dense = next((r for r in payload["results"] if r["name"] == "dense"), None)
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.4), sharex=True)
     for ax, corpus in zip(axes, CORPORA, strict=True):
@@ -130,6 +135,11 @@ def plot(payload: dict[str, Any], results_dir: Path, path: Path) -> None:  # noq
                     label = f"{LABELS[method]}{' greedy' if allocation == 'greedy' else ''}"
                     ax.plot(xs, ys, style, color=f"C{i}", marker="o" if style != "x" else "x",
                             label=label)  # fmt: skip
+        for row in variants:
+            marker = VARIANT_MARKERS.get(row["variant"], "*")
+            ax.scatter(row["ratio"], row["ppl"][corpus], marker=marker, facecolors="none",
+                       color=f"C{list(LABELS).index(row['method'])}",
+                       label=f"{LABELS[row['method']]} greedy, {row['variant']}")  # fmt: skip
         if dense:
             ax.axhline(dense["ppl"][corpus], color="black", lw=0.8, ls=":", label="dense")
         ax.set_yscale("log")
