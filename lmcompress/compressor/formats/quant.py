@@ -52,6 +52,18 @@ def per_token_scale(x: torch.Tensor, qmax: float = QMAX, floor: float = MIN_SCAL
     return absmax_scale(absmax, qmax, floor)
 
 
+def weight_scale(absmax: torch.Tensor) -> torch.Tensor:
+    """Symmetric weight scales ``absmax / 127``; 1 where ``absmax`` is 0 (codes 0 either way),
+    so that no scale is ever 0."""
+    return torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax))
+
+
+def on_grid(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``clamp(round(x / s), -127, 127) · s``: ``x`` rounded onto the symmetric int8 grid of
+    ``scale`` (broadcasting), in ``x``'s dtype; a new tensor."""
+    return torch.div(x, scale).round_().clamp_(-QMAX, QMAX).mul_(scale)
+
+
 def int8_weight(
     W: torch.Tensor, group_size: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +81,7 @@ def int8_weight(
         check_group_size(group_size, in_features)
         groups = in_features // group_size
         absmax = W.abs().view(out_features, groups, group_size).amax(dim=-1)  # (out, groups)
-    scale = torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax))
+    scale = weight_scale(absmax)
     return quantize(W, scale), scale
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lmcompress.compressor.formats.quant import QMAX, per_token_scale
+from lmcompress.compressor.formats.quant import on_grid, per_token_scale, weight_scale
 from lmcompress.compressor.model.surgery import add_parametrization
 from lmcompress.methods.maskllm.parametrization import LearnableNMMask
 
@@ -27,16 +27,14 @@ QUANT_AWARE = ("none", "int8")
 def fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``clamp(round(x / s), -127, 127) · s`` forward, the identity backward (straight-through);
     ``scale`` broadcasts against ``x`` and is not differentiated."""
-    scale = scale.detach()
-    quantized = torch.div(x.detach(), scale).round_().clamp_(-QMAX, QMAX).mul_(scale)
-    return x + (quantized - x.detach())
+    return x + (on_grid(x.detach(), scale.detach()) - x.detach())
 
 
 def channel_scale(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
     """Per output channel ``absmax / 127`` of ``weight`` (out, in), or (in, out) if
     ``transposed``; a channel of zeros gets scale 1 (its codes are 0 either way)."""
     absmax = weight.detach().abs().amax(dim=0 if transposed else 1, keepdim=True)
-    return torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax)).float()
+    return weight_scale(absmax).float()
 
 
 class FakeQuantWeight(nn.Module):

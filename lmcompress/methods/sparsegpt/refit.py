@@ -10,7 +10,7 @@ from torch import nn
 
 from lmcompress.compressor.calibration.layerwise import compress_layerwise
 from lmcompress.compressor.calibration.observers import HessianAccumulator
-from lmcompress.compressor.formats.quant import QMAX
+from lmcompress.compressor.formats.quant import weight_scale
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.compressor.report import LayerReport
 from lmcompress.methods.common import prune_layer_
@@ -28,7 +28,7 @@ def int8_row_scales(W: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """(out,) symmetric int8 scales of the kept weights of each row: ``absmax / 127`` (1 for a
     row with nothing kept), as the ``int8`` method computes them."""
     absmax = (W.detach().float() * keep.to(W.device)).abs().amax(dim=1)
-    return torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax))
+    return weight_scale(absmax)
 
 
 @torch.no_grad()

@@ -34,6 +34,7 @@ import torch
 # HessianAccumulator lives with the core's other observers; re-exported for the SparseGPT
 # method module, which imports it from here.
 from lmcompress.compressor.config import Sparsity
+from lmcompress.compressor.formats.quant import on_grid
 from lmcompress.compressor.sparsity import check_nm_shape, nm_mask, unstructured_mask
 from lmcompress.errors import ConfigError, LmcompressError
 
@@ -179,7 +180,7 @@ def sparsegpt_prune(
         i2 = min(i1 + step, cols)
         _prune_columns(Wt, U, keep, i1, i2, sparsity, fixed, sub, qscale)
     if qscale is not None:  # exactly on the grid (the updates leave ~1 ulp of rounding)
-        Wt.copy_(_on_grid(Wt, qscale))
+        Wt.copy_(on_grid(Wt, qscale))
 
     keep = keep.T.contiguous()  # (out, in)
     if not update_weights:
@@ -224,7 +225,7 @@ def _prune_columns(
             if qscale is None:
                 torch.mul(W1[j], scale1[j], out=E1[j])  # e = w / d on pruned weights, (out,)
             else:  # e = (w - ŵ) / d: ŵ the int8 value where kept, 0 where pruned
-                target = _on_grid(W1[j], qscale).mul_(keep1[j])
+                target = on_grid(W1[j], qscale).mul_(keep1[j])
                 torch.sub(W1[j], target, out=E1[j]).div_(d1[j])
             W1[j:s2].addr_(U1[j, j:s2], E1[j], alpha=-1)  # OBS update within the sub-block
         W1[s2:].addmm_(U1[s1:s2, s2:].T, E1[s1:s2], alpha=-1)  # lazy update, rest of block
@@ -232,11 +233,6 @@ def _prune_columns(
     # ones come out ~0 up to rounding, so zero them exactly.
     W1.masked_fill_(~keep1, 0)
     Wt[i2:].addmm_(U[i1:i2, i2:].T, E1, alpha=-1)  # lazy batch update
-
-
-def _on_grid(x: torch.Tensor, qscale: torch.Tensor) -> torch.Tensor:
-    """``clamp(round(x / s), -127, 127) · s`` along the last dim (one scale per output)."""
-    return torch.div(x, qscale).round_().clamp_(-127, 127).mul_(qscale)
 
 
 def sparsegpt_mask(

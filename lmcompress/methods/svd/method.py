@@ -74,14 +74,20 @@ class LowRankMethod(Method):
         ``--sequential`` re-collects on the compressed model; ``None``: the method has none."""
         return None
 
+    def block_by_block(self) -> bool:
+        """``sequential`` or ``refit``: factorise inside the layer-wise loop (the calibrated
+        methods' options; plain SVD has neither)."""
+        config = self.config
+        return getattr(config, "sequential", False) or getattr(config, "refit", "none") != "none"
+
     def block_pass_estimate(
         self, model: nn.Module, nsamples: int, seq_len: int, itemsize: int = 4
     ) -> dict[str, int]:
         """Bytes of the block-by-block pass of ``sequential`` / ``refit`` (none without them):
         the layer-wise loop's hidden states and each layer's float32 input Gram."""
-        config = self.config
-        if not getattr(config, "sequential", False) and getattr(config, "refit", "none") == "none":
+        if not self.block_by_block():
             return {}
+        config = self.config
         layers = self.validate(model)
         parts = layerwise_estimate(
             model, layers, nsamples, seq_len, config.calib_batch_size, itemsize,
@@ -98,8 +104,7 @@ class LowRankMethod(Method):
     ) -> tuple[CompressionReport, Stats]:
         """The dense statistics, then the factorisation: all at once (``apply``), or block by
         block on the compressed inputs with ``sequential`` / ``refit`` (``sequential``)."""
-        config = self.config
-        if not getattr(config, "sequential", False) and getattr(config, "refit", "none") == "none":
+        if not self.block_by_block():
             return super().compress(model, data, source, offload_dir)
         if source is not None:
             raise ConfigError(f"{self.name} --sequential / --refit cannot stream")
