@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks.subnet_configs import BLOCKWISE as SUBNET_BLOCKWISE
+
 # fmt: off
 # MaskLLM block-wise, the best recipe of benchmarks.maskllm (blockwise-refit-20-st): 20 steps of
 # one batch of 4 windows per block, straight-through hard samples in the last 20 %.
@@ -38,6 +40,8 @@ def two_pass(steps: int, *extra: str) -> list[dict[str, Any]]:
 
 # W8A8 int8 (dynamic per-token activations) on an earlier stage's output: the 2:4 -> int8 rows
 INT8_AFTER_STAGE1 = {"method": "int8", "sparsity": None, "checkpoint": "{stage1}", "args": []}
+# each block's kept weights then trained on the block error, the masks fixed
+TUNE = ["--tune-steps", "20", "--tune-lr", "1e-3"]
 MASKLLM_BLOCKWISE_REFIT = {
     "method": "maskllm", "args": [*MASKLLM_BLOCKWISE, "--refit", "sparsegpt"],
 }
@@ -81,8 +85,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
     "maskllm-blockwise-tune": {
         "sparsity": "2:4",
-        "stages": [{"method": "maskllm", "args": [*MASKLLM_BLOCKWISE, "--refit", "sparsegpt",
-                                                  "--tune-steps", "20", "--tune-lr", "1e-3"]}],
+        "stages": [{"method": "maskllm",
+                    "args": [*MASKLLM_BLOCKWISE, "--refit", "sparsegpt", *TUNE]}],
         "note": "maskllm-blockwise, then each block's kept weights trained 20 steps (AdamW, lr "
                 "1e-3, cosine, no weight decay) on the block error under the fixed masks",
     },
@@ -96,6 +100,26 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "note": "maskllm-blockwise learned under int8 fake quantization (weights per channel, "
                 "inputs per token, straight-through), the re-fit quantizing column by column "
                 "(GPTQ-style), then int8",
+    },
+    "sparsegpt-50": {
+        "sparsity": "0.5", "stages": [{"method": "sparsegpt", "args": []}],
+        "note": "SparseGPT 50 % unstructured, the baseline of the 50 % rows",
+    },
+    "subnet-50-blockwise-tune": {
+        "sparsity": "0.5",
+        "stages": [{"method": "subnet",
+                    "args": [*SUBNET_BLOCKWISE, "--constraint", "penalty", "--refit", "sparsegpt",
+                             *TUNE]}],
+        "note": "subnet block-wise (benchmarks.subnet's subnet-50-refit: 20 steps x 4 windows "
+                "per block, AdamW lr 0.3 on the keep logits, row scales, keep-rate penalty), "
+                "the kept weights re-fitted, then tuned 20 steps as maskllm-blockwise-tune",
+    },
+    "subnet-24-blockwise-tune": {
+        "sparsity": "2:4",
+        "stages": [{"method": "subnet",
+                    "args": [*SUBNET_BLOCKWISE, "--refit", "sparsegpt", *TUNE]}],
+        "note": "subnet block-wise with 2:4 patterns (benchmarks.subnet's subnet-24-refit), "
+                "re-fitted, then tuned: the same budget as maskllm-blockwise-tune",
     },
 }
 # fmt: on

@@ -222,9 +222,29 @@ def test_blockwise_lowers_the_block_error_and_hits_the_target(refit):
     assert set(stats.meta["layer_errors"]) == set(_masks(model))
 
 
+@pytest.mark.parametrize("sparsity", ["0.5", "2:4"])
+def test_blockwise_weight_tuning_keeps_the_masks_and_lowers_each_block_error(sparsity):
+    """Block-wise subnet (the paper's SGD on the logits), then each block's kept weights tuned:
+    the extracted masks stay, every block's error falls."""
+    config = dict(sparsity=sparsity, steps=4, batch_size=2, blockwise=True, refit="sparsegpt")
+    _, _, plain_stats = _run(SubnetConfig(**config))
+    tuned, report, stats = _run(SubnetConfig(**config, tune_steps=15, tune_lr=1e-3))
+    for key, value in plain_stats.tensors.items():  # block 0 trains the same logits
+        if key.startswith("model.layers.0."):
+            assert torch.equal(stats.tensors[key], value), key
+    for name, keep in _masks(tuned).items():
+        assert keep.equal(extract_keep(stats.tensors[f"{name}.logits"], Sparsity.parse(sparsity)))
+    for block in report.extra["block_curves"]:
+        assert block["tune_after"] < 0.8 * block["tune_before"], block
+    assert report.layers[0].params_kept == report.layers[0].params // 2
+    assert not any(hasattr(m, "parametrizations") for m in tuned.modules())
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
+        ({"tune_steps": 5}, "--blockwise"),
+        ({"blockwise": True, "tune_lr": 0.0}, "tune_lr"),
         ({"sparsity": "2:4", "extract": "threshold"}, "unstructured"),
         ({"prior": "oracle"}, "prior must be"),
         ({"tau": 0.0}, "positive"),

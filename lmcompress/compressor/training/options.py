@@ -85,7 +85,8 @@ Refit = Literal["none", "sparsegpt"]
 class LearningScope:
     """Where a learned method trains its masks (the whole model at once, or one decoder block
     at a time: ``drivers.learn_end_to_end`` / ``drivers.learn_blockwise``) and what becomes of
-    the kept weights afterwards. Both are beyond the papers; the defaults are the papers'."""
+    the kept weights afterwards (re-fitted, then block-wise tuned: ``training.tuning``). All
+    are beyond the papers; the defaults are the papers'."""
 
     blockwise: bool = field(
         default=False,
@@ -101,10 +102,25 @@ class LearningScope:
             "then not folded in)"
         },
     )
+    tune_steps: int = field(
+        default=0,
+        metadata={
+            "help": "block-wise: then train each block's kept weights (masks fixed) this many "
+            "steps on the block error (0: off)"
+        },
+    )
+    tune_lr: float = field(default=1e-3, metadata={"help": "learning rate of --tune-steps"})
 
     def __post_init__(self) -> None:
         check_types(self)
         check_choices(self)
+        if self.tune_steps < 0 or self.tune_lr <= 0:
+            raise ConfigError(
+                f"tune_steps must be >= 0 and tune_lr positive, got {shown(self.tune_steps)}, "
+                f"{shown(self.tune_lr)}"
+            )
+        if self.tune_steps and not self.blockwise:
+            raise ConfigError("--tune-steps trains block by block: add --blockwise")
 
 
 def check_counts(options: Any, non_negative: tuple[str, ...] = ()) -> None:

@@ -16,15 +16,15 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
-from transformers.pytorch_utils import Conv1D
 
 from lmcompress.compressor.calibration.layerwise import Accumulator
 from lmcompress.compressor.method import Stats
-from lmcompress.compressor.model.surgery import WeightMask, add_parametrization, bake, weight_matrix
+from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.compressor.report import LayerReport
 from lmcompress.compressor.training.checkpoint import Checkpoints
 from lmcompress.compressor.training.drivers import Learnable, hard_perplexity, learn_blockwise
 from lmcompress.compressor.training.trainer import TrainConfig
+from lmcompress.compressor.training.tuning import tune_kept_weights
 from lmcompress.methods.common import prune_layer_
 from lmcompress.methods.maskllm import learning
 from lmcompress.methods.maskllm.config import MaskLLMConfig
@@ -79,32 +79,17 @@ def _finish_block(
     return reports
 
 
-def _tune_weights(
+def _tune(
     config: MaskLLMConfig,
     names: list[str],
     layers: dict[str, nn.Module],
     logits: dict[str, torch.Tensor],
 ) -> Learnable:
-    """The second training of a finished block (``tune_steps``): its kept weights, the learned
-    masks fixed (a ``WeightMask`` parametrization, baked by ``finish``), no weight decay."""
-    for n in names:
-        keep = learning.keep_mask(config, n, layers[n], logits[n]).to(weight_matrix(layers[n]))
-        add_parametrization(
-            layers[n], WeightMask(keep.T if isinstance(layers[n], Conv1D) else keep)
-        )
-    params = {n: layers[n].parametrizations.weight.original for n in names}
-
-    def finish() -> list[LayerReport]:
-        for n in names:
-            bake(layers[n])
-        return []
-
-    return Learnable(
-        params=params,
-        param_options={n: {"weight_decay": 0.0} for n in names},
-        finish=finish,
-        overrides={"steps": config.tune_steps, "lr": config.tune_lr},
-    )
+    """The second training of a finished block (``--tune-steps``): its kept weights under the
+    learned masks (``training.tuning``)."""
+    keeps = {n: learning.keep_mask(config, n, layers[n], logits[n]) for n in names}
+    scope = config.scope
+    return tune_kept_weights({n: layers[n] for n in names}, keeps, scope.tune_steps, scope.tune_lr)
 
 
 def calibrate_blockwise(
@@ -116,7 +101,7 @@ def calibrate_blockwise(
     device: torch.device | None,
 ) -> Stats:
     """Learn the masks of ``layers`` block by block; the learned logits are the stats."""
-    training = config.training
+    training, scope = config.training, config.scope
     loaded = (
         learned_prior_masks(config.prior_from, layers, config.sparsity_of)
         if config.prior_from
@@ -147,9 +132,7 @@ def calibrate_blockwise(
             before_step=learning.schedules(config, masks, training.steps),
             finish=lambda: _finish_block(config, names, layers, masks, accumulators, logits, hooks),
             masks=list(masks.values()),
-            tune=(lambda: _tune_weights(config, names, layers, logits))
-            if config.tune_steps
-            else None,
+            tune=(lambda: _tune(config, names, layers, logits)) if scope.tune_steps else None,
         )
 
     result = learn_blockwise(

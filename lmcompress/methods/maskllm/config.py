@@ -55,7 +55,7 @@ class MaskLLMConfig(PruningConfig):
     distill: bool = field(default=False, metadata={"help": "add KL to the dense model's logits"})
     init_std: float = field(default=0.01, metadata={"help": "std of the initial logits"})
     # --- beyond the paper (off by default: the defaults above are the paper's method) ---
-    scope: LearningScope = field(default_factory=LearningScope)  # --blockwise, --refit
+    scope: LearningScope = field(default_factory=LearningScope)  # --blockwise, --refit, --tune-*
     noise: Noise = field(
         default="exact",
         metadata={
@@ -70,14 +70,6 @@ class MaskLLMConfig(PruningConfig):
             "quantization in training, straight-through) and re-fit onto the int8 grid"
         },
     )
-    tune_steps: int = field(
-        default=0,
-        metadata={
-            "help": "block-wise: then train each block's kept weights (masks fixed) this many "
-            "steps on the block error (0: off)"
-        },
-    )
-    tune_lr: float = field(default=1e-3, metadata={"help": "learning rate of --tune-steps"})
     straight_through_from: float = field(
         default=1.0,
         metadata={
@@ -99,14 +91,7 @@ class MaskLLMConfig(PruningConfig):
         training, blockwise = self.training, self.scope.blockwise
         if blockwise and training.fsdp:
             raise ConfigError("--fsdp is for end-to-end training; --blockwise runs one process")
-        if self.tune_steps < 0 or self.tune_lr <= 0:
-            raise ConfigError(
-                f"tune_steps must be >= 0 and tune_lr positive, got {self.tune_steps}, "
-                f"{self.tune_lr}"
-            )
-        if self.tune_steps and not blockwise:
-            raise ConfigError("--tune-steps trains block by block: add --blockwise")
-        if self.tune_steps and self.quant_aware != "none":
+        if self.scope.tune_steps and self.quant_aware != "none":
             raise ConfigError(
                 "--tune-steps would move the weights off the int8 grid of --quant-aware"
             )

@@ -65,7 +65,7 @@ class SubnetConfig(PruningConfig):
             "paper; the sparsity emerges and is reported)"
         },
     )
-    scope: LearningScope = field(default_factory=LearningScope)  # --blockwise, --refit
+    scope: LearningScope = field(default_factory=LearningScope)  # --blockwise, --refit, --tune-*
 
     def __post_init__(self) -> None:
         super().__post_init__()

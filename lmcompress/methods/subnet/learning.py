@@ -100,13 +100,18 @@ class KeepRateConstraint(nn.Module):
         return (lam[0] * d).sum() + (lam[1] * d.square()).sum(), logs
 
 
+def keep_of(config: SubnetConfig, name: str, logits: torch.Tensor) -> torch.Tensor:
+    """The keep-mask extracted from ``name``'s ``logits``, bool (out, in)."""
+    target = config.sparsity_of(name) if config.extract == "topk" else None
+    return extract_keep(logits, target)
+
+
 def dense_keep(config: SubnetConfig, name: str, module: nn.Module, logits: torch.Tensor):
     """Remove ``module``'s parametrization, leaving its frozen dense weight, and return the
     extracted keep-mask (bool (out, in)): what a re-fit starts from."""
     if parametrize.is_parametrized(module, "weight"):
         parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
-    target = config.sparsity_of(name) if config.extract == "topk" else None
-    return extract_keep(logits.to(weight_matrix(module).device), target)
+    return keep_of(config, name, logits.to(weight_matrix(module).device))
 
 
 def extract_layer(

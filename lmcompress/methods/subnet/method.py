@@ -27,6 +27,7 @@ from lmcompress.compressor.training.drivers import (
     training_extra,
 )
 from lmcompress.compressor.training.trainer import TrainConfig
+from lmcompress.compressor.training.tuning import tune_kept_weights
 from lmcompress.errors import ConfigError
 from lmcompress.methods.common import count_params, prune_layer_
 from lmcompress.methods.priors import (
@@ -39,6 +40,7 @@ from lmcompress.methods.subnet.config import SubnetConfig
 from lmcompress.methods.subnet.learning import (
     dense_keep,
     extract_layer,
+    keep_of,
     learnable,
     new_mask,
 )
@@ -180,6 +182,8 @@ class Subnet(PruningMethod):
                 return reports
 
             trained.finish = finish
+            if config.scope.tune_steps:  # then the kept weights, the extracted masks fixed
+                trained.tune = lambda: _tune(config, {n: layers[n] for n in names}, tensors)
             return trained
 
         result = learn_blockwise(
@@ -242,6 +246,16 @@ class Subnet(PruningMethod):
     def stats_bytes(self, model: nn.Module) -> int:
         """The fp32 keep logits (one per weight) and scales, kept in the export."""
         return sum(4 * weight_matrix(m).numel() for m in self.validate(model).values())
+
+
+def _tune(
+    config: SubnetConfig, layers: dict[str, nn.Module], learned: dict[str, torch.Tensor]
+) -> Learnable:
+    """The second training of an extracted block (``--tune-steps``): its kept weights under the
+    extracted masks (``training.tuning``)."""
+    keeps = {n: keep_of(config, n, learned[f"{n}.logits"]) for n in layers}
+    scope = config.scope
+    return tune_kept_weights(layers, keeps, scope.tune_steps, scope.tune_lr)
 
 
 def _as_is(config: SubnetConfig, name: str, module: nn.Module) -> LayerReport:
