@@ -119,3 +119,48 @@ def test_sequential_needs_a_method_weighted_by_the_input_gram():
             GFWSVDConfig(ratio=0.6, sequential=True, kronecker="nearest"),
             _data(),
         )
+
+
+def _block_output_error(model, dense_model, block):
+    """The relative error of ``block``'s output, each model on its own inputs (the hidden
+    states of their own lower blocks), against the dense model's."""
+    outs = []
+    for m in (model, dense_model):
+        captured = []
+        hook = m.model.layers[block].register_forward_hook(
+            lambda _m, _a, out: captured.append(out[0] if isinstance(out, tuple) else out)
+        )
+        with torch.no_grad():
+            m(_data())
+        hook.remove()
+        outs.append(captured[0])
+    return float((outs[0] - outs[1]).square().mean() / outs[1].square().mean())
+
+
+@pytest.mark.parametrize("config", [SVDLLMConfig(ratio=0.6), FWSVDConfig(ratio=0.6)])
+def test_tuning_trains_the_factor_pairs_on_the_block_error(config):
+    """``--tune-steps``: the same ranks and modules, block 0 the one-shot factorisation before
+    tuning, and every block's error against the dense model lower after it."""
+    model, plain, dense = (make_tiny_model("llama") for _ in range(3))
+    plain_report = compress(plain, config, _data())
+    tuned = type(config)(ratio=config.ratio, tune_steps=30, tune_lr=1e-3, calib_batch_size=2)
+    report = compress(model, tuned, _data())
+    assert report.extra["ranks"] == plain_report.extra["ranks"]
+    assert report.params_kept == plain_report.params_kept
+    for name in plain_report.extra["ranks"]:
+        assert type(model.get_submodule(name)) is type(plain.get_submodule(name)), name
+    assert not any(hasattr(m, "parametrizations") for m in model.modules())
+    curves = report.extra["block_curves"]
+    assert [c["block"] for c in curves] == [0, 1]
+    for curve in curves:
+        assert curve["hard_after"] < 0.9 * curve["hard_before"], curve
+        assert len(curve["curve"]) == 30
+    for block in (0, 1):
+        assert _block_output_error(model, dense, block) < _block_output_error(plain, dense, block)
+
+
+def test_tuning_options_are_checked():
+    with pytest.raises(ConfigError, match="tune_steps"):
+        SVDLLMConfig(ratio=0.6, tune_steps=-1)
+    with pytest.raises(ConfigError, match="tune_lr"):
+        SVDLLMConfig(ratio=0.6, tune_steps=2, tune_lr=0.0)

@@ -219,9 +219,8 @@ def _run(block: nn.Module, index: int, x: torch.Tensor, batch: dict[str, Any]) -
 
 
 def _hard_error(learnable: Learnable, block, index, examples, count: int) -> float | None:
-    """The mean relative block-output error of the hard masks on the first ``count`` batches."""
-    if not learnable.masks or count == 0:
-        return None
+    """The mean relative block-output error of the hard masks on the first ``count`` batches
+    (no masks: of the block as it is)."""
     with masks_set(learnable.masks, hard=True):
         return _block_error(block, index, examples, count)
 

@@ -75,11 +75,23 @@ class _CalibratedConfig(LowRankConfig):
         metadata={"help": "output: re-fit each layer's output factor in closed form to its "
                   "dense output on its inputs in the compressed model, block by block"},
     )  # fmt: skip
+    tune_steps: int = field(
+        default=0,
+        metadata={"help": "block by block: then train each block's factor pairs this many "
+                  "steps (one batch of --calib-batch-size windows each) on the block-output "
+                  "error against the dense model (0: off)"},
+    )  # fmt: skip
+    tune_lr: float = field(default=1e-3, metadata={"help": "learning rate of --tune-steps"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.calib_batch_size < 1:
             raise ConfigError(f"calib_batch_size must be at least 1, got {self.calib_batch_size}")
+        if self.tune_steps < 0 or self.tune_lr <= 0:
+            raise ConfigError(
+                f"tune_steps must be >= 0 and tune_lr positive, got {self.tune_steps}, "
+                f"{self.tune_lr}"
+            )
 
 
 @dataclass(frozen=True)

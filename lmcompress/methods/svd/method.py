@@ -75,24 +75,38 @@ class LowRankMethod(Method):
         return None
 
     def block_by_block(self) -> bool:
-        """``sequential`` or ``refit``: factorise inside the layer-wise loop (the calibrated
-        methods' options; plain SVD has neither)."""
+        """``sequential``, ``refit`` or ``tune_steps``: factorise inside the layer-wise loop
+        (the calibrated methods' options; plain SVD has none)."""
         config = self.config
-        return getattr(config, "sequential", False) or getattr(config, "refit", "none") != "none"
+        return (
+            getattr(config, "sequential", False)
+            or getattr(config, "refit", "none") != "none"
+            or getattr(config, "tune_steps", 0) > 0
+        )
 
     def block_pass_estimate(
         self, model: nn.Module, nsamples: int, seq_len: int, itemsize: int = 4
     ) -> dict[str, int]:
-        """Bytes of the block-by-block pass of ``sequential`` / ``refit`` (none without them):
-        the layer-wise loop's hidden states and each layer's float32 input Gram."""
+        """Bytes of the block-by-block pass of ``sequential`` / ``refit`` / ``tune_steps``
+        (none without them): the layer-wise loop's hidden states and each layer's float32 input
+        Gram; tuning adds the dense stream's block outputs and, per layer, its float32 factors
+        with their gradients and AdamW moments (at most 16 bytes a weight: rank < full)."""
         if not self.block_by_block():
             return {}
         config = self.config
         layers = self.validate(model)
+        tune = getattr(config, "tune_steps", 0) > 0
+
+        def state(module: nn.Module) -> int:
+            rows, cols = weight_matrix(module).shape
+            return 4 * cols**2 + (16 * rows * cols if tune else 0)
+
         parts = layerwise_estimate(
             model, layers, nsamples, seq_len, config.calib_batch_size, itemsize,
-            state={"input Gram": lambda m: 4 * weight_matrix(m).shape[1] ** 2},
+            state={"input Gram": state},
         )  # fmt: skip
+        if tune:
+            parts["dense block outputs"] = parts["calibration activations"]
         return {"block-by-block pass": sum(parts.values())}
 
     def compress(
@@ -107,7 +121,7 @@ class LowRankMethod(Method):
         if not self.block_by_block():
             return super().compress(model, data, source, offload_dir)
         if source is not None:
-            raise ConfigError(f"{self.name} --sequential / --refit cannot stream")
+            raise ConfigError(f"{self.name} --sequential / --refit / --tune-steps cannot stream")
         if data is None:
             raise ConfigError(f"method {self.name!r} needs calibration data")
         model.eval()

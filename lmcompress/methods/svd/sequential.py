@@ -17,6 +17,12 @@ accumulated on the compressed model's hidden states, then
   gradient factor) leaves this minimiser unchanged: B' is the least-squares fit of every
   output row alike.
 
+- ``tune_steps``: after a block's layers are factorised (with or without the two above), its
+  factor pairs are trained on the block-output error against the dense model, the dense and
+  the compressed streams side by side (the core's ``drivers.learn_blockwise``, as MaskLLM's
+  and subnet's ``--tune-steps``; optimiser ``training.tuning.TUNE_OPTIMIZER``): the factors
+  of one layer compensate the truncation error of the others, and of the blocks below.
+
 The compressed layer's product ``B A`` replaces the weight inside the loop, so the next block
 sees the compressed outputs; the modules are swapped for their factor pairs at the end.
 """
@@ -33,8 +39,16 @@ from lmcompress.compressor.calibration.layerwise import compress_layerwise
 from lmcompress.compressor.calibration.observers import HessianAccumulator
 from lmcompress.compressor.formats.low_rank import LowRankLinear
 from lmcompress.compressor.method import Method, Stats
-from lmcompress.compressor.model.surgery import replace_modules, weight_matrix
-from lmcompress.compressor.report import CompressionReport
+from lmcompress.compressor.model.surgery import (
+    add_parametrization,
+    bake,
+    replace_modules,
+    weight_matrix,
+)
+from lmcompress.compressor.report import CompressionReport, LayerReport
+from lmcompress.compressor.training.drivers import Learnable, learn_blockwise, training_extra
+from lmcompress.compressor.training.trainer import TrainConfig
+from lmcompress.compressor.training.tuning import TUNE_OPTIMIZER
 from lmcompress.methods.common import count_params
 
 REFIT_DAMP = 1e-2  # of the mean diagonal of A Σ Aᵀ, as SparseGPT's percdamp
@@ -53,6 +67,46 @@ def output_refit(
     rhs = W.to(torch.float64) @ AG.T + lam * B.to(torch.float64)  # (out, r)
     lhs.diagonal().add_(lam)
     return torch.linalg.solve(lhs, rhs.T).T.to(B.dtype).contiguous()
+
+
+class FactorWeight(nn.Module):
+    """Parametrization ``W -> B A`` by a trainable float32 factor pair (``transposed``: the
+    stored weight is (in, out), GPT-2's Conv1D); the original weight is not used."""
+
+    def __init__(self, A: torch.Tensor, B: torch.Tensor, transposed: bool) -> None:
+        super().__init__()
+        self.A = nn.Parameter(A.detach().to(torch.float32).clone())  # (r, in)
+        self.B = nn.Parameter(B.detach().to(torch.float32).clone())  # (out, r)
+        self.transposed = transposed
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        W = self.B @ self.A
+        return (W.T if self.transposed else W).to(weight.dtype)
+
+
+def _tune_block(
+    layers: dict[str, nn.Module], built: dict[str, LowRankLinear | None], reports: list
+) -> Learnable:
+    """The factor pairs of one block's layers (``built``, None: dense, not trained) as the
+    parametrization of their weights; ``finish`` copies them back and bakes ``B A``."""
+    factors: dict[str, FactorWeight] = {}
+    for name, module in layers.items():
+        if built[name] is not None:
+            factors[name] = FactorWeight(built[name].A, built[name].B, isinstance(module, Conv1D))
+            add_parametrization(module, factors[name])
+
+    def finish() -> list[LayerReport]:
+        with torch.no_grad():
+            for name, factor in factors.items():
+                built[name].A.copy_(factor.A)
+                built[name].B.copy_(factor.B)
+                bake(layers[name])
+        return reports
+
+    params = {f"{n}.{k}": getattr(f, k) for n, f in factors.items() for k in ("A", "B")}
+    return Learnable(
+        params=params, param_options={k: {"weight_decay": 0.0} for k in params}, finish=finish
+    )
 
 
 def _layer_stats(stats: Stats, name: str, key: str | None, gram: torch.Tensor) -> Stats:
@@ -91,14 +145,28 @@ def compress_sequential(
         built[name] = new
         return layer
 
-    report.layers, _ = compress_layerwise(
-        model,
-        data,
-        layers,
-        make_accumulator=lambda _n, m: HessianAccumulator(weight_matrix(m).shape[1]),
-        compress_layer=compress_layer,
-        device=method.device or next(model.parameters()).device,
-        batch_size=config.calib_batch_size,
-    )
+    make_accumulator = lambda _n, m: HessianAccumulator(weight_matrix(m).shape[1])  # noqa: E731
+    device = method.device or next(model.parameters()).device
+    histories = []
+    if config.tune_steps:
+
+        def start_block(_index: int, names: list[str], accumulators: dict) -> Learnable:
+            reports = [compress_layer(n, layers[n], accumulators[n]) for n in names]
+            return _tune_block({n: layers[n] for n in names}, built, reports)
+
+        tune = TrainConfig(steps=config.tune_steps, lr=config.tune_lr,
+                           batch_size=config.calib_batch_size, **TUNE_OPTIMIZER)  # fmt: skip
+        result = learn_blockwise(model, data, layers, start_block, tune, make_accumulator, device)
+        report.layers, histories = result.reports, result.histories
+    else:
+        report.layers, _ = compress_layerwise(
+            model, data, layers, make_accumulator=make_accumulator,
+            compress_layer=compress_layer, device=device, batch_size=config.calib_batch_size,
+        )  # fmt: skip
     replace_modules(model, layers, lambda name, _module: built[name])
-    return method.finish_report(report, start)
+    method.finish_report(report, start)
+    if histories:  # each block's error before / after tuning, and its curve
+        report.extra["block_curves"] = training_extra(
+            {"block_history": histories}, ("step", "rel_err")
+        )["block_curves"]
+    return report
