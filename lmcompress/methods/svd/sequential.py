@@ -71,12 +71,19 @@ def output_refit(
 
 class FactorWeight(nn.Module):
     """Parametrization ``W -> B A`` by a trainable float32 factor pair (``transposed``: the
-    stored weight is (in, out), GPT-2's Conv1D); the original weight is not used."""
+    stored weight is (in, out), GPT-2's Conv1D); the original weight is not used.
+
+    The pair is balanced first (row j of A and column j of B scaled to the same norm, the
+    product unchanged): a weighted SVD's factors are not (GFWSVD's B carries the inverse of
+    the gradient factor, orders of magnitude larger than A), and AdamW's steps, about the same
+    size for every element, would otherwise move the small factor by a large fraction."""
 
     def __init__(self, A: torch.Tensor, B: torch.Tensor, transposed: bool) -> None:
         super().__init__()
-        self.A = nn.Parameter(A.detach().to(torch.float32).clone())  # (r, in)
-        self.B = nn.Parameter(B.detach().to(torch.float32).clone())  # (out, r)
+        A, B = A.detach().to(torch.float32), B.detach().to(torch.float32)
+        scale = (B.norm(dim=0) / A.norm(dim=1).clamp_min(1e-30)).clamp_min(1e-30).sqrt()  # (r,)
+        self.A = nn.Parameter(A * scale[:, None])  # (r, in)
+        self.B = nn.Parameter(B / scale[None, :])  # (out, r)
         self.transposed = transposed
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
