@@ -90,6 +90,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "note": "maskllm-blockwise, then each block's kept weights trained 20 steps (AdamW, lr "
                 "1e-3, cosine, no weight decay) on the block error under the fixed masks",
     },
+    "maskllm-blockwise-tune-int8": {
+        "sparsity": "2:4", "baseline": "sparsegpt-24-int8",
+        "stages": [{"method": "maskllm",
+                    "args": [*MASKLLM_BLOCKWISE, "--refit", "sparsegpt", *TUNE]},
+                   INT8_AFTER_STAGE1],
+        "note": "maskllm-blockwise-tune's masks and tuned weights, then int8",
+    },
     "maskllm-blockwise-qa-int8": {
         "sparsity": "2:4", "baseline": "sparsegpt-24-int8",
         "stages": [

@@ -63,8 +63,14 @@ VARIANTS = {
     "refit": {"refit": "output"},
     "sequential": {"sequential": True},
     "sequential+refit": {"sequential": True, "refit": "output"},
+    # then every factor pair trained on the dense model's logits (KL), one epoch of the windows
+    "distill": {"distill_steps": NSAMPLES, "distill_lr": 1e-5},
+    "distill lr 1e-4": {"distill_steps": NSAMPLES, "distill_lr": 1e-4},
 }
-VARIANT_ROWS = {"svd-llm": tuple(VARIANTS), "gfwsvd": tuple(VARIANTS)}
+VARIANT_ROWS = {
+    "svd-llm": ("refit", "sequential", "sequential+refit"),
+    "gfwsvd": tuple(VARIANTS),
+}
 
 
 def row_name(method: str, ratio: float, allocation: str, variant: str | None = None) -> str:

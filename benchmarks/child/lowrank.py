@@ -125,6 +125,11 @@ def factorise(model: nn.Module, spec: dict[str, Any], stats_dir: Path, text: Job
         params, kept = params + pruned.params, kept + pruned.params_kept
     result["params_kept_fraction"] = kept / params
     result["ranks"] = report.extra["ranks"]
+    if "block_curves" in report.extra:  # --tune-steps: each block's error before / after
+        result["block_errors"] = [
+            {"block": c["block"], "before": c["hard_before"], "after": c["hard_after"]}
+            for c in report.extra["block_curves"]
+        ]
     return result
 
 

@@ -154,10 +154,12 @@ def learn_end_to_end(
     checkpoints: Checkpoints | None = None,
     accelerator: Any = None,
     distill: bool = False,
+    lm_loss: bool = True,
 ) -> EndToEndResult:
     """Train ``learnable`` on the LM loss of ``model`` over (N, L) token windows, plus its
     extra terms and, with ``distill``, KL(dense || masked) on the logits (the dense model is
-    ``model`` with ``learnable.masks`` disabled). With ``eval_data`` (held-out windows), the
+    ``model`` with ``learnable.masks`` disabled; ``lm_loss`` False: the KL alone, the LM loss
+    only logged). With ``eval_data`` (held-out windows), the
     hard masks' perplexity is measured before training and at every evaluation. ``accelerator``
     (``distributed.join_processes``): several processes, the parameters sharded or not.
     ``checkpoints``: where to checkpoint, whether to resume. Raises if training ends before
@@ -168,7 +170,7 @@ def learn_end_to_end(
         model,
         learnable.params,
         config,
-        _lm_loss(learnable, distill),
+        _lm_loss(learnable, distill, lm_loss),
         before_step=learnable.before_step,
         evaluate=(lambda _step: hard_perplexity(model, eval_data, learnable.masks))
         if eval_data is not None
@@ -187,7 +189,7 @@ def learn_end_to_end(
     return EndToEndResult(state, step0)
 
 
-def _lm_loss(learnable: Learnable, distill: bool) -> Callable:
+def _lm_loss(learnable: Learnable, distill: bool, with_lm: bool = True) -> Callable:
     """``loss_fn(model, ids, step)`` for the trainer: LM loss (+ KL with ``distill``) + extra
     terms. The losses over the vocabulary are computed from the final hidden states a chunk of
     positions at a time: the (B, T, V) logits never exist whole (``compressor.model.loss``)."""
@@ -204,7 +206,8 @@ def _lm_loss(learnable: Learnable, distill: bool) -> Callable:
             else:  # both from one pass over the vocabulary
                 lm_loss, kl = distillation_losses(model, hidden, ids, teacher)
             extra, logs = learnable.extra_loss(step)
-        loss, logs = lm_loss + extra, {"lm_loss": float(lm_loss.detach()), **logs}
+        logs = {"lm_loss": float(lm_loss.detach()), **logs}
+        loss = (lm_loss if with_lm else 0.0) + extra
         if kl is not None:
             loss = loss + kl
             logs["kl"] = float(kl.detach())

@@ -81,17 +81,25 @@ class _CalibratedConfig(LowRankConfig):
                   "steps (one batch of --calib-batch-size windows each) on the block-output "
                   "error against the dense model (0: off)"},
     )  # fmt: skip
-    tune_lr: float = field(default=1e-3, metadata={"help": "learning rate of --tune-steps"})
+    tune_lr: float = field(default=1e-4, metadata={"help": "learning rate of --tune-steps"})
+    distill_steps: int = field(
+        default=0,
+        metadata={"help": "then train every factor pair end to end this many steps (one "
+                  "calibration window each) on the KL divergence from the dense model's "
+                  "logits (0: off)"},
+    )  # fmt: skip
+    distill_lr: float = field(default=1e-5, metadata={"help": "learning rate of --distill-steps"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.calib_batch_size < 1:
             raise ConfigError(f"calib_batch_size must be at least 1, got {self.calib_batch_size}")
-        if self.tune_steps < 0 or self.tune_lr <= 0:
-            raise ConfigError(
-                f"tune_steps must be >= 0 and tune_lr positive, got {self.tune_steps}, "
-                f"{self.tune_lr}"
-            )
+        for steps, lr in (("tune_steps", "tune_lr"), ("distill_steps", "distill_lr")):
+            if getattr(self, steps) < 0 or getattr(self, lr) <= 0:
+                raise ConfigError(
+                    f"{steps} must be >= 0 and {lr} positive, got {getattr(self, steps)}, "
+                    f"{getattr(self, lr)}"
+                )
 
 
 @dataclass(frozen=True)

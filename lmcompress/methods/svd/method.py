@@ -30,6 +30,7 @@ from transformers.pytorch_utils import Conv1D
 from lmcompress.compressor.calibration.layerwise import BlockSource, layerwise_estimate
 from lmcompress.compressor.formats.low_rank import LowRankLinear
 from lmcompress.compressor.method import Method, Stats
+from lmcompress.compressor.model.budget import backward_bytes
 from lmcompress.compressor.model.surgery import replace_modules, weight_matrix
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.compressor.util.progress import bar_disabled
@@ -75,22 +76,25 @@ class LowRankMethod(Method):
         return None
 
     def block_by_block(self) -> bool:
-        """``sequential``, ``refit`` or ``tune_steps``: factorise inside the layer-wise loop
-        (the calibrated methods' options; plain SVD has none)."""
+        """``sequential``, ``refit``, ``tune_steps`` or ``distill_steps``: factorise inside the
+        layer-wise loop (the calibrated methods' options; plain SVD has none)."""
         config = self.config
         return (
             getattr(config, "sequential", False)
             or getattr(config, "refit", "none") != "none"
             or getattr(config, "tune_steps", 0) > 0
+            or getattr(config, "distill_steps", 0) > 0
         )
 
     def block_pass_estimate(
         self, model: nn.Module, nsamples: int, seq_len: int, itemsize: int = 4
     ) -> dict[str, int]:
-        """Bytes of the block-by-block pass of ``sequential`` / ``refit`` / ``tune_steps``
-        (none without them): the layer-wise loop's hidden states and each layer's float32 input
-        Gram; tuning adds the dense stream's block outputs and, per layer, its float32 factors
-        with their gradients and AdamW moments (at most 16 bytes a weight: rank < full)."""
+        """Bytes of the block-by-block pass of ``sequential`` / ``refit`` / ``tune_steps`` /
+        ``distill_steps`` (none without them): the layer-wise loop's hidden states and each
+        layer's float32 input Gram; tuning adds the dense stream's block outputs and, per
+        layer, its float32 factors with their gradients and AdamW moments (at most 16 bytes a
+        weight: rank < full); distillation the dense weights, every layer's factor state and
+        one window's activations for backward."""
         if not self.block_by_block():
             return {}
         config = self.config
@@ -107,6 +111,10 @@ class LowRankMethod(Method):
         )  # fmt: skip
         if tune:
             parts["dense block outputs"] = parts["calibration activations"]
+        if getattr(config, "distill_steps", 0) > 0:  # the teacher's weights, the factors'
+            numel = sum(weight_matrix(m).numel() for m in layers.values())  # state, backward
+            parts["dense weights and factor state"] = itemsize * numel + 16 * numel
+            parts["activations kept for backward"] = backward_bytes(model, 1, seq_len, itemsize, 3)
         return {"block-by-block pass": sum(parts.values())}
 
     def compress(
@@ -121,7 +129,9 @@ class LowRankMethod(Method):
         if not self.block_by_block():
             return super().compress(model, data, source, offload_dir)
         if source is not None:
-            raise ConfigError(f"{self.name} --sequential / --refit / --tune-steps cannot stream")
+            raise ConfigError(
+                f"{self.name} --sequential / --refit / --tune-steps / --distill-steps cannot stream"
+            )
         if data is None:
             raise ConfigError(f"method {self.name!r} needs calibration data")
         model.eval()

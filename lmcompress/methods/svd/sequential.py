@@ -39,18 +39,15 @@ from lmcompress.compressor.calibration.layerwise import compress_layerwise
 from lmcompress.compressor.calibration.observers import HessianAccumulator
 from lmcompress.compressor.formats.low_rank import LowRankLinear
 from lmcompress.compressor.method import Method, Stats
-from lmcompress.compressor.model.surgery import (
-    add_parametrization,
-    bake,
-    replace_modules,
-    weight_matrix,
-)
-from lmcompress.compressor.report import CompressionReport, LayerReport
+from lmcompress.compressor.model.surgery import replace_modules, weight_matrix
+from lmcompress.compressor.report import CompressionReport
 from lmcompress.compressor.training.drivers import Learnable, learn_blockwise, training_extra
 from lmcompress.compressor.training.trainer import TrainConfig
 from lmcompress.compressor.training.tuning import TUNE_OPTIMIZER
 from lmcompress.methods.common import count_params
+from lmcompress.methods.svd.tuning import block_learnable, distill_config, distill_factors
 
+CURVE_KEYS = ("step", "rel_err", "loss", "lm_loss", "kl")
 REFIT_DAMP = 1e-2  # of the mean diagonal of A Σ Aᵀ, as SparseGPT's percdamp
 
 
@@ -67,53 +64,6 @@ def output_refit(
     rhs = W.to(torch.float64) @ AG.T + lam * B.to(torch.float64)  # (out, r)
     lhs.diagonal().add_(lam)
     return torch.linalg.solve(lhs, rhs.T).T.to(B.dtype).contiguous()
-
-
-class FactorWeight(nn.Module):
-    """Parametrization ``W -> B A`` by a trainable float32 factor pair (``transposed``: the
-    stored weight is (in, out), GPT-2's Conv1D); the original weight is not used.
-
-    The pair is balanced first (row j of A and column j of B scaled to the same norm, the
-    product unchanged): a weighted SVD's factors are not (GFWSVD's B carries the inverse of
-    the gradient factor, orders of magnitude larger than A), and AdamW's steps, about the same
-    size for every element, would otherwise move the small factor by a large fraction."""
-
-    def __init__(self, A: torch.Tensor, B: torch.Tensor, transposed: bool) -> None:
-        super().__init__()
-        A, B = A.detach().to(torch.float32), B.detach().to(torch.float32)
-        scale = (B.norm(dim=0) / A.norm(dim=1).clamp_min(1e-30)).clamp_min(1e-30).sqrt()  # (r,)
-        self.A = nn.Parameter(A * scale[:, None])  # (r, in)
-        self.B = nn.Parameter(B / scale[None, :])  # (out, r)
-        self.transposed = transposed
-
-    def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        W = self.B @ self.A
-        return (W.T if self.transposed else W).to(weight.dtype)
-
-
-def _tune_block(
-    layers: dict[str, nn.Module], built: dict[str, LowRankLinear | None], reports: list
-) -> Learnable:
-    """The factor pairs of one block's layers (``built``, None: dense, not trained) as the
-    parametrization of their weights; ``finish`` copies them back and bakes ``B A``."""
-    factors: dict[str, FactorWeight] = {}
-    for name, module in layers.items():
-        if built[name] is not None:
-            factors[name] = FactorWeight(built[name].A, built[name].B, isinstance(module, Conv1D))
-            add_parametrization(module, factors[name])
-
-    def finish() -> list[LayerReport]:
-        with torch.no_grad():
-            for name, factor in factors.items():
-                built[name].A.copy_(factor.A)
-                built[name].B.copy_(factor.B)
-                bake(layers[name])
-        return reports
-
-    params = {f"{n}.{k}": getattr(f, k) for n, f in factors.items() for k in ("A", "B")}
-    return Learnable(
-        params=params, param_options={k: {"weight_decay": 0.0} for k in params}, finish=finish
-    )
 
 
 def _layer_stats(stats: Stats, name: str, key: str | None, gram: torch.Tensor) -> Stats:
@@ -139,7 +89,11 @@ def compress_sequential(
     key = method.input_gram() if config.sequential else None
     built: dict[str, LowRankLinear | None] = {}
 
+    dense: dict[str, torch.Tensor] = {}  # --distill-steps: the teacher's weights
+
     def compress_layer(name: str, module: nn.Module, accumulator: HessianAccumulator):
+        if config.distill_steps:
+            dense[name] = module.weight.detach().clone()
         gram = accumulator.H.detach().clone()
         refit = None
         if config.refit == "output":
@@ -159,7 +113,7 @@ def compress_sequential(
 
         def start_block(_index: int, names: list[str], accumulators: dict) -> Learnable:
             reports = [compress_layer(n, layers[n], accumulators[n]) for n in names]
-            return _tune_block({n: layers[n] for n in names}, built, reports)
+            return block_learnable({n: layers[n] for n in names}, built, reports)
 
         tune = TrainConfig(steps=config.tune_steps, lr=config.tune_lr,
                            batch_size=config.calib_batch_size, **TUNE_OPTIMIZER)  # fmt: skip
@@ -170,10 +124,15 @@ def compress_sequential(
             model, data, layers, make_accumulator=make_accumulator,
             compress_layer=compress_layer, device=device, batch_size=config.calib_batch_size,
         )  # fmt: skip
+    curve = []
+    if config.distill_steps:
+        train = distill_config(config.distill_steps, config.distill_lr)
+        curve = distill_factors(model, data, layers, built, dense, train)
     replace_modules(model, layers, lambda name, _module: built[name])
     method.finish_report(report, start)
+    extra = training_extra({"block_history": histories, "history": curve}, CURVE_KEYS)
     if histories:  # each block's error before / after tuning, and its curve
-        report.extra["block_curves"] = training_extra(
-            {"block_history": histories}, ("step", "rel_err")
-        )["block_curves"]
+        report.extra["block_curves"] = extra["block_curves"]
+    if curve:
+        report.extra["loss_curve"] = extra["loss_curve"]
     return report
