@@ -11,9 +11,11 @@ that job: one forward pass for ASVD and SVD-LLM, one gradient pass of 8 windows 
 for FWSVD and both GFWSVD variants) and cached under ``--work``; each row then loads them,
 factorises (``Method.apply``) and scores perplexity on ``wiki-test`` and ``lee`` (seq-len 512,
 the library's evaluate step) in a process of its own (``benchmarks.child.lowrank``).
-Rows with a variant (``refit``, ``sequential``, ``sequential+refit``) factorise block by block
-on the compressed model with the calibration windows (``methods.svd.sequential``), the ranks
-still from the cached dense statistics. ``combined`` factorises the MLP layers with GFWSVD and
+Rows with a variant (``refit``, ``sequential``, ``sequential+refit``, ``distill``) factorise
+block by block on the compressed model with the calibration windows (``methods.svd.sequential``),
+the ranks still from the cached dense statistics; ``distill`` then trains every factor pair one
+epoch of the windows on the dense model's logits (``methods.svd.tuning``, in ``factorise s``).
+``combined`` factorises the MLP layers with GFWSVD and
 prunes the attention layers with SparseGPT 2:4. ``cli`` runs ``compress-model --method gfwsvd``
 end to end (gradient pass included) with the dense copy off, checks the size of
 ``compressed.safetensors`` against the kept parameters, and reloads it with

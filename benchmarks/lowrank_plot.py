@@ -106,7 +106,8 @@ def render(payload: dict[str, Any]) -> str:
 NSAMPLES_TEXT = "the same 128 calibration windows"
 
 
-VARIANT_MARKERS = {"refit": "^", "sequential": "s", "sequential+refit": "D"}
+VARIANT_MARKERS = {"refit": "^", "sequential": "s", "sequential+refit": "D", "distill": "P",
+                   "distill lr 1e-4": "X"}  # fmt: skip
 
 
 def plot(payload: dict[str, Any], results_dir: Path, path: Path) -> None:  # noqa: ARG001
