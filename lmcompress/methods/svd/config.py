@@ -88,7 +88,7 @@ class _CalibratedConfig(LowRankConfig):
                   "calibration window each) on the KL divergence from the dense model's "
                   "logits (0: off)"},
     )  # fmt: skip
-    distill_lr: float = field(default=1e-5, metadata={"help": "learning rate of --distill-steps"})
+    distill_lr: float = field(default=1e-4, metadata={"help": "learning rate of --distill-steps"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
