@@ -107,8 +107,7 @@ NSAMPLES_TEXT = "the same 128 calibration windows"
 
 
 VARIANT_MARKERS = {"refit": "^", "sequential": "s", "sequential+refit": "D", "distill": "P",
-                   "distill lr 1e-4": "X", "distill lr 3e-4": "v",
-                   "distill 2 epochs lr 1e-4": "<"}  # fmt: skip
+                   "distill lr 1e-4": "X", "distill lr 3e-4": "v"}  # fmt: skip
 
 
 def plot(payload: dict[str, Any], results_dir: Path, path: Path) -> None:  # noqa: ARG001
