@@ -139,6 +139,16 @@ def _block_output_error(model, dense_model, block):
     return float((outs[0] - outs[1]).square().mean() / outs[1].square().mean())
 
 
+def _assert_same_structure(model, report, plain, plain_report):
+    """The trained model has the one-shot run's ranks, budget and module types, and no
+    parametrization left."""
+    assert report.extra["ranks"] == plain_report.extra["ranks"]
+    assert report.params_kept == plain_report.params_kept
+    for name in plain_report.extra["ranks"]:
+        assert type(model.get_submodule(name)) is type(plain.get_submodule(name)), name
+    assert not any(hasattr(m, "parametrizations") for m in model.modules())
+
+
 @pytest.mark.parametrize("config", [SVDLLMConfig(ratio=0.6), FWSVDConfig(ratio=0.6)])
 def test_tuning_trains_the_factor_pairs_on_the_block_error(config):
     """``--tune-steps``: the same ranks and modules, block 0 the one-shot factorisation before
@@ -147,11 +157,7 @@ def test_tuning_trains_the_factor_pairs_on_the_block_error(config):
     plain_report = compress(plain, config, _data())
     tuned = type(config)(ratio=config.ratio, tune_steps=30, tune_lr=1e-3, calib_batch_size=2)
     report = compress(model, tuned, _data())
-    assert report.extra["ranks"] == plain_report.extra["ranks"]
-    assert report.params_kept == plain_report.params_kept
-    for name in plain_report.extra["ranks"]:
-        assert type(model.get_submodule(name)) is type(plain.get_submodule(name)), name
-    assert not any(hasattr(m, "parametrizations") for m in model.modules())
+    _assert_same_structure(model, report, plain, plain_report)
     curves = report.extra["block_curves"]
     assert [c["block"] for c in curves] == [0, 1]
     for curve in curves:
@@ -184,11 +190,7 @@ def test_distillation_trains_every_factor_pair_towards_the_dense_logits():
     model, plain, dense = (make_tiny_model("llama") for _ in range(3))
     plain_report = compress(plain, FWSVDConfig(ratio=0.6), _data())
     report = compress(model, FWSVDConfig(ratio=0.6, distill_steps=16, distill_lr=1e-3), _data())
-    assert report.extra["ranks"] == plain_report.extra["ranks"]
-    assert report.params_kept == plain_report.params_kept
-    for name in plain_report.extra["ranks"]:
-        assert type(model.get_submodule(name)) is type(plain.get_submodule(name)), name
-    assert not any(hasattr(m, "parametrizations") for m in model.modules())
+    _assert_same_structure(model, report, plain, plain_report)
     curve = report.extra["loss_curve"]
     assert len(curve) == 16 and all("kl" in c for c in curve)
     assert _kl_from(dense, model) < 0.8 * _kl_from(dense, plain)

@@ -73,6 +73,13 @@ def _copy_back(
         bake(layers[name])
 
 
+def _learnable(factors: dict[str, FactorWeight], **fields) -> Learnable:
+    """Every pair's A and B, no weight decay; ``fields``: the rest of the ``Learnable``."""
+    params = {f"{n}.{k}": getattr(f, k) for n, f in factors.items() for k in ("A", "B")}
+    options = {k: {"weight_decay": 0.0} for k in params}
+    return Learnable(params=params, param_options=options, **fields)
+
+
 def block_learnable(
     layers: dict[str, nn.Module], built: dict[str, LowRankLinear | None], reports: list
 ) -> Learnable:
@@ -84,10 +91,7 @@ def block_learnable(
         _copy_back(layers, built, factors)
         return reports
 
-    params = {f"{n}.{k}": getattr(f, k) for n, f in factors.items() for k in ("A", "B")}
-    return Learnable(
-        params=params, param_options={k: {"weight_decay": 0.0} for k in params}, finish=finish
-    )
+    return _learnable(factors, finish=finish)
 
 
 def distill_factors(
@@ -107,12 +111,7 @@ def distill_factors(
             if built[name] is not None:
                 layers[name].weight.copy_(dense[name])
     factors = _parametrize(layers, built)
-    params = {f"{n}.{k}": getattr(f, k) for n, f in factors.items() for k in ("A", "B")}
-    learnable = Learnable(
-        params=params,
-        param_options={k: {"weight_decay": 0.0} for k in params},
-        masks=list(factors.values()),
-    )
+    learnable = _learnable(factors, masks=list(factors.values()))
     with torch.enable_grad():  # also under a caller's no_grad
         result = learn_end_to_end(model, data, learnable, config, distill=True, lm_loss=False)
     _copy_back(layers, built, factors)
