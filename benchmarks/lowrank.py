@@ -69,6 +69,8 @@ VARIANTS = {
     "distill": {"distill_steps": NSAMPLES, "distill_lr": 1e-5},
     "distill lr 1e-4": {"distill_steps": NSAMPLES, "distill_lr": 1e-4},
     "distill lr 3e-4": {"distill_steps": NSAMPLES, "distill_lr": 3e-4},
+    "distill 2 epochs lr 1e-4": {"distill_steps": 2 * NSAMPLES, "distill_lr": 1e-4},
+    "distill 4 epochs lr 1e-4": {"distill_steps": 4 * NSAMPLES, "distill_lr": 1e-4},
 }
 VARIANT_ROWS = {
     "svd-llm": ("refit", "sequential", "sequential+refit"),
