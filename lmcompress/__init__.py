@@ -18,6 +18,18 @@ Names are imported on first use, so ``import lmcompress`` stays fast and importi
 transformers' quantizer registry is imported, never importing it itself): afterwards
 ``AutoModelForCausalLM.from_pretrained(out)`` on an export written with ``dense_copy=False``
 builds the compressed runtime modules (:mod:`lmcompress.compressor.io.hf_quantizer`).
+
+The names (``__all__``; ``dir(lmcompress)`` lists them too):
+
+- load, compress, save, reload: ``load_model``, ``compress``, ``save_compressed``,
+  ``load_compressed`` (``runtime="dense"`` by default; ``compress-model eval`` loads
+  ``packed``), ``CompressionReport`` and ``Stats`` (what ``compress`` returns);
+- text and scores: ``tokenize``, ``calibration_windows``, ``perplexity``, ``run_lm_eval``;
+- whole jobs: ``run``, ``RunOptions``;
+- methods: ``METHODS`` (the registry: name -> method class, each with its ``config_class``),
+  ``MethodConfig``, ``parse_sparsity`` and every method's config (``MagnitudeConfig``, ...);
+- errors a caller can catch: ``LmcompressError`` and its ``ConfigError``, ``ModelLoadError``,
+  ``DataError``.
 """
 
 from __future__ import annotations
@@ -31,12 +43,20 @@ from lmcompress.version import __version__ as __version__
 _EXPORTS = {
     "compress": "lmcompress.api",
     "CompressionReport": "lmcompress.compressor.report",
+    "Stats": "lmcompress.compressor.method",
     "MethodConfig": "lmcompress.compressor.config",
     "parse_sparsity": "lmcompress.compressor.config",
     "load_compressed": "lmcompress.compressor.io.load",
     "save_compressed": "lmcompress.compressor.io.save",
     "load_model": "lmcompress.compressor.model.loading",
     "perplexity": "lmcompress.evaluation.perplexity",
+    "tokenize": "lmcompress.evaluation.corpora",
+    "calibration_windows": "lmcompress.evaluation.corpora",
+    "run_lm_eval": "lmcompress.evaluation.lm_eval_adapter",
+    "LmcompressError": "lmcompress.errors",
+    "ConfigError": "lmcompress.errors",
+    "ModelLoadError": "lmcompress.errors",
+    "DataError": "lmcompress.errors",
     "METHODS": "lmcompress.methods",
     "MagnitudeConfig": "lmcompress.methods.magnitude",
     "WandaConfig": "lmcompress.methods.wanda",
@@ -62,3 +82,7 @@ def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'lmcompress' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

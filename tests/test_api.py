@@ -3,6 +3,7 @@ errors a caller can make."""
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -79,8 +80,29 @@ def test_bad_options_fail_before_any_weight_changes():
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
-def test_every_exported_name_resolves():
+def test_every_exported_name_resolves_is_documented_and_listed_by_dir():
     for name in lmcompress.__all__:
-        assert getattr(lmcompress, name) is not None, name
+        value = getattr(lmcompress, name)
+        assert value is not None, name
+        if inspect.isclass(value) or inspect.isroutine(value):
+            doc = value.__dict__.get("__doc__") if inspect.isclass(value) else value.__doc__
+            assert doc and doc.strip(), f"{name} has no docstring"
+            # a dataclass without one gets its signature as __doc__
+            assert not doc.startswith(f"{name}("), f"{name} has no docstring"
+        else:  # a value (METHODS): the package docstring says what it is
+            assert f"``{name}``" in lmcompress.__doc__, name
+    assert set(lmcompress.__all__) <= set(dir(lmcompress))
     assert lmcompress.run.__module__ == "lmcompress.jobs.run"
-    assert {"SubnetConfig", "Int8Config", "GFWSVDConfig", "RunOptions"} <= set(lmcompress.__all__)
+    expected = {
+        *("load_model", "load_compressed", "save_compressed", "compress", "perplexity"),
+        *("run", "RunOptions", "CompressionReport", "tokenize", "calibration_windows"),
+    }
+    assert expected <= set(lmcompress.__all__)
+
+
+@pytest.mark.parametrize("name", sorted(lmcompress.METHODS))
+def test_every_registered_method_has_its_config_exported(name):
+    config_class = lmcompress.METHODS[name].config_class
+    assert config_class.__name__ in lmcompress.__all__
+    assert getattr(lmcompress, config_class.__name__) is config_class
+    assert config_class.method == name

@@ -85,6 +85,10 @@ class LayerReport:
 
 @dataclass
 class CompressionReport:
+    """What one method did to a model: a :class:`LayerReport` per compressed layer, the
+    method's ``config`` as a dict, ``summary()`` totals (parameters kept, dense and compressed
+    bytes); ``to_json`` / ``from_json`` round-trip it (``compression.json`` records it)."""
+
     method: str
     config: dict[str, Any]
     layers: list[LayerReport] = field(default_factory=list)
