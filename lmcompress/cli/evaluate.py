@@ -8,28 +8,72 @@ import json
 from collections.abc import Sequence
 
 from lmcompress.cli.terminal import PROG, Parser, setup_logging
+from lmcompress.compressor.io.load import RUNTIMES
 from lmcompress.jobs.evaluate import EvalOptions, eval_options, evaluate_checkpoint
 
 
-def evaluate_command(argv: Sequence[str]) -> int:
+def eval_parser() -> Parser:
+    """The flags of ``compress-model eval``, each help ending with its default."""
+    defaults = EvalOptions(checkpoint="")
     parser = Parser(prog=f"{PROG} eval", description="Perplexity of a checkpoint or output dir.")
     parser.add_argument("checkpoint", help="checkpoint, or a directory written by compress-model")
-    parser.add_argument("--data", nargs="+", default=["wiki-test"], help="corpora to score")
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--eval-tokens", type=int, default=EvalOptions.eval_tokens)
-    parser.add_argument("--eval-batch-size", type=int, default=4)
-    parser.add_argument("--lm-eval-tasks", nargs="+", default=[])
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--data",
+        "--eval",
+        dest="data",
+        nargs="+",
+        default=list(defaults.data),
+        metavar="CORPUS",
+        help="corpora to score; --eval and --data are the same flag (--eval as in a "
+        f"compression job) (default: {' '.join(defaults.data)})",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=defaults.seq_len,
+        help="tokens per eval window (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--eval-tokens",
+        type=int,
+        default=defaults.eval_tokens,
+        help="tokens of each corpus (0 = all) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--eval-batch-size",
+        type=int,
+        default=defaults.eval_batch_size,
+        help="windows per forward pass (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--lm-eval-tasks",
+        nargs="+",
+        default=list(defaults.lm_eval_tasks),
+        metavar="TASK",
+        help="lm-eval tasks to run (default: none)",
+    )
+    parser.add_argument(
+        "--device", default=defaults.device, help="cpu, cuda, cuda:1, ... (default: %(default)s)"
+    )
     parser.add_argument(
         "--runtime",
-        choices=("packed", "dense", "expanded"),
+        choices=RUNTIMES,
         help="for a compress-model output: keep compressed layers in their compressed modules "
-        "(packed, the default), rebuild plain dense layers (dense), or unpack packed N:M layers "
-        "once for speed (expanded, its memory cost logged); ignored for checkpoints",
+        "(packed), rebuild plain dense layers (dense), or unpack packed N:M layers once for "
+        "speed (expanded, its memory cost logged); ignored for checkpoints (default: packed; "
+        "the Python load_compressed defaults to dense)",
     )
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.add_argument("-q", "--quiet", action="store_true")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--json", action="store_true", help="print the results as JSON (default: off)"
+    )
+    parser.add_argument(
+        "-q", "--quiet", action="store_true", help="warnings only, no progress bars (default: off)"
+    )
+    return parser
+
+
+def evaluate_command(argv: Sequence[str]) -> int:
+    args = eval_parser().parse_args(argv)
     setup_logging(args.quiet)
     results = evaluate_checkpoint(eval_options(**vars(args)))
     if args.json:

@@ -13,7 +13,9 @@ was writing, exactly as on an error. The CLI parses and prints; the work is
 
 from __future__ import annotations
 
+import inspect
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from lmcompress.cli.bench import bench_command
@@ -26,14 +28,37 @@ from lmcompress.methods import METHODS
 __all__ = ["COMMANDS", "Terminated", "main"]
 
 
+WIDTH = 100  # of `compress-model methods`' lines: descriptions and helps wrap, never cut
+
+
+def first_paragraph(doc: str | None) -> str:
+    """The first paragraph of a docstring, on one line."""
+    return " ".join(inspect.cleandoc(doc or "").split("\n\n")[0].split())
+
+
+def wrapped(text: str, first: str, rest: str) -> str:
+    """``first + text`` wrapped at :data:`WIDTH`, its next lines indented by ``rest``."""
+    return textwrap.fill(
+        text,
+        WIDTH,
+        initial_indent=first,
+        subsequent_indent=rest,
+        break_on_hyphens=False,
+        break_long_words=False,
+    )
+
+
 def list_methods(argv: Sequence[str]) -> int:
-    parser = Parser(prog=f"{PROG} methods", description="List methods and their options.")
+    parser = Parser(
+        prog=f"{PROG} methods",
+        description="List methods (each config's description) and their options.",
+    )
     parser.parse_args(argv)
     for name, method_class in METHODS.items():
-        doc = (method_class.config_class.__doc__ or "").strip().splitlines()[0]
-        print(f"{name}: {doc}")
+        print(wrapped(first_paragraph(method_class.config_class.__doc__), f"{name}: ", "    "))
         for flag, default, help_text in describe(method_class.config_class):
-            print(f"  {flag:<22} {default:<14} {help_text}")
+            row = f"  {flag:<22} {default:<14} "
+            print(wrapped(help_text, row, " " * min(len(row), 40)))
     return 0
 
 

@@ -41,7 +41,10 @@ class PruningConfig(MethodConfig):
 
     sparsity: Sparsity = field(
         default=Sparsity(n=2, m=4),
-        metadata={"help": "N:M pattern (keep N of every M input weights) or fraction removed"},
+        metadata={
+            "help": "fraction of weights removed (0.5) or an N:M pattern, keep N of every M "
+            "input weights (2:4); compare --ratio of the low-rank methods, the fraction kept"
+        },
     )
     layer_sparsity: tuple[str, ...] = field(
         default=(),

@@ -1,12 +1,15 @@
 """compress-model called in process: the happy paths (bad inputs: test_bad_inputs.py)."""
 
+import inspect
 import json
 
 import pytest
 import torch
 
+from lmcompress.cli.flags import describe
 from lmcompress.cli.main import main
 from lmcompress.compressor.io.layout import MANIFEST
+from lmcompress.methods import METHODS
 
 TEXT = "\n\n".join(
     f"Document {i}. The quick brown fox jumps over the lazy dog {i} times, then rests."
@@ -136,6 +139,54 @@ def test_methods_lists_options_generated_from_configs(capsys):
     printed = capsys.readouterr().out
     assert "magnitude:" in printed and "--sparsity" in printed and "'2:4'" in printed
     assert "[float32|float64]" in printed  # SparseGPT's hessian_dtype Literal
+
+
+def test_methods_prints_every_description_and_help_whole_in_wrapped_lines(capsys):
+    """Nothing is cut (subnet's and int8's descriptions run over several lines): each
+    config's first docstring paragraph and each option's help appear whole, modulo the line
+    breaks, and no line is wider than 100 characters."""
+    assert main(["methods"]) == 0
+    printed = capsys.readouterr().out
+    assert max(len(line) for line in printed.splitlines()) <= 100
+    flat = " ".join(printed.split())
+    for name, method_class in METHODS.items():
+        paragraph = inspect.cleandoc(method_class.config_class.__doc__).split("\n\n")[0]
+        assert f"{name}: {' '.join(paragraph.split())}" in flat, name
+        for flag, _, help_text in describe(method_class.config_class):
+            assert " ".join(help_text.split()) in flat, (name, flag)
+    assert "Gumbel-softmax, frozen weights" in flat  # hyphenated words are not split either
+
+
+def test_eval_takes_eval_as_the_same_flag_as_data(tiny_checkpoint, corpus, capsys):
+    argv = ["eval", str(tiny_checkpoint), "--seq-len", "32", "--eval-tokens", "0", "--json"]
+    scores = {}
+    for flag in ("--data", "--eval"):
+        assert main([*argv, flag, str(corpus), "-q"]) == 0
+        scores[flag] = json.loads(capsys.readouterr().out)["perplexity"]
+    assert list(scores["--eval"]) == [str(corpus)]
+    ppl = {flag: score[str(corpus)]["perplexity"] for flag, score in scores.items()}
+    assert ppl["--eval"] == ppl["--data"]  # the same windows of the same model
+
+
+def test_eval_help_shows_every_default_and_says_eval_is_data(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per option
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--help"])
+    assert exit_info.value.code == 0
+    entries: list[str] = []  # one per option: its flags, then its help (on the next line
+    for line in capsys.readouterr().out.splitlines():  # where the flags are too long)
+        if line.strip().startswith("-"):
+            entries.append(line.strip())
+        elif entries and line.startswith(" "):
+            entries[-1] += " " + line.strip()
+    options = [entry for entry in entries if not entry.startswith("-h")]
+    assert len(options) == 9, options
+    for line in options:
+        assert line.count("(default: ") == 1, line
+    data = next(line for line in options if line.startswith("--data"))
+    assert "--eval CORPUS" in data and "the same flag" in data and "(default: wiki-test)" in data
+    runtime = next(line for line in options if line.startswith("--runtime"))
+    assert "(default: packed;" in runtime and "load_compressed defaults to dense" in runtime
 
 
 def test_layer_sparsity_overrides_the_target_per_layer(tiny_checkpoint, corpus, tmp_path):

@@ -228,3 +228,23 @@ def test_real_help_has_no_empty_or_python_defaults(name):
         assert line.count("(default:") == 1, line
         assert "(default: )" not in line, line
         assert not any(f"(default: {v})" in line for v in ("None", "False", "True", "()")), line
+
+
+def test_sparsity_and_ratio_helps_say_which_is_removed_and_which_kept():
+    """--sparsity is the fraction removed, --ratio (low-rank) the fraction kept: each help says
+    so and names the other."""
+    from lmcompress.methods import METHODS
+
+    checked = set()
+    for method_class in METHODS.values():
+        lines = _help_lines(method_class.config_class)
+        for flag, own, other in (
+            ("--sparsity", "removed", "--ratio"),
+            ("--ratio", "kept", "--sparsity"),
+        ):
+            if flag in lines:
+                help_text = lines[flag]
+                assert f"fraction of weights {own}" in help_text or f"parameters {own}" in help_text
+                assert "removed" in help_text and "kept" in help_text and other in help_text
+                checked.add(flag)
+    assert checked == {"--sparsity", "--ratio"}

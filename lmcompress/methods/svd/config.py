@@ -34,7 +34,11 @@ class LowRankConfig(MethodConfig):
     absolute_errors: ClassVar[bool] = False
 
     ratio: float = field(
-        default=0.8, metadata={"help": "fraction of the selected layers' parameters kept"}
+        default=0.8,
+        metadata={
+            "help": "fraction of the selected layers' parameters kept; compare --sparsity "
+            "of the pruning methods, the fraction removed"
+        },
     )
     allocation: Literal["uniform", "greedy"] = field(
         default="uniform",
