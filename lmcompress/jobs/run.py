@@ -133,6 +133,11 @@ def run(
     with locked:
         plan = check_stages(options, configs)
         logger.info("%s", plan.memory_line)
+        if not options.output and distributed.is_main_process():
+            logger.info(
+                "no output directory: nothing is saved (add -o DIR, or RunOptions(output=DIR) "
+                "from Python, to save the compressed model)"
+            )
         start = time.perf_counter()
         if options.streaming:
             target: Target = StreamedModel(options, plan.skeleton)

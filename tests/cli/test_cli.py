@@ -2,6 +2,7 @@
 
 import inspect
 import json
+import logging
 
 import pytest
 import torch
@@ -198,6 +199,28 @@ def test_layer_sparsity_overrides_the_target_per_layer(tiny_checkpoint, corpus, 
     layers = manifest["report"]["layers"]
     patterns = {layer["name"].rsplit(".", 1)[-1]: layer["pattern"] for layer in layers}
     assert patterns["q_proj"] == "0.25" and patterns["k_proj"] == "2:4"
+
+
+def test_a_job_without_output_says_nothing_is_saved_and_how_to_save(
+    tiny_checkpoint, corpus, tmp_path, monkeypatch, caplog
+):
+    """One INFO line (shown by default, silenced by -q like every INFO line) naming -o DIR;
+    none when -o is given."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)  # nothing may appear here either
+    argv = [str(tiny_checkpoint), "--eval", str(corpus), "--calib", str(corpus), "--seq-len", "32"]
+    argv += ["--eval-tokens", "64", "--skip-dense"]
+    with caplog.at_level(logging.INFO, logger="lmcompress.jobs.run"):
+        assert main(argv) == 0
+    lines = [r for r in caplog.records if "nothing is saved" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    assert "-o DIR" in lines[0].getMessage()
+    assert list(cwd.iterdir()) == []
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lmcompress.jobs.run"):
+        assert main([*argv, "-o", str(tmp_path / "out")]) == 0
+    assert not [r for r in caplog.records if "nothing is saved" in r.getMessage()]
 
 
 # Bad inputs: tests/cli/test_bad_inputs.py
