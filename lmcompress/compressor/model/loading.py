@@ -25,7 +25,7 @@ from lmcompress.compressor.model.checkpoint import (
     read_config,
 )
 from lmcompress.compressor.util.cache import cache_dir
-from lmcompress.compressor.util.fsutil import atomic_dir, disk_full_as_error
+from lmcompress.compressor.util.fsutil import atomic_dir, disk_full_as_error, format_bytes
 from lmcompress.errors import ConfigError, ModelLoadError, first_line
 
 logger = logging.getLogger(__name__)
@@ -157,6 +157,20 @@ def _load_alias(
         raise ModelLoadError(f"{err} (delete the cache directory {target} to rebuild it)") from err
 
 
+def dequantizing_line(
+    path: Path, config: transformers.PretrainedConfig, trust_remote_code: bool = False
+) -> str:
+    """What loading the GGUF ``path`` is about to do, for the log: its size on disk, and the
+    parameters its ``config`` describes (counted on the meta skeleton, tied weights once) with
+    the float32 bytes they dequantize into; the time it takes grows with both."""
+    skeleton = model_skeleton(config, trust_remote_code=trust_remote_code)
+    params = sum(p.numel() for p in skeleton.parameters())
+    return (
+        f"dequantizing {path} ({format_bytes(path.stat().st_size)}): {params:,} parameters "
+        f"into float32 ({format_bytes(4 * params)})"
+    )
+
+
 def _load_gguf(
     path: Path, trust_remote_code: bool
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
@@ -164,7 +178,7 @@ def _load_gguf(
     kwargs = {"gguf_file": path.name, "trust_remote_code": trust_remote_code}
     source = str(path.parent)
     config = read_config(source, trust_remote_code, path, gguf_file=path.name)
-    logger.info("dequantizing %s (~15 s for 135M parameters)", path)
+    logger.info("%s", dequantizing_line(path, config, trust_remote_code))
     try:
         # Passing the config skips a second parse of the GGUF metadata (~8 s).
         model = transformers.AutoModelForCausalLM.from_pretrained(
