@@ -69,6 +69,11 @@ def method_help(name: str) -> str:
     return parser.format_help()
 
 
+def first_paragraph(doc: str) -> str:
+    """A docstring's first paragraph on one line (its summary, however it is wrapped)."""
+    return " ".join(doc.strip().split("\n\n")[0].split())
+
+
 def block(text: str) -> str:
     return f"```text\n{text.rstrip()}\n```\n"
 
@@ -85,7 +90,7 @@ def cli_reference() -> str:
             block(job_help()),
         ]
         for name, method_class in METHODS.items():
-            summary = (method_class.config_class.__doc__ or "").strip().splitlines()[0]
+            summary = first_paragraph(method_class.config_class.__doc__ or "")
             parts += [f"### `--method {name}`\n", f"{summary}\n", block(method_help(name))]
         for name, command in COMMANDS.items():
             parts += [f"## `compress-model {name}`\n", block(captured_help(command))]
