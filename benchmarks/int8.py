@@ -144,7 +144,7 @@ def render(payload: dict[str, Any]) -> str:
     header = [
         "configuration",
         "wall s",
-        "peak RSS MB",
+        "peak RSS MiB",
         *(f"{c} ppl" for c in CORPORA),
         "vs fp32 (wiki-test / lee)",
         "mean abs β (steps)",

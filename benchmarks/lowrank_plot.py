@@ -25,7 +25,7 @@ def _ppl(row: dict[str, Any], corpus: str) -> str:
 
 def _stats_cell(stats: dict[str, Any] | None) -> str:
     return (
-        "-" if stats is None else f"{stats['wall_seconds']:.0f} s / {stats['peak_rss_mb']:.0f} MB"
+        "-" if stats is None else f"{stats['wall_seconds']:.0f} s / {stats['peak_rss_mb']:.0f} MiB"
     )
 
 
@@ -51,7 +51,7 @@ def render(payload: dict[str, Any]) -> str:
         + "\n",
     ]
     header = ["method", "ratio", "ranks", "kept %", "wiki-test ppl", "lee ppl",
-              "factorise s", "job RSS MB", "statistics"]  # fmt: skip
+              "factorise s", "job RSS MiB", "statistics"]  # fmt: skip
     table = []
     for row in payload["results"]:
         if row["name"].startswith("stats:") or row["name"] in ("combined", "cli"):
@@ -76,7 +76,7 @@ def render(payload: dict[str, Any]) -> str:
             f"windows ({gradients['samples']} backward passes of 8 windows: the per-sample "
             f"gradients of the nearest Kronecker product); power iterations "
             f"{gradients['power_seconds']:.0f} s ({min(iters)}–{max(iters)} per layer); "
-            f"peak RSS of the whole job {gradients['peak_rss_mb']:.0f} MB.\n"
+            f"peak RSS of the whole job {gradients['peak_rss_mb']:.0f} MiB.\n"
         )
     if "combined" in rows:
         row = rows["combined"]
@@ -92,7 +92,7 @@ def render(payload: dict[str, Any]) -> str:
         ratio = row["compressed_bytes"] / row["expected_bytes"]
         lines.append(
             f"\nEnd to end: `{row['command']}`: {row['wall_seconds']:.0f} s, peak RSS "
-            f"{row['peak_rss_mb']:.0f} MB (gradient pass on 32 windows included); kept "
+            f"{row['peak_rss_mb']:.0f} MiB (gradient pass on 32 windows included); kept "
             f"{100 * row['params_kept_fraction']:.2f} %; `compressed.safetensors` "
             f"{row['compressed_bytes']:,} bytes = {ratio:.4f} × the fp32 bytes of the kept "
             f"parameters (the factors; the rest is its header); perplexity wiki-test "

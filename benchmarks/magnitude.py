@@ -60,7 +60,7 @@ def render(payload: dict[str, Any]) -> str:
         for r in results
     ]
     tokens = ", ".join(f"{c} {results[0][c]['tokens']}" for c in CORPORA)
-    header = ["model", *(f"{c} ppl" for c in CORPORA), "wall s (whole process)", "peak RSS MB"]
+    header = ["model", *(f"{c} ppl" for c in CORPORA), "wall s (whole process)", "peak RSS MiB"]
     return (
         f"SmolLM2-135M, every linear in the decoder blocks, seq-len {seq_len}, "
         f"scored tokens: {tokens}.\n\n" + markdown_table(header, rows)

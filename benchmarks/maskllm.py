@@ -27,7 +27,7 @@ What the numbers mean:
   ``--eval-tokens`` tokens of wiki-test at seq-len 512 — the same scoring as the baselines.
 - **÷ SparseGPT 2:4**: that ppl divided by our SparseGPT 2:4 ppl in ``results/pruning.json``
   (below 1 = the learned mask beats the one-shot one; the goal line is 0.9).
-- **wall s**, **peak RSS MB**: of the whole ``compress-model`` process (the runner): load,
+- **wall s**, **peak RSS MiB**: of the whole ``compress-model`` process (the runner): load,
   the one-shot prior (SparseGPT by default), training, the wiki-test evaluation of the
   compressed model (**eval s**, so ``wall - eval`` is comparable with the baselines' wall, which
   excludes evaluation), and the save. **train s**: the method's own ``report.seconds`` (prior +

@@ -76,7 +76,7 @@ def render(payload: dict[str, Any]) -> str:
     rows, settings = payload["runs"], payload["settings"]
     header = [
         "run",
-        "peak RSS MB per process",
+        "peak RSS MiB per process",
         "mask logits held per process",
         "train s",
         "loss per step (mean over processes)",

@@ -220,7 +220,7 @@ HEADER = [
     f"÷ {REFERENCE}",
     "wall s",
     "of which eval s",
-    "peak RSS MB",
+    "peak RSS MiB",
     "train tokens",
     "steps",
     "train s",

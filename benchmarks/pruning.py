@@ -168,7 +168,7 @@ def render(payload: dict[str, Any]) -> str:
         "tool",
         *(f"{c} ppl" for c in CORPORA),
         "wall s",
-        "peak RSS MB",
+        "peak RSS MiB",
         "ppl ratio (wiki-test)",
         "wall ratio",
         "RSS ratio",

@@ -121,7 +121,7 @@ def render(payload: dict[str, Any]) -> str:
         "÷ dense fp32",
         "compressed.safetensors MiB",
         "wall s",
-        "peak RSS MB",
+        "peak RSS MiB",
     ]
     settings = payload["settings"]
     return (

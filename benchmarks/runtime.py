@@ -126,14 +126,14 @@ def render(payload: dict[str, Any]) -> str:
         "method",
         "params kept",
         "compress wall s",
-        "compress peak RSS MB",
+        "compress peak RSS MiB",
         *(f"{c} ppl (fp32, in process)" for c in CORPORA),
         "runtime",
         *(f"{c} ppl (bf16 reload)" for c in CORPORA),
         "compressed layers MiB",
         "÷ dense fp16",
         "peak RSS after load MiB",
-        "eval process peak RSS MB",
+        "eval process peak RSS MiB",
     ]
     settings = payload["settings"]
     text = (
@@ -150,7 +150,13 @@ def render(payload: dict[str, Any]) -> str:
             "\nThe README's main job from an empty cache (GGUF conversion, corpus cleaning, "
             "dense and pruned evaluation on wiki-test, export; set-up not included):\n\n"
             + markdown_table(
-                ["command", "dense wiki-test ppl", "pruned wiki-test ppl", "wall s", "peak RSS MB"],
+                [
+                    "command",
+                    "dense wiki-test ppl",
+                    "pruned wiki-test ppl",
+                    "wall s",
+                    "peak RSS MiB",
+                ],
                 main_rows,
             )
         )

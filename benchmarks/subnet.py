@@ -148,7 +148,7 @@ def render(payload: dict[str, Any]) -> str:
         "training, extraction). Sparsity: achieved over the selected layers.\n",
     ]
     header = ["config", "sparsity", "achieved", "wiki-test ppl", "lee ppl", "÷ SparseGPT",
-              "wall s", "eval s", "train s", "peak RSS MB", "source"]  # fmt: skip
+              "wall s", "eval s", "train s", "peak RSS MiB", "source"]  # fmt: skip
     baselines = {r["name"]: r for r in payload["baselines"]}
     table = []
     main_rows = [r for r in payload["results"] if not CONFIGS.get(r["name"], {}).get("ablation")]

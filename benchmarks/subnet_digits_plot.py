@@ -104,7 +104,7 @@ def render(payload: dict[str, Any]) -> str:
         lines.append(f"\n{payload['note']}\n")
     lines.append(
         f"\nWhole run: {payload['wall_seconds']:.0f} s wall, peak RSS "
-        f"{payload['peak_rss_mb']:.0f} MB (one process; `s / run` is one seed's training and "
+        f"{payload['peak_rss_mb']:.0f} MiB (one process; `s / run` is one seed's training and "
         f"extraction), {payload['machine']['torch_threads']} torch thread(s), torch "
         f"{payload['machine']['torch']}.\n"
     )
