@@ -10,13 +10,18 @@ import os
 # Nothing in the tests may reach a model hub; huggingface_hub reads these at import time.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-# Triton kernels run on CPU tensors in Triton's interpreter, chosen when ``@triton.jit`` runs:
-# set before any test imports a kernel module (a GPU run passes TRITON_INTERPRET=0). Here, not
-# in tests/kernels/conftest.py: two conftest modules would both be importable as ``conftest``.
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
+import torch  # noqa: E402  (Triton reads TRITON_INTERPRET when ``@triton.jit`` runs)
+
+# Without a GPU, Triton kernels run on CPU tensors in Triton's interpreter, chosen when
+# ``@triton.jit`` runs: set before any test imports a kernel module. With a CUDA device the
+# kernels compile for it, so the ``gpu`` tests run them for real (the interpreter tests then
+# skip; TRITON_INTERPRET=1 in the environment still forces the interpreter). Here, not in
+# tests/kernels/conftest.py: two conftest modules would both be importable as ``conftest``.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import transformers  # noqa: E402
 
 VOCAB = 256

@@ -16,6 +16,9 @@ from benchmarks.runner import ROOT
 pytest.importorskip("triton")
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="a GPU is here: --smoke runs on it, not in the interpreter"
+)
 def test_smoke_run_writes_json_md_png_and_checks_the_kernel(tmp_path):
     pytest.importorskip("matplotlib")
     assert kernels.main(["--smoke", "--results-dir", str(tmp_path)]) == 0

@@ -34,13 +34,19 @@ def test_nm_mask_refuses_indivisible_width():
 @pytest.mark.parametrize("ratio", [0.1, 0.5, 0.9])
 @pytest.mark.parametrize("per_row", [False, True])
 def test_unstructured_mask_removes_the_ratio(ratio, per_row):
-    scores = torch.rand(16, 40)
+    """Against a plain Python reference: sort the scores of each row (``per_row``) or of the
+    whole layer and drop the ``int(count · ratio)`` lowest. Distinct random scores: the answer
+    is unique, so the masks must be equal."""
+    scores = torch.rand(16, 40, generator=torch.Generator().manual_seed(0))
     keep = unstructured_mask(scores, ratio, per_row=per_row)
-    if per_row:
-        assert torch.all((~keep).sum(1) == int(40 * ratio))
-    else:
-        assert int((~keep).sum()) == int(scores.numel() * ratio)
-    assert scores[~keep].max() <= scores[keep].min() or per_row
+    groups = scores if per_row else scores.reshape(1, -1)  # (groups, size)
+    expected = []
+    for values in groups.tolist():
+        lowest = sorted(range(len(values)), key=values.__getitem__)[: int(len(values) * ratio)]
+        expected.append([i not in lowest for i in range(len(values))])
+    assert keep.reshape(groups.shape).tolist() == expected
+    for kept, values in zip(keep.reshape(groups.shape), groups, strict=True):
+        assert values[~kept].max() < values[kept].min()  # in every row when per_row
 
 
 @pytest.mark.parametrize(

@@ -4,16 +4,19 @@ check fails before the expensive work it guards."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
-import lmcompress.jobs.preflight as preflight
+import lmcompress.compressor.model.loading as loading
+import lmcompress.evaluation.corpora as corpora
 import lmcompress.jobs.run as pipeline
 from lmcompress.compressor.io.layout import MANIFEST
 from lmcompress.compressor.report import CompressionReport
 from lmcompress.errors import DataError, LmcompressError, ModelLoadError
 from lmcompress.jobs.evaluate import register_evaluate_hook
 from lmcompress.jobs.options import RunOptions
+from lmcompress.jobs.recipe import check_stages
 from lmcompress.jobs.run import run
 from lmcompress.methods.magnitude import MagnitudeConfig
 from lmcompress.methods.wanda import WandaConfig
@@ -33,13 +36,39 @@ def _options(checkpoint, corpus, **kwargs) -> RunOptions:
     return RunOptions(**{**base, "eval_tokens": 0, **kwargs})
 
 
-def _forbid(monkeypatch, name):
-    def called(*_args, **_kwargs):
-        raise AssertionError(f"{name} was called before the bad input was noticed")
+def _spy(monkeypatch, function) -> list:
+    """Count the calls of ``function`` wherever lmcompress reaches it: in its own module and in
+    every module that imported it by name (a patch in one place only misses the others, and
+    a patch of a name a module no longer has patches nothing). Each call is recorded, then the
+    real function runs. Returns the list of recorded argument tuples."""
+    calls = []
 
-    for module in (pipeline, preflight):  # preflight checks the corpora, pipeline loads
-        if hasattr(module, name):
-            monkeypatch.setattr(module, name, called)
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return function(*args, **kwargs)
+
+    patched = [
+        name
+        for name, module in list(sys.modules.items())
+        if name.startswith("lmcompress") and getattr(module, function.__name__, None) is function
+    ]
+    for name in patched:
+        monkeypatch.setattr(sys.modules[name], function.__name__, spy)
+    assert function.__module__ in patched, patched
+    return calls
+
+
+def _expensive_work(monkeypatch, tiny_checkpoint, corpus) -> tuple[list, list]:
+    """Spies on reading a corpus and loading a model, shown to see both: the checks of a good
+    job read the corpus (through the spy), and loading the checkpoint is seen too."""
+    reads = _spy(monkeypatch, corpora.load_documents)
+    loads = _spy(monkeypatch, loading.load_model)
+    check_stages(_options(tiny_checkpoint, corpus), [MagnitudeConfig()])
+    pipeline.load_model(str(tiny_checkpoint))
+    assert (corpus,) in reads and len(loads) == 1
+    reads.clear()
+    loads.clear()
+    return reads, loads
 
 
 def test_run_magnitude_scores_and_writes(tiny_checkpoint, corpus, tmp_path):
@@ -67,19 +96,20 @@ def test_run_without_output_writes_nothing_and_skips_dense(tiny_checkpoint, corp
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
-def test_missing_checkpoint_fails_before_any_corpus_work(corpus, tmp_path, monkeypatch):
-    _forbid(monkeypatch, "load_documents")
-    _forbid(monkeypatch, "load_model")
+def test_missing_checkpoint_fails_before_any_corpus_work(
+    tiny_checkpoint, corpus, tmp_path, monkeypatch
+):
+    reads, loads = _expensive_work(monkeypatch, tiny_checkpoint, corpus)
     with pytest.raises(ModelLoadError, match="checkpoint not found"):
         run(_options(tmp_path / "nope", corpus), MagnitudeConfig())
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match="no config.json"):
         run(_options(tmp_path / "empty", corpus), MagnitudeConfig())
+    assert reads == [] and loads == []
 
 
 def test_bad_output_dir_fails_before_loading(tiny_checkpoint, corpus, tmp_path, monkeypatch):
-    _forbid(monkeypatch, "load_documents")
-    _forbid(monkeypatch, "load_model")
+    reads, loads = _expensive_work(monkeypatch, tiny_checkpoint, corpus)
     full = tmp_path / "full"
     full.mkdir()
     (full / "mine.txt").write_text("keep me")
@@ -88,12 +118,14 @@ def test_bad_output_dir_fails_before_loading(tiny_checkpoint, corpus, tmp_path, 
     assert [p.name for p in full.iterdir()] == ["mine.txt"]
     with pytest.raises(LmcompressError, match="not a directory"):
         run(_options(tiny_checkpoint, corpus, output=str(full / "mine.txt")), MagnitudeConfig())
+    assert reads == [] and loads == []
 
 
-def test_unknown_corpus_fails_before_loading(tiny_checkpoint, monkeypatch):
-    _forbid(monkeypatch, "load_model")
+def test_unknown_corpus_fails_before_loading(tiny_checkpoint, corpus, monkeypatch):
+    _, loads = _expensive_work(monkeypatch, tiny_checkpoint, corpus)
     with pytest.raises(DataError, match="unknown corpus .wikitext-999."):
         run(_options(tiny_checkpoint, "wikitext-999"), MagnitudeConfig())
+    assert loads == []
 
 
 def test_check_checkpoint_reads_no_weights(tiny_checkpoint, tmp_path, monkeypatch):

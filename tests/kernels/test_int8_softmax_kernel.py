@@ -1,6 +1,7 @@
-"""lmcompress::int8_softmax: the reference against torch's softmax, the Triton kernel (in Triton's
-interpreter, on CPU tensors: see conftest.py) against the reference bit for bit, the offset only
-where keys are allowed, ties rounded to even, one-line errors."""
+"""lmcompress::int8_softmax: the reference against torch's softmax, the Triton kernel against the
+reference bit for bit, the offset only where keys are allowed, ties rounded to even, one-line
+errors. Without a GPU the kernel runs in Triton's interpreter on CPU tensors (conftest.py); on a
+GPU it is compiled, the interpreter tests skip and the ``gpu`` test runs the op on CUDA tensors."""
 
 import pytest
 import torch
@@ -15,7 +16,15 @@ from lmcompress.kernels.int8_softmax import (
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
 from lmcompress.kernels import triton_softmax  # noqa: E402  (after the interpreter is chosen)
+
+INTERPRETED = isinstance(triton_softmax.int8_softmax_kernel, InterpretedFunction)
+INTERPRETER = pytest.mark.skipif(
+    not INTERPRETED,
+    reason="launches the kernel on CPU tensors: Triton's interpreter (no GPU, see conftest.py)",
+)
 
 NEG = float("-inf")
 
@@ -81,6 +90,7 @@ CASES = [
 ]
 
 
+@INTERPRETER
 @pytest.mark.parametrize("name", CASES)
 def test_kernel_equals_reference_bit_for_bit(name):
     scores, mask, offset, scale = _case(name)
@@ -144,6 +154,7 @@ def _run_helper(x, which):
     return y
 
 
+@INTERPRETER
 def test_kernel_exp_equals_reference():
     g = torch.Generator().manual_seed(1)
     special = torch.tensor([0.0, -0.0, NEG, -88.0, -87.9, -87.3, -1e-30, -1e30, -0.6931472])
@@ -151,6 +162,7 @@ def test_kernel_exp_equals_reference():
     assert torch.equal(_run_helper(x, 0), exp_reference(x))
 
 
+@INTERPRETER
 def test_rounding_is_half_to_even_as_torch_round():
     below_half = torch.nextafter(torch.tensor(0.5), torch.tensor(0.0))  # 0.49999997: x + 0.5 -> 1
     ties = torch.arange(0, 256).float() + 0.5
@@ -161,6 +173,7 @@ def test_rounding_is_half_to_even_as_torch_round():
     assert got[1:5].tolist() == [0.0, 2.0, 2.0, 4.0]  # 0.5 1.5 2.5 3.5 (half up: 1 2 3 4)
 
 
+@INTERPRETER
 @pytest.mark.parametrize("length", [256, 128])
 def test_uniform_rows_round_ties_to_even(length):
     """A uniform row of 256 keys at scale 1/128 gives p / scale = 0.5 exactly: q = 0 (half to
@@ -170,6 +183,7 @@ def test_uniform_rows_round_ties_to_even(length):
         assert (q == 128 // length).all()
 
 
+@INTERPRETER
 def test_offset_only_on_allowed_keys_and_causal():
     scores = torch.randn(2, 3, 10, 10, generator=torch.Generator().manual_seed(2)) * 2
     mask = _causal(10, 10)[None, None]
@@ -185,6 +199,37 @@ def test_offset_only_on_allowed_keys_and_causal():
         future[~allowed] = torch.randn(int((~allowed).sum())) * 10  # change what is masked
         q2, out2 = fn(future, mask, offset, 1 / 255)
         assert torch.equal(q2, q) and torch.equal(out2, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or INTERPRETED,
+    reason="needs a CUDA device and the compiled kernel (TRITON_INTERPRET unset)",
+)
+@pytest.mark.parametrize("name", CASES)
+def test_op_on_cuda_runs_the_kernel_bit_for_bit(name, monkeypatch):
+    """On a GPU the op dispatches to the compiled kernel (a spy sees the launch, the reference
+    is not called), which equals the reference computed on CPU bit for bit (the op's contract:
+    every step a single IEEE float32 operation, no FMA contraction)."""
+    import lmcompress.kernels.int8_softmax as module
+
+    scores, mask, offset, scale = _case(name)
+    q_ref, out_ref = int8_softmax_reference(scores, mask, offset, scale)  # CPU
+    launches, launch = [], module.int8_softmax_triton
+    monkeypatch.setattr(
+        module,
+        "int8_softmax_triton",
+        lambda *a, **k: launches.append(a[0].device) or launch(*a, **k),
+    )
+
+    def no_reference(*_args, **_kwargs):
+        raise AssertionError("the reference ran instead of the kernel")
+
+    monkeypatch.setattr(module, "int8_softmax_reference", no_reference)
+    cuda = [None if t is None else t.cuda() for t in (scores, mask, offset)]
+    q, out = torch.ops.lmcompress.int8_softmax(*cuda, scale)
+    assert [d.type for d in launches] == ["cuda"] and q.is_cuda
+    assert torch.equal(q.cpu(), q_ref) and torch.equal(out.cpu(), out_ref)
 
 
 def test_op_runs_the_reference_on_cpu_and_passes_opcheck():

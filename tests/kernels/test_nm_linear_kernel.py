@@ -1,7 +1,8 @@
-"""The Triton kernel of lmcompress::nm_linear (in Triton's interpreter, on CPU tensors: see
-conftest.py) against the reference: bit for bit on integer-valued data, where every sum is exact,
-for every layout the kernel reads; to fp16/bf16 rounding on random data; irregular shapes, odd
-strides, split-K, the op's CUDA entry point and its fallbacks, one-line errors."""
+"""The Triton kernel of lmcompress::nm_linear against the reference: bit for bit on integer-valued
+data, where every sum is exact, for every layout the kernel reads; to fp16/bf16 rounding on random
+data; irregular shapes, odd strides, split-K, the op's CUDA entry point and its fallbacks, one-line
+errors. Without a GPU the kernel runs in Triton's interpreter on CPU tensors (conftest.py); on a
+GPU it is compiled, the interpreter tests skip and the ``gpu`` tests launch it on CUDA tensors."""
 
 import pytest
 import torch
@@ -13,6 +14,15 @@ from lmcompress.kernels.reference import nm_linear, pack_nm
 
 pytest.importorskip("triton")
 from lmcompress.kernels import nm_linear_triton as nmt  # noqa: E402  (after the interpreter is chosen)
+
+INTERPRETER = pytest.mark.skipif(
+    not nmt.interpreted(),
+    reason="launches the kernel on CPU tensors: Triton's interpreter (no GPU, see conftest.py)",
+)
+CUDA = pytest.mark.skipif(
+    not torch.cuda.is_available() or nmt.interpreted(),
+    reason="needs a CUDA device and the compiled kernel (TRITON_INTERPRET unset)",
+)
 
 
 def _sparse(out_features, in_features, n, m, seed, integer=False, holes=0.0):
@@ -49,6 +59,7 @@ LAYOUTS = [
 ]
 
 
+@INTERPRETER
 @pytest.mark.parametrize(("n", "m", "tokens", "out_features", "in_features"), LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_kernel_equals_reference_exactly_on_integer_data(
@@ -65,6 +76,7 @@ def test_kernel_equals_reference_exactly_on_integer_data(
         assert torch.equal(y, nm_linear(x, values, indices, n, m, in_features, b))
 
 
+@INTERPRETER
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_kernel_matches_reference_on_random_data(dtype):
     """Two K tiles and a tail, 3-D input, bias; bf16 multiplied in fp32 after loading (the
@@ -82,6 +94,7 @@ def test_kernel_matches_reference_on_random_data(dtype):
     torch.testing.assert_close(y, ref, rtol=2 * eps, atol=2 * eps * ref.abs().max().item())
 
 
+@INTERPRETER
 def test_non_contiguous_inputs_and_packed_tensors():
     W = _sparse(21, 96, 2, 4, seed=2, integer=True)
     values, indices = pack_nm(W, 2, 4)
@@ -101,6 +114,7 @@ def test_non_contiguous_inputs_and_packed_tensors():
         assert torch.equal(got, want), name
 
 
+@INTERPRETER
 def test_one_token_and_split_k():
     """Decode: one token, K cut into slices whose fp32 partial sums are added afterwards."""
     W = _sparse(40, 256, 2, 4, seed=5, integer=True, holes=0.3)
@@ -114,6 +128,7 @@ def test_one_token_and_split_k():
     assert nmt.split_k_for(1, 40, 256, x.device) == 1  # CPU: no SMs to fill
 
 
+@INTERPRETER
 @pytest.mark.parametrize(("n", "m"), [(2, 4), (1, 8), (3, 7)])
 def test_several_tiles_in_both_directions_and_grouped_order(n, m):
     """16 × 16 × 16 tiles: 3 × 3 output tiles, visited in groups of 2 tile rows (the last group
@@ -137,6 +152,7 @@ def test_empty_inputs_give_the_bias():
     assert y.shape == (2, 3, 0)
 
 
+@INTERPRETER
 def test_cuda_entry_point_runs_the_kernel_and_falls_back_to_the_reference(monkeypatch):
     """``_nm_linear_cuda`` is what the dispatcher calls for CUDA tensors; here it gets CPU tensors
     and the interpreter. Layouts the kernel does not read (M > 8, float64) take the reference."""
@@ -176,23 +192,51 @@ def test_bad_inputs_are_one_line_errors(change, message):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or nmt.interpreted(),
-    reason="needs a CUDA device and TRITON_INTERPRET=0",
-)
+@CUDA
+@pytest.mark.parametrize(("n", "m", "tokens", "out_features", "in_features"), LAYOUTS)
+def test_compiled_kernel_on_cuda_equals_the_reference_exactly(
+    n, m, tokens, out_features, in_features
+):
+    """Every layout, compiled: the launch on CUDA tensors against the reference on CPU, equal
+    on integer-valued fp16 data (every product and sum is exact in the fp32 accumulator)."""
+    W = _sparse(out_features, in_features, n, m, seed=m * 10 + n, integer=True, holes=0.2)
+    values, indices = pack_nm(W.half(), n, m)
+    x = _inputs((tokens, in_features), seed=n, integer=True).half()
+    bias = _inputs((out_features,), seed=3, integer=True).half()
+    want = nm_linear(x, values, indices, n, m, in_features, bias)
+    cuda = [t.cuda() for t in (x, values, indices, bias)]
+    y = nmt.nm_linear_triton(*cuda[:3], n, m, in_features, cuda[3])
+    assert y.is_cuda and torch.equal(y.cpu(), want)
+
+
+@pytest.mark.gpu
+@CUDA
 @pytest.mark.parametrize("tokens", [1, 16, 200])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_packed_layer_on_cuda_runs_the_kernel(tokens, dtype):
+def test_packed_layer_on_cuda_runs_the_kernel(tokens, dtype, monkeypatch):
     """On a GPU: ``PackedNMLinear`` dispatches to the autotuned kernel (decode and prefill
-    configurations), which matches the reference to the dtype's rounding."""
+    configurations): a spy sees the launch and the reference is never called. The output
+    matches the dense product computed in float64 to the dtype's rounding."""
     from lmcompress.compressor.formats.nm_packed import PackedNMLinear
+    from lmcompress.kernels import reference
 
     linear = torch.nn.Linear(1024, 384).to("cuda", dtype)
     with torch.no_grad():
         linear.weight *= nm_mask(linear.weight.abs(), 2, 4)
     layer = PackedNMLinear.from_linear(linear, 2, 4)
+    launches, launch = [], nmt.nm_linear_triton
+    monkeypatch.setattr(
+        nmt, "nm_linear_triton", lambda *a, **k: launches.append(a[3:5]) or launch(*a, **k)
+    )
+
+    def no_reference(*_args, **_kwargs):
+        raise AssertionError("the reference ran instead of the kernel")
+
+    monkeypatch.setattr(reference, "nm_linear", no_reference)
     x = torch.randn(tokens, 1024, device="cuda", dtype=dtype)
-    y = layer(x)
-    want = nm_linear(x, layer.values, layer.indices, 2, 4, 1024, layer.bias)
+    with torch.no_grad():
+        y = layer(x)
+    assert launches == [(2, 4)] and y.dtype == dtype and y.shape == (tokens, 384)
+    want = torch.nn.functional.linear(x.double(), linear.weight.double(), linear.bias.double())
     eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(y, want, rtol=2 * eps, atol=2 * eps * want.abs().max().item())
+    torch.testing.assert_close(y.double(), want, rtol=eps, atol=eps * want.abs().max().item())

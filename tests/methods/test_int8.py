@@ -17,7 +17,7 @@ from lmcompress.compressor.formats.int8_softmax import Int8Softmax
 from lmcompress.compressor.io.layout import MANIFEST
 from lmcompress.compressor.io.load import load_compressed
 from lmcompress.compressor.io.save import save_compressed
-from lmcompress.compressor.model.attention import IMPLEMENTATION
+from lmcompress.compressor.model.attention import IMPLEMENTATION, attention_hook
 from lmcompress.errors import ConfigError
 from lmcompress.methods.int8 import Int8Config
 
@@ -50,54 +50,136 @@ def test_group_size_must_divide_every_layer():
         compress(model, Int8Config(group_size=7))
 
 
+def _on_grid(t, absmax):
+    """``t`` rounded onto the symmetric int8 grid of step ``absmax / 127`` (float32 step and
+    quotient, round half to even, clamp), as float64: the module doc of ``formats.quant``."""
+    step = absmax.float() / 127
+    return torch.clamp(torch.round(t.float() / step), -128, 127).double() * step.double()
+
+
+def _layer_io(model, ids, kind):
+    """{name: (input, output)} of every ``kind`` module of ``model`` on ``ids``, from hooks."""
+    seen = {}
+    hooks = [
+        module.register_forward_hook(
+            lambda _m, args, out, n=n: seen.__setitem__(n, (args[0].detach(), out.detach()))
+        )
+        for n, module in model.named_modules()
+        if isinstance(module, kind)
+    ]
+    model(ids)
+    for hook in hooks:
+        hook.remove()
+    return seen
+
+
 @torch.no_grad()
-def test_dynamic_w8a8_replaces_linears_and_stays_close():
+def test_dynamic_w8a8_replaces_linears_and_computes_the_w8a8_product():
+    """Each layer, on the inputs it really sees, against ``Q(x) Q(W)ᵀ + b`` written here in
+    float64: per-token activation steps and per-row weight steps ``absmax / 127``. Only the
+    float32 rescale rounds, so the tolerance is a few float32 ulps."""
     model = make_tiny_model("llama")
-    ids = _data()
-    ref = model(ids).logits
+    dense = {
+        n: (m.weight.detach().clone(), m.bias)
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and n != "lm_head"
+    }
     report = compress(model, Int8Config())
-    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    assert len(quantized) == len(report.layers) > 0
-    out = model(ids).logits
-    assert (out - ref).abs().max() / ref.abs().max() < 0.05
+    seen = _layer_io(model, _data(), QuantLinear)
+    assert sorted(seen) == sorted(layer.name for layer in report.layers) == sorted(dense)
+    for name, (x, y) in seen.items():
+        W, bias = dense[name]  # (out, in)
+        x2 = x.reshape(-1, x.shape[-1])  # (tokens, in)
+        want = (
+            _on_grid(x2, x2.abs().amax(1, keepdim=True))
+            @ _on_grid(W, W.abs().amax(1, keepdim=True)).T
+        )
+        if bias is not None:
+            want = want + bias.double()
+        got = y.reshape(-1, y.shape[-1]).double()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
     assert not installed(model)  # no softmax transform unless asked
 
 
+STEP = torch.tensor(1 / 255)  # the 8-bit softmax's step: float32, p / s in float32
+
+
 @torch.no_grad()
-def test_softmax_transform_is_installed_and_removable():
-    model = make_tiny_model("llama")
+def test_softmax_transform_is_installed_and_removable(monkeypatch):
+    """Installed, every attention layer takes its probabilities from the 8-bit op, which gives
+    ``round(p / s)`` steps of torch's float softmax of the same scores (its own exp may move a
+    probability lying on a rounding boundary by one step: at most a few in a thousand);
+    removed, the model is exactly the int8 linears alone."""
+    import lmcompress.compressor.formats.int8_softmax as fmt
+
+    calls, op = [], fmt.int8_softmax
+
+    def spy(scores, mask, offset, scale):
+        q, out = op(scores, mask, offset, scale)
+        calls.append((scores, mask, offset, out))
+        return q, out
+
+    monkeypatch.setattr(fmt, "int8_softmax", spy)
     ids = _data()
-    float_logits = model(ids).logits
+    linears_only = make_tiny_model("llama")
+    compress(linears_only, Int8Config())
+    plain = linears_only(ids).logits
+    model = make_tiny_model("llama")
     compress(model, Int8Config(softmax_bits=8), data=ids)
     (transform,) = installed(model)
     assert isinstance(transform, Int8Softmax)
     assert model.config._attn_implementation == IMPLEMENTATION
+    calls.clear()
     with_softmax = model(ids).logits
+    assert len(calls) == model.config.num_hidden_layers
+    for scores, mask, offset, out in calls:
+        assert offset is None  # no bias correction asked for
+        x = scores.float() + (0.0 if mask is None else mask.float())  # (B, H, Tq, Tk)
+        expected = torch.round(torch.softmax(x, dim=-1) / STEP)
+        steps = out / STEP
+        assert (steps - expected).abs().max() < 1 + 1e-3
+        assert ((steps - expected).abs() > 1e-3).float().mean() < 3e-3
+    assert not torch.equal(with_softmax, plain)
     transform.remove(model)
     assert model.config._attn_implementation != IMPLEMENTATION and not installed(model)
-    without = model(ids).logits
-    assert not torch.equal(with_softmax, without)  # the 8-bit softmax changes the outputs
-    assert (without - float_logits).abs().max() < (with_softmax - float_logits).abs().max() * 10
+    assert torch.equal(model(ids).logits, plain)
 
 
 @pytest.mark.parametrize("granularity", ["layer", "head"])
 @torch.no_grad()
 def test_bias_correction_is_estimated_per_attention_module(granularity):
+    """β = mean of ``p − s · round(p / s)`` over the valid (``p > 0``) probabilities of the float
+    model on the calibration data, per layer or per head, recomputed here from hooks;
+    the static input scales are the calibration inputs' absmax / 127."""
+    data = _data(8)
     model = make_tiny_model("llama")
+    probs, inputs = {}, _layer_io(model, data, torch.nn.Linear)  # the float model
+    with attention_hook(model) as hook:
+        hook.observe = lambda module, p: probs.setdefault(hook.name(module), []).append(p)
+        model(data)
     report, stats = compress(
         model,
         Int8Config(softmax_bits=8, bias_correction=granularity, activations="static"),
-        data=_data(8),
+        data=data,
         return_stats=True,
     )
-    bias = {k: v for k, v in stats.tensors.items() if k.startswith("softmax_bias.")}
-    heads = model.config.num_attention_heads
-    assert len(bias) == model.config.num_hidden_layers
-    for beta in bias.values():
-        assert beta.shape == (() if granularity == "layer" else (heads,))
-        assert (beta > 0).all()  # rounding most tiny probabilities to 0 loses mass
+    bias = {
+        k.removeprefix("softmax_bias."): v
+        for k, v in stats.tensors.items()
+        if k.startswith("softmax_bias.")
+    }
+    assert sorted(bias) == sorted(probs) and len(bias) == model.config.num_hidden_layers
+    for name, batches in probs.items():
+        p = torch.cat(batches).double().transpose(0, 1).flatten(1)  # (heads, entries)
+        err = (p - torch.round(p.float() / STEP).double() * STEP.double()) * (p > 0)
+        count = (p > 0).sum(-1)
+        expected = err.sum() / count.sum() if granularity == "layer" else err.sum(-1) / count
+        torch.testing.assert_close(bias[name].double(), expected, rtol=1e-5, atol=1e-9)
     assert report.extra["softmax"]["bias"]["granularity"] == granularity
-    assert all(m.input_scale is not None for m in model.modules() if isinstance(m, QuantLinear))
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            absmax = inputs[name][0].abs().amax()
+            assert module.input_scale.item() == pytest.approx(absmax.item() / 127, rel=1e-6)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])

@@ -28,7 +28,6 @@ from lmcompress.methods.svd import (
 )
 from lmcompress.methods.svd.method import LowRankMethod
 from lmcompress.methods.svd.ranks import budget_rank
-from lmcompress.methods.svd.weighted import weighted_error
 
 CONFIGS = {
     "svd": SVDConfig,
@@ -98,52 +97,87 @@ def test_ratio_one_keeps_every_layer_dense(name):
     assert torch.equal(model(_inputs()).logits, before)
 
 
+def _reference_norms(name, model, config):
+    """{layer: (R, L)}: each method's weighted norm ``‖Lᵀ (W − W') R‖`` (R, L a diagonal
+    vector, a matrix or None) from statistics recomputed here on the dense model, as the
+    papers define them: inputs x from hooks, LM-loss gradients by autograd (one backward per
+    ``calib_batch_size`` windows: one Fisher sample), output gradients δ from tensor hooks.
+    Overall scales are left out: no method's optimum depends on them."""
+    layers = LayerSelection().select(model)
+    xx = {k: 0.0 for k in layers}  # Σ x xᵀ (in, in)
+    absx = {k: [] for k in layers}  # |x| per token (tokens, in)
+    dd = {k: 0.0 for k in layers}  # Σ δ δᵀ (out, out)
+    fisher = {k: 0.0 for k in layers}  # Σ_samples G ⊙ G (out, in)
+
+    def add_dd(k, grad):
+        d = grad.detach().reshape(-1, grad.shape[-1]).double()
+        dd[k] = dd[k] + d.T @ d
+
+    def observe(k, args, out):
+        x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+        xx[k] = xx[k] + x.T @ x
+        absx[k].append(x.abs())
+        out.register_hook(lambda grad: add_dd(k, grad))
+
+    hooks = [
+        m.register_forward_hook(lambda _m, a, o, k=k: observe(k, a, o)) for k, m in layers.items()
+    ]
+    for ids in _data().split(config.calib_batch_size):
+        model.zero_grad()
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        for k, m in layers.items():
+            G = m.weight.grad if isinstance(m, nn.Linear) else m.weight.grad.T  # (out, in)
+            fisher[k] = fisher[k] + G.double().square()
+    model.zero_grad()
+    for hook in hooks:
+        hook.remove()
+
+    def shrunk_cholesky(F, alpha):  # (1 − α) F + α · mean(diag F) · I
+        eye = torch.eye(F.shape[0], dtype=F.dtype)
+        return torch.linalg.cholesky((1 - alpha) * F + alpha * F.diagonal().mean() * eye)
+
+    if name == "asvd":
+        return {k: (torch.cat(absx[k]).mean(0).pow(config.alpha), None) for k in layers}
+    if name == "svd-llm":
+        return {k: (torch.linalg.cholesky(xx[k]), None) for k in layers}
+    if name == "fwsvd":
+        return {k: (fisher[k].sum(0).sqrt(), None) for k in layers}
+    return {
+        k: (shrunk_cholesky(xx[k], config.damp), shrunk_cholesky(dd[k], config.damp))
+        for k in layers
+    }
+
+
+def _weighted(M, R, L):
+    """``Lᵀ M R`` for R, L a diagonal vector, a matrix or None (identity)."""
+    M = M.double()
+    M = M if R is None else (M * R if R.dim() == 1 else M @ R)
+    return M if L is None else (L[:, None] * M if L.dim() == 1 else L.T @ M)
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])  # gpt2: Conv1D, weights (in, out)
 @pytest.mark.parametrize("name", CALIBRATED)
-def test_weighted_methods_beat_svd_on_their_own_objective(name, model_type):
-    """Same ranks (uniform), so each layer's weighted error can only be lower than plain
-    SVD's: the weighted factors are the optimum of that error."""
+def test_weighted_methods_reach_the_optimum_of_their_papers_objective(name, model_type):
+    """At the same ranks, each layer's weighted error equals the Eckart–Young optimum
+    ``Σ_{i>r} s_i²(Lᵀ W R)`` under the weighting recomputed independently here (a method with
+    a wrong weighting is optimal for another norm and misses this one); plain SVD is worse in
+    every layer. For svd-llm the norm is the output error ‖(W − W') Xᵀ‖ on the inputs each
+    layer saw, since ``(ΔW R)(ΔW R)ᵀ = ΔW XᵀX ΔWᵀ``."""
     config = CONFIGS[name](ratio=0.8)
     ours, plain = make_tiny_model(model_type), make_tiny_model(model_type)
     dense = _dense_weights(ours)
-    _, stats = compress(ours, config, _data(), return_stats=True)
+    norms = _reference_norms(name, make_tiny_model(model_type), config)
+    report = compress(ours, config, _data())
     compress(plain, SVDConfig(ratio=0.8))
-    method = get_method(name)(config)
-    wins = 0
+    ranks = {layer.name: layer.rank for layer in report.layers}
     for layer, W in dense.items():
-        right, left, _ = method.weights(layer, W, stats)
-        assert right is not None or left is not None
-        mine = weighted_error(W, ours.get_submodule(layer).dense_weight(), right, left)
-        theirs = weighted_error(W, plain.get_submodule(layer).dense_weight(), right, left)
-        assert mine <= theirs * (1 + 1e-5), (layer, mine, theirs)
-        wins += mine < theirs * (1 - 1e-3)
-    assert wins >= len(dense) // 2, wins
-
-
-def test_svd_llm_lowers_the_output_error_on_the_calibration_inputs():
-    """The output error ‖(W − W')Xᵀ‖ on the inputs each layer really saw, captured by hooks
-    (independent of the method's own statistics)."""
-    ours, plain = make_tiny_model("llama"), make_tiny_model("llama")
-    dense = _dense_weights(ours)
-    layers = LayerSelection().select(ours)
-    inputs: dict[str, list[torch.Tensor]] = {k: [] for k in layers}
-    hooks = [
-        module.register_forward_pre_hook(
-            lambda _m, args, k=k: inputs[k].append(args[0].reshape(-1, args[0].shape[-1]))
-        )
-        for k, module in layers.items()
-    ]
-    with torch.no_grad():
-        ours(_data())
-    for hook in hooks:
-        hook.remove()
-    compress(ours, SVDLLMConfig(ratio=0.8), _data())
-    compress(plain, SVDConfig(ratio=0.8))
-    for k, W in dense.items():
-        X = torch.cat(inputs[k]).double()  # (tokens, in)
-        mine = ((W - ours.get_submodule(k).dense_weight()).double() @ X.T).norm()
-        theirs = ((W - plain.get_submodule(k).dense_weight()).double() @ X.T).norm()
-        assert mine < theirs, (k, float(mine), float(theirs))
+        R, L = norms[layer]
+        optimum = torch.linalg.svdvals(_weighted(W, R, L))[ranks[layer] :].square().sum()
+        mine = _weighted(W - ours.get_submodule(layer).dense_weight(), R, L).square().sum()
+        theirs = _weighted(W - plain.get_submodule(layer).dense_weight(), R, L).square().sum()
+        # at an optimum the error is flat to first order: float32 factors land within ~1e-8
+        assert mine == pytest.approx(optimum.item(), rel=1e-5), (layer, mine, optimum)
+        assert theirs > mine * (1 + 1e-4), (layer, mine, theirs)  # 0.1 % or more here
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])

@@ -199,6 +199,45 @@ def test_blockwise_weight_tuning_keeps_the_masks_and_lowers_each_block_error():
     assert not any(hasattr(m, "parametrizations") for m in tuned.modules())
 
 
+def _block0_inputs(data):
+    """{name: (dense weight, inputs X (tokens, in))} of each block-0 layer of the dense tiny
+    Llama on ``data``, from hooks (block 0 sees the same inputs in any compressed model)."""
+    from conftest import make_tiny_model
+
+    dense = make_tiny_model("llama")
+    layers = {n: m for n, m in LayerSelection().select(dense).items() if ".layers.0." in n}
+    inputs = {n: [] for n in layers}
+    hooks = [
+        module.register_forward_pre_hook(
+            lambda _m, args, n=n: inputs[n].append(args[0].reshape(-1, args[0].shape[-1]))
+        )
+        for n, module in layers.items()
+    ]
+    with torch.no_grad():
+        dense(data)
+    for hook in hooks:
+        hook.remove()
+    return {
+        n: (weight_matrix(m).detach().double(), torch.cat(inputs[n]).double())
+        for n, m in layers.items()
+    }
+
+
+def _obs_refit_reference(W, keep, X, percdamp=0.01):
+    """SparseGPT's weight update under a fixed mask, the textbook way (float64, no blocks, an
+    explicit inverse per column): with the columns before ``j`` frozen, pruning column ``j``
+    moves the free ones by ``−w_j / [H_F⁻¹]_00 · H_F⁻¹[0]``, ``H_F = H[j:, j:]``, ``H = 2/n XᵀX``
+    dampened by ``percdamp`` of its mean diagonal."""
+    H = 2 * X.T @ X / X.shape[0]
+    H += percdamp * H.diagonal().mean() * torch.eye(H.shape[0], dtype=H.dtype)
+    W = W.clone()
+    for j in range(W.shape[1]):
+        Hinv = torch.linalg.inv(H[j:, j:])
+        pruned = torch.where(keep[:, j], 0.0, W[:, j])  # (out,)
+        W[:, j:] -= torch.outer(pruned / Hinv[0, 0], Hinv[0])
+    return W.masked_fill(~keep, 0)
+
+
 def test_end_to_end_refit_keeps_the_learned_mask_and_lowers_output_error():
     config = dict(sparsity="2:4", steps=4, lr=0.05, batch_size=2, prior="magnitude")
     plain, _, plain_stats = _run(MaskLLMConfig(**config))
@@ -206,22 +245,58 @@ def test_end_to_end_refit_keeps_the_learned_mask_and_lowers_output_error():
     for key, value in plain_stats.tensors.items():  # same training, same logits
         assert torch.equal(stats.tensors[key], value), key
     assert _same_masks(plain, refit)
-    assert not all(
-        torch.equal(a, b)
-        for a, b in zip(_weights(plain).values(), _weights(refit).values(), strict=True)
-    )
+    reported = {layer.name: layer.rel_error for layer in report.layers}
+    masked, refitted = _weights(plain), _weights(refit)
+    block0 = _block0_inputs(_data()[:-2])  # the two last windows are held out (eval_windows)
+    assert len(block0) == 7
+    for name, (W, X) in block0.items():
+        expected = _obs_refit_reference(W, masked[name] != 0, X)
+        torch.testing.assert_close(refitted[name].double(), expected, rtol=1e-4, atol=1e-5)
+        before, after = (
+            float((X @ (w.double() - W).T).norm() / (X @ W.T).norm())
+            for w in (masked[name], refitted[name])
+        )
+        assert after < before, (name, after, before)  # re-fitting lowers the output error
+        assert reported[name] == pytest.approx(after, rel=1e-5), name  # and reports it
     assert report.extra["hard_ppl"][-1].get("refit") == "sparsegpt"
     assert all(layer.error_kind == "output" for layer in report.layers)
 
 
 @pytest.mark.parametrize("option", [{"noise": "pool"}, {"straight_through_from": 0.5}])
-def test_cheap_noise_and_late_straight_through_train(option):
+def test_cheap_noise_and_late_straight_through_train(option, monkeypatch):
+    """The logged ``flipped`` is the fraction of groups whose argmax pattern changed since the
+    step before, recomputed here from the masks' logits; straight-through from its step on."""
+    from lmcompress.methods.maskllm import learning
+
+    seen = []  # per step: (fraction of groups whose argmax changed, straight-through flags)
+    original = learning.schedules
+
+    def spied(config, masks, steps):
+        before_step = original(config, masks, steps)
+        last = {n: m.logits.detach().argmax(-1) for n, m in masks.items()}
+
+        def spy(step):
+            now = {n: m.logits.detach().argmax(-1) for n, m in masks.items()}
+            changed = sum(int((now[n] != last[n]).sum()) for n in masks)
+            last.update(now)
+            logs = before_step(step)
+            flags = {m.straight_through for m in masks.values()}
+            seen.append((changed / sum(t.numel() for t in now.values()), flags))
+            return logs
+
+        return spy
+
+    monkeypatch.setattr(learning, "schedules", spied)
     model, report, stats = _run(
         MaskLLMConfig(sparsity="2:4", steps=6, lr=0.05, batch_size=2, prior="magnitude", **option)
     )
     for name, keep in _masks(model).items():
         assert torch.all(keep.reshape(-1, 4).sum(1) == 2), name
-    assert report.extra["loss_curve"][-1]["flipped"] >= 0
+    flipped = [entry["flipped"] for entry in report.extra["loss_curve"]]
+    assert flipped == pytest.approx([fraction for fraction, _ in seen], abs=1e-12)
+    assert flipped[0] == 0 and any(f > 0 for f in flipped)  # the masks do change
+    late = option.get("straight_through_from", 1.0) * 6
+    assert [flags for _, flags in seen] == [{step >= late} for step in range(6)]
     baseline, _, base_stats = _run(
         MaskLLMConfig(sparsity="2:4", steps=6, lr=0.05, batch_size=2, prior="magnitude")
     )

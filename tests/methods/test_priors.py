@@ -110,14 +110,45 @@ def test_wanda_mask_weighs_by_input_norms():
     assert not torch.equal(keep, magnitude_mask(W, None, Sparsity(2, 4)))  # norms matter here
 
 
-def test_sparsegpt_mask_is_the_mask_of_sparsegpt_without_update():
-    W, X = _weight_and_inputs()
-    acc = HessianAccumulator(W.shape[1])
-    acc.add_batch(X)
-    keep = sparsegpt_mask(W, acc.H, Sparsity(2, 4))
-    W_new, expected = sparsegpt_prune(W, acc.H, Sparsity(2, 4), update_weights=False)
+def _sparsegpt_nm_mask_reference(W, H, n, m, percdamp=0.01, update=True):
+    """SparseGPT's N:M mask selection (Alg. 1) written the slow, textbook way: no blocks, no
+    Cholesky factor, an explicit inverse per column, float64. With the columns before ``j``
+    fixed, the inverse Hessian of the remaining ones is ``inv(H[j:, j:])``; its first entry
+    gives the saliency ``w² / [H_F⁻¹]_00`` of column ``j`` (OBS) and its first row the update of
+    the columns after it (``W[:, j:] -= w_j / [H_F⁻¹]_00 · H_F⁻¹[0]`` where ``w_j`` is pruned).
+    At each group's first column the ``m − n`` least salient weights of each row are pruned.
+    ``update=False``: the same saliencies on the original weights."""
+    W, H = W.double().clone(), H.double().clone()
+    H += percdamp * H.diagonal().mean() * torch.eye(H.shape[0], dtype=H.dtype)
+    rows, cols = W.shape
+    inverses = [torch.linalg.inv(H[j:, j:]) for j in range(cols)]
+    keep = torch.ones(rows, cols, dtype=torch.bool)
+    for j in range(cols):
+        if j % m == 0:
+            d = torch.stack([inverses[q][0, 0] for q in range(j, j + m)])  # (m,)
+            saliency = W[:, j : j + m].square() / d  # (rows, m)
+            for r in range(rows):
+                for q in saliency[r].argsort()[: m - n].tolist():
+                    keep[r, j + q] = False
+        if update:
+            pruned = torch.where(keep[:, j], 0.0, W[:, j])  # (rows,)
+            W[:, j:] -= torch.outer(pruned / inverses[j][0, 0], inverses[j][0])
+    return keep
+
+
+@pytest.mark.parametrize(("n", "m"), [(2, 4), (1, 4)])
+def test_sparsegpt_mask_is_the_obs_selection_of_the_paper(n, m):
+    """Against an independent, unblocked float64 implementation of the selection; the updates
+    matter here (the mask differs from the one scored on the original weights)."""
+    W, X = _weight_and_inputs(out=8, features=32)
+    H = 2 * X.double().T @ X.double() / X.shape[0]  # SparseGPT's H = 2/n Σ x xᵀ
+    keep = sparsegpt_mask(W, H, Sparsity(n, m))
+    expected = _sparsegpt_nm_mask_reference(W, H, n, m)
     assert torch.equal(keep, expected)
-    assert torch.equal(W_new, W.masked_fill(~keep, 0))
+    assert torch.all(keep.reshape(-1, m).sum(1) == n)
+    assert not torch.equal(keep, _sparsegpt_nm_mask_reference(W, H, n, m, update=False))
+    W_new, keep_again = sparsegpt_prune(W, H, Sparsity(n, m), update_weights=False)
+    assert torch.equal(keep_again, keep) and torch.equal(W_new, W.masked_fill(~keep, 0))
 
 
 @pytest.mark.parametrize("prior", sorted(ONE_SHOT_PRIORS))

@@ -1,6 +1,7 @@
 """Stochastic subnetwork extraction (ASLP): the sampler's statistics, straight-through
 gradients, exact sparsity, extraction = the parametrized model in hard mode, resume, export."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -147,18 +148,34 @@ def test_extraction_with_the_scale_folded_in_is_the_hard_parametrized_model(scal
     assert torch.allclose(parametrized, extracted, atol=1e-5, rtol=1e-5)
 
 
-def test_lagrange_multipliers_rise_while_the_keep_rate_is_above_target():
+@pytest.mark.parametrize("kind", ["penalty", "lagrangian"])
+def test_the_keep_rate_constraint_by_hand(kind):
+    """Keep logits all 1 against a target keep rate k = 0.5: r = sigmoid(1), d = (r − k) / k.
+    penalty: w · d²; lagrangian: λ1 d + λ2 d², whose multipliers get the reversed gradient
+    (−d, −d²), so that descent on the loss raises them while the rate is above target."""
     layer = torch.nn.Linear(8, 8)
-    config = SubnetConfig(sparsity="0.5", constraint="lagrangian")
+    config = SubnetConfig(sparsity="0.5", constraint=kind, constraint_weight=3.0)
     mask = KeepLogitMask(torch.full((8, 8), 1.0), Sparsity(ratio=0.5))
     add_parametrization(layer, mask)
     constraint = KeepRateConstraint(config, {"layer": mask})
+    d = (1 / (1 + math.exp(-1)) - 0.5) / 0.5  # 0.4621...
+    if kind == "lagrangian":
+        with torch.no_grad():
+            constraint.multipliers.copy_(torch.tensor([[2.0], [5.0]]))  # (λ1, λ2) of one layer
     term, logs = constraint(0)
-    term = term + 0.0 * constraint.multipliers.sum()  # zero multipliers: no term yet
+    expected = 3.0 * d**2 if kind == "penalty" else 2.0 * d + 5.0 * d**2
+    assert term.item() == pytest.approx(expected, rel=1e-6)
+    assert logs["keep_dev"] == pytest.approx(d, rel=1e-6)
     term.backward()
-    # descent on the loss moves the multipliers up (reversed gradient: -(r - k) / k < 0)
-    assert torch.all(constraint.multipliers.grad < 0) and logs["keep_dev"] > 0
-    assert config.constraint == "lagrangian"
+    # dterm/dlogit_ij = dterm/dd · sigmoid'(1) / (k · 64), the same for every logit
+    slope = 6.0 * d if kind == "penalty" else 2.0 + 10.0 * d
+    sigmoid_slope = math.exp(-1) / (1 + math.exp(-1)) ** 2
+    torch.testing.assert_close(
+        mask.logits.grad, torch.full((8, 8), slope * sigmoid_slope / (0.5 * 64)), rtol=1e-5, atol=0
+    )
+    if kind == "lagrangian":
+        assert logs["lambda"] == 5.0
+        torch.testing.assert_close(constraint.multipliers.grad, torch.tensor([[-d], [-(d**2)]]))
 
 
 def test_killed_run_resumes_to_the_same_subnetwork(tmp_path, monkeypatch):

@@ -18,7 +18,23 @@ from lmcompress.compressor.io.model_card import model_card
 from lmcompress.compressor.io.report_plot import _per_layer_panels
 from lmcompress.methods.magnitude import MagnitudeConfig
 
-PNG = b"\x89PNG\r\n\x1a\n"
+PANEL_PX = 484  # report_plot: 4.4 inches a panel at 110 dpi, 3.9 inches (429 px) high
+RED, GRAY = (214, 39, 40), (153, 153, 153)  # the bars: tab:red (compressed), "0.6" (dense)
+
+
+def _report_png(path, per_layer_panels):
+    """Decode report.png and check what it draws: one panel per per-layer quantity, each with
+    coloured lines (one colour per kind of layer); then the perplexity panel. Returns the counts
+    of the compressed (tab:red) and dense (grey) bars in that last panel."""
+    from matplotlib.image import imread
+
+    image = (imread(path)[..., :3] * 255).round().astype(int)  # (height, width, RGB)
+    assert image.shape == (429, PANEL_PX * (per_layer_panels + 1), 3)
+    panels = [image[:, i * PANEL_PX : (i + 1) * PANEL_PX] for i in range(per_layer_panels + 1)]
+    for panel in panels[:-1]:
+        colourful = panel.max(-1) - panel.min(-1) > 80  # not white, grey or black: the lines
+        assert colourful.sum() > 100
+    return tuple(int((panels[-1] == color).all(-1).sum()) for color in (RED, GRAY))
 
 
 def _front_matter(card: str) -> dict:
@@ -74,7 +90,8 @@ def test_card_shows_the_run_and_its_command_reruns_it(tiny_checkpoint, tmp_path,
     assert f"| torch | {manifest['versions']['torch']} |" in card
     assert "| exclude | `*.down_proj` |" in card
     assert "| down_proj |" not in card and "| up_proj | 2 | 50.0% |" in card  # per-kind totals
-    assert (out / REPORT_PNG).read_bytes()[:8] == PNG
+    red, gray = _report_png(out / REPORT_PNG, 2)  # sparsity and relative error
+    assert red > 10_000 and gray > 10_000  # the pruned and the dense perplexity bars
 
     # the card's command, run again into another directory, gives the same model and numbers
     (command,) = re.findall(r"```bash\n(.*?)\n```", card)
@@ -110,7 +127,8 @@ def test_saved_from_python_without_results(exported, tmp_path):
     assert "Not measured (saved without an evaluation)." in card
     assert "no command line recorded" in card
     assert card.startswith("---\n") and "\n# out\n" in card
-    assert (out / REPORT_PNG).read_bytes()[:8] == PNG
+    red, gray = _report_png(out / REPORT_PNG, 2)
+    assert red < 100 and gray < 100  # no bars ("not measured"): at most a neighbour's line
 
 
 def test_a_failed_report_leaves_nothing_behind(exported, tmp_path, monkeypatch):
