@@ -91,7 +91,7 @@ def bad_positions(
     per_byte = 8 // bits
     full_bytes = kept // per_byte if per_byte % n == 0 else 0
     if full_bytes:
-        table = valid_bytes(n, m)
+        table = valid_bytes(n, m).to(indices.device)  # a packed layer loaded onto a GPU
         if first_bad_byte is not None:
             bad = first_bad_byte(indices, full_bytes, table)
         else:

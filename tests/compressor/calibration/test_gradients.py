@@ -293,4 +293,7 @@ def test_accumulates_on_the_model_device():
         for key in ("fisher", "xx", "dd"):
             value = getattr(on_gpu[name], key)
             assert value.device.type == "cuda"
-            assert torch.allclose(value.cpu(), getattr(on_cpu[name], key), 1e-6, 1e-12), name
+            # float64 sums of float32 activations, which the GPU computes in another order
+            reference = getattr(on_cpu[name], key)
+            scale = reference.abs().max().item()
+            torch.testing.assert_close(value.cpu(), reference, rtol=1e-4, atol=1e-6 * scale)

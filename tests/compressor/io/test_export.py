@@ -112,3 +112,32 @@ def test_corrupt_output_gives_a_clear_error(tmp_path, corrupt, message):
     corrupt(out)
     with pytest.raises(ModelLoadError, match=message):
         load_compressed(out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("runtime", ["packed", "dense", "expanded"])
+@pytest.mark.parametrize("method", ["magnitude", "svd", "int8"])
+def test_every_format_loads_onto_a_gpu(tmp_path, method, runtime):
+    """``load_compressed(..., device="cuda")``: the load-time checks and the runtimes on CUDA
+    tensors (a packed layer's position check once indexed a CPU table with CUDA codes)."""
+    from conftest import make_tiny_model, make_tiny_tokenizer
+
+    from lmcompress import Int8Config, SVDConfig
+
+    config = {
+        "magnitude": MagnitudeConfig(sparsity="2:4"),
+        "svd": SVDConfig(ratio=0.5),
+        "int8": Int8Config(),
+    }[method]
+    model = make_tiny_model("llama")
+    report = compress(model, config)
+    out = save_compressed(model, tmp_path / "out", report, tokenizer=make_tiny_tokenizer())
+    on_cpu, _, _ = load_compressed(out, runtime=runtime)
+    on_gpu, _, _ = load_compressed(out, runtime=runtime, device="cuda")
+    assert {p.device.type for p in on_gpu.parameters()} == {"cuda"}
+    ids = torch.randint(0, 256, (2, 32))
+    expected = on_cpu(ids).logits
+    got = on_gpu(ids.cuda()).logits.cpu()
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3 * scale)
