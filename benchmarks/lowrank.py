@@ -14,7 +14,9 @@ the library's evaluate step) in a process of its own (``benchmarks.child.lowrank
 Rows with a variant (``refit``, ``sequential``, ``sequential+refit``, ``distill``) factorise
 block by block on the compressed model with the calibration windows (``methods.svd.sequential``),
 the ranks still from the cached dense statistics; ``distill`` then trains every factor pair one
-epoch of the windows on the dense model's logits (``methods.svd.tuning``, in ``factorise s``).
+epoch of the windows on the dense model's logits (``methods.svd.tuning``, in ``factorise s``);
+``calib self``: the windows are sampled from the dense model (``--calib self``, the sampling
+time inside ``factorise s``) rather than drawn from ``wiki-calib``.
 ``combined`` factorises the MLP layers with GFWSVD and
 prunes the attention layers with SparseGPT 2:4. ``cli`` runs ``compress-model --method gfwsvd``
 end to end (gradient pass included) with the dense copy off, checks the size of
@@ -71,6 +73,12 @@ VARIANTS = {
     "distill lr 3e-4": {"distill_steps": NSAMPLES, "distill_lr": 3e-4},
     "distill 2 epochs lr 1e-4": {"distill_steps": 2 * NSAMPLES, "distill_lr": 1e-4},
     "distill 4 epochs lr 1e-4": {"distill_steps": 4 * NSAMPLES, "distill_lr": 1e-4},
+    # the windows sampled from the dense model instead of wiki-calib (--calib self, LLM-QAT)
+    "distill 2 epochs lr 1e-4 calib self": {
+        "distill_steps": 2 * NSAMPLES,
+        "distill_lr": 1e-4,
+        "calib": "self",
+    },  # fmt: skip
 }
 VARIANT_ROWS = {
     "svd-llm": ("refit", "sequential", "sequential+refit"),

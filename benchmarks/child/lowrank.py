@@ -37,20 +37,21 @@ from lmcompress.methods.svd.fisher import SampleStore, fwsvd_stats, gfwsvd_stats
 from lmcompress.methods.svd.sequential import compress_sequential
 
 
-def setup(eval_tokens: int | None = None) -> tuple[nn.Module, JobText]:
-    """The dense model and the text of the job: wiki-calib windows, and the eval corpora."""
+def setup(eval_tokens: int | None = None, calib: str = "wiki-calib") -> tuple[nn.Module, JobText]:
+    """The dense model and the text of the job: the calibration windows (wiki-calib, or sampled
+    from the dense model with ``calib="self"``), and the eval corpora."""
     torch.set_grad_enabled(False)
     model, tokenizer = load_model(CHECKPOINT)
     options = RunOptions(
         checkpoint=CHECKPOINT,
-        calib="wiki-calib",
+        calib=calib,
         nsamples=NSAMPLES,
         seq_len=SEQ_LEN,
         seed=SEED,
         eval=CORPORA,
         eval_tokens=eval_tokens or 0,
     )
-    return model, JobText(tokenizer, options, evaluates=eval_tokens is not None)
+    return model, JobText(tokenizer, options, evaluates=eval_tokens is not None, model=model)
 
 
 def activation_stats(model: nn.Module, calib: torch.Tensor, stats_dir: Path) -> dict[str, Any]:
@@ -106,11 +107,11 @@ def factorise(model: nn.Module, spec: dict[str, Any], stats_dir: Path, text: Job
     options = {"ratio": spec["ratio"], "allocation": spec.get("allocation", "uniform")}
     if combined:
         options["include"] = ("model.layers.*.mlp.*",)
-    variant = VARIANTS.get(spec.get("variant"), {})
+    variant = {k: v for k, v in VARIANTS.get(spec.get("variant"), {}).items() if k != "calib"}
     method = method_class(method_class.config_class(**options, **overrides, **variant))
     cached = Stats() if stats_file is None else Stats.load(stats_dir / f"{stats_file}.safetensors")
     start = time.perf_counter()
-    if variant:  # block by block on the compressed inputs (the calibration windows again)
+    if spec.get("variant"):  # block by block on the compressed inputs (the calibration windows)
         with torch.no_grad():
             report = compress_sequential(method, model, text.calibration(), cached)
     else:
@@ -135,7 +136,8 @@ def factorise(model: nn.Module, spec: dict[str, Any], stats_dir: Path, text: Job
 
 def apply(spec: dict[str, Any], stats_dir: Path, eval_tokens: int) -> dict[str, Any]:
     """Factorise (unless dense) and score; the row's numbers."""
-    model, text = setup(eval_tokens)
+    calib = VARIANTS.get(spec.get("variant"), {}).get("calib", "wiki-calib")
+    model, text = setup(eval_tokens, calib)
     result = {} if spec["method"] == "dense" else factorise(model, spec, stats_dir, text)
     scores = evaluate(model, text.tokenizer, text.corpora, text.options)
     result["ppl"] = {corpus: found["perplexity"] for corpus, found in scores.items()}

@@ -25,8 +25,9 @@ from lmcompress.compressor.io.load import load_compressed, read_manifest, runtim
 from lmcompress.compressor.model.families import family_of
 from lmcompress.compressor.model.loading import load_model
 from lmcompress.compressor.util.memory import peak_rss_mib
-from lmcompress.errors import LmcompressError
+from lmcompress.errors import ConfigError, LmcompressError
 from lmcompress.evaluation.corpora import calibration_windows, tokenize
+from lmcompress.evaluation.generated import SELF_CORPUS, sample_windows
 from lmcompress.evaluation.lm_eval_adapter import run_lm_eval
 from lmcompress.evaluation.perplexity import perplexity
 from lmcompress.jobs.options import DEFAULT_EVAL_TOKENS, RunOptions
@@ -64,10 +65,17 @@ def evaluate(
 
 class JobText:
     """The token ids a job reads: ``corpora`` (each eval corpus, tokenized now) and
-    :meth:`calibration` (the calibration windows, tokenized on first use)."""
+    :meth:`calibration` (the calibration windows, tokenized on first use; with ``--calib
+    self``, sampled from ``model`` on first use, so from the dense model before any stage)."""
 
-    def __init__(self, tokenizer: Any, options: RunOptions, evaluates: bool = True) -> None:
-        self.tokenizer, self.options = tokenizer, options
+    def __init__(
+        self,
+        tokenizer: Any,
+        options: RunOptions,
+        evaluates: bool = True,
+        model: nn.Module | None = None,
+    ) -> None:
+        self.tokenizer, self.options, self.model = tokenizer, options, model
         names = options.eval if evaluates else ()
         self.corpora = {
             name: tokenize(tokenizer, name, options.eval_tokens or None) for name in names
@@ -78,6 +86,13 @@ class JobText:
         """``(nsamples, seq_len)`` windows of the calibration corpus (drawn once, by seed)."""
         if self._windows is None:
             options = self.options
+            if options.calib == SELF_CORPUS:
+                if self.model is None:
+                    raise ConfigError("--calib self samples from the model: this job has none")
+                self._windows = sample_windows(
+                    self.model, self.tokenizer, options.nsamples, options.seq_len, options.seed
+                )
+                return self._windows
             ids = tokenize(self.tokenizer, options.calib)
             self._windows = calibration_windows(
                 ids, options.nsamples, options.seq_len, options.seed

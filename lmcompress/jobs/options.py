@@ -20,7 +20,13 @@ class RunOptions:
     """Everything about a job that is not the method's own configuration."""
 
     checkpoint: str = field(default=DEFAULT_CHECKPOINT, metadata={"help": "model to compress"})
-    calib: str = field(default="wiki-calib", metadata={"help": "calibration corpus"})
+    calib: str = field(
+        default="wiki-calib",
+        metadata={
+            "help": "calibration corpus: a built-in one, a local file, or 'self' (text sampled "
+            "from the model itself, LLM-QAT's data-free recipe)"
+        },
+    )
     nsamples: int = field(default=128, metadata={"help": "calibration windows"})
     seq_len: int = field(default=512, metadata={"help": "tokens per calibration/eval window"})
     seed: int = field(default=0, metadata={"help": "seed of the calibration windows"})

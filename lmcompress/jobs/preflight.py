@@ -42,6 +42,7 @@ from lmcompress.compressor.util.cache import cache_dir
 from lmcompress.compressor.util.fsutil import sweep_stale
 from lmcompress.errors import ConfigError, DataError, LmcompressError
 from lmcompress.evaluation.corpora import load_documents
+from lmcompress.evaluation.generated import SELF_CORPUS
 from lmcompress.evaluation.lm_eval_adapter import check_tasks
 from lmcompress.jobs.options import RunOptions
 from lmcompress.jobs.paths import (
@@ -95,7 +96,7 @@ def preflight(options: RunOptions, method: Method) -> Plan:
     text = [  # a misspelt or too short corpus fails before the model loads
         check_corpus_length(source, options.seq_len, "evaluation corpus") for source in options.eval
     ]
-    if method.needs_calibration:
+    if method.needs_calibration and options.calib != SELF_CORPUS:  # self: sampled, no text
         text.append(check_corpus_length(options.calib, options.seq_len + 1, "calibration corpus"))
     estimate = estimate_job(skeleton, options, method, text)
     memory_line = check_fits(estimate, device, force=options.force)

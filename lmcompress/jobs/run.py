@@ -168,7 +168,7 @@ def _run(
     )
     if target.tokenizer is None and needs_text:
         raise ModelLoadError(f"{options.checkpoint} has no tokenizer: cannot read text")
-    text = JobText(target.tokenizer, options, evaluates=target.evaluates)
+    text = JobText(target.tokenizer, options, evaluates=target.evaluates, model=target.model)
     # Under ``accelerate launch`` every process compresses (a learned method trains on its
     # share of the data); only the main one evaluates and writes the outputs.
     main = distributed.is_main_process()

@@ -53,6 +53,7 @@ from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.compressor.util.fsutil import atomic_dir, made_dirs
 from lmcompress.compressor.util.memory import release_free_memory, set_mmap_threshold
 from lmcompress.errors import ConfigError, ModelLoadError, cut
+from lmcompress.evaluation.generated import SELF_CORPUS
 from lmcompress.jobs.options import RunOptions
 from lmcompress.methods import METHODS
 
@@ -74,6 +75,11 @@ def check_streaming(options: RunOptions, method: Method) -> Path:
         raise ConfigError("--streaming writes the model block by block: give an output (-o OUT)")
     if options.lm_eval_tasks:
         raise ConfigError("--streaming does not evaluate: drop --lm-eval-tasks")
+    if options.calib == SELF_CORPUS:
+        raise ConfigError(
+            "--calib self samples text from the whole model, which --streaming never holds: "
+            "give a corpus or a file"
+        )
     if options.eval:  # the command line leaves the default corpus out (jobs.recipe.job_from)
         raise ConfigError(
             f"--streaming does not evaluate: drop --eval {cut(' '.join(options.eval))} (in Python, "
