@@ -11,7 +11,7 @@ from lmcompress.evaluation.generated import GREEDY_TOKENS, sample_windows
 from lmcompress.jobs.options import RunOptions
 from lmcompress.jobs.run import run
 from lmcompress.methods.wanda import WandaConfig
-from tests.conftest import make_tiny_model, make_tiny_tokenizer
+from conftest import make_tiny_model, make_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
