@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_tiny_model, make_tiny_tokenizer
 
 import lmcompress.evaluation.generated as generated
 from lmcompress.errors import ConfigError
@@ -11,7 +12,6 @@ from lmcompress.evaluation.generated import GREEDY_TOKENS, sample_windows
 from lmcompress.jobs.options import RunOptions
 from lmcompress.jobs.run import run
 from lmcompress.methods.wanda import WandaConfig
-from conftest import make_tiny_model, make_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
