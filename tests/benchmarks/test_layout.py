@@ -33,6 +33,7 @@ TORCH_AT_THE_TOP = {
     "layer_speed": "measured in the driver's own process",
     "load_checks": "measured in the driver's own process",
     "learned_speed": "measured in the driver's own process",
+    "kernels": "measured in the driver's own process",
     "pruning": "benchmarks.peers.run_peer, which prepares llm-compressor's calibration data",
 }
 

@@ -105,9 +105,12 @@ def test_refit_lowers_every_layers_output_error_and_keeps_the_budget(config):
             continue
         mine = _error(dense[name], _weight(model, name), seen[name])
         theirs = _error(dense[name], _weight(plain, name), seen[name])
-        # q/k/v: exactly the refit's inputs; the rest see the block's compressed layers
+        # q/k/v: exactly the refit's inputs; the rest see the block's compressed layers.
+        # SVD-LLM's truncation is already optimal for these inputs (the refit may only match
+        # it, to rounding: 1 + 6e-9 seen); GFWSVD's is not (0.999994 seen on q_proj).
         if name.split(".")[-1] in ("q_proj", "k_proj", "v_proj"):
-            assert mine < theirs, (name, mine, theirs)
+            bound = 1 + 1e-6 if isinstance(config, SVDLLMConfig) else 1 - 1e-6
+            assert mine < theirs * bound, (name, mine, theirs)
 
 
 def test_sequential_needs_a_method_weighted_by_the_input_gram():
