@@ -29,7 +29,7 @@ def print_summary(results: dict[str, Any]) -> None:
     kept = summary["params_kept"] / max(summary["params_compressed_layers"], 1)
     dtype = results["options"]["dtype"]
     print(
-        f"{summary['layers']} layers compressed in {results['seconds']:.1f} s: {kept:.1%} of "
+        f"{_layer_count(report)} in {results['seconds']:.1f} s: {kept:.1%} of "
         f"their weights kept; their compressed form takes "
         f"{summary['bytes_compressed'] / max(summary['bytes_dense'], 1):.1%} of their dense "
         f"{dtype} bytes (values plus their metadata: N:M positions or scales)"
@@ -40,6 +40,25 @@ def print_summary(results: dict[str, Any]) -> None:
         print(f"saved to {results['output']}: {describe_output(Path(results['output']))}")
     if results.get("speed"):
         print("\n" + speed_table(results["speed"]), end="")
+
+
+def _layer_count(report: CompressionReport) -> str:
+    """ "N layers compressed", and how many of the selected ones the method left as they were
+    (low rank's greedy allocation keeps a layer dense where a factor pair would not pay)."""
+    unchanged = sum(
+        1
+        for layer in report.layers
+        if layer.params_kept == layer.params
+        and not layer.sparsity
+        and layer.rank is None
+        and layer.bits is None
+    )
+    if not unchanged:
+        return f"{len(report.layers)} layers compressed"
+    return (
+        f"{len(report.layers) - unchanged} layers compressed ({unchanged} of the "
+        f"{len(report.layers)} selected left as they were)"
+    )
 
 
 def print_stages_summary(results: dict[str, Any]) -> None:
