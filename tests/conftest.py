@@ -108,6 +108,25 @@ def make_tiny_model(model_type: str, seed: int = 0, num_layers: int | None = Non
     return model.eval()
 
 
+def make_qwen3(seed: int = 0) -> transformers.PreTrainedModel:
+    """A random two-block Qwen3 (per-head q/k RMS norms), outside ``TINY_CONFIGS``: the shared
+    family fixtures do not include it; its tests are in ``compressor/model/test_qwen3.py``."""
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = 1, 2, 2
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
 def make_odd_llama(vocab_size: int = VOCAB):
     """A one-block Llama whose MLP width (36) is not divisible by 8: 4:8 cannot fit down_proj."""
     config = transformers.LlamaConfig(

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import make_qwen3, make_tiny_model
 
 from lmcompress.api import compress
 from lmcompress.cli.main import main
@@ -255,13 +255,13 @@ def test_cli_end_to_end_and_eval(tiny_checkpoint, tmp_path, capsys):
     assert config["quantization_config"]["format"] == "int-quantized"
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3"])
 @torch.no_grad()
 def test_smoothing_keeps_the_float_model_and_flattens_its_inputs(family):
     from lmcompress.compressor.calibration.observers import AbsMaxObserver, observe
     from lmcompress.methods.int8.smooth import smooth_, smoothing_groups
 
-    model = make_tiny_model(family)
+    model = make_qwen3() if family == "qwen3" else make_tiny_model(family)
     ids = _data()
     # give one input channel of every block an outlier, as real LLMs have
     for block in model.model.layers:

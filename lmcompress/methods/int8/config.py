@@ -47,7 +47,7 @@ class Int8Config(MethodConfig):
         default=0.0,
         metadata={
             "help": "SmoothQuant: move activation outliers into the weights with strength alpha "
-            "before quantizing (0: off; the paper uses 0.5); llama, mistral, qwen2"
+            "before quantizing (0: off; the paper uses 0.5); llama, mistral, qwen2, qwen3"
         },
     )
     head: Literal["float", "int8"] = field(

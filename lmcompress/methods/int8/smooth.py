@@ -11,8 +11,10 @@ the input, so the model computes exactly the same function in float:
 - a norm's weight (and bias) before the linears it feeds (attention q/k/v; MLP gate/up);
 - ``up_proj``'s output rows before ``down_proj`` (``act(gate) * up`` is linear in ``up``).
 
-Supported: the Llama-style families (llama, mistral, qwen2), whose blocks name these modules
-``input_layernorm``, ``post_attention_layernorm`` and ``mlp.{gate,up,down}_proj``. The
+Supported: the Llama-style families (llama, mistral, qwen2, qwen3), whose blocks name these
+modules ``input_layernorm``, ``post_attention_layernorm`` and ``mlp.{gate,up,down}_proj``
+(Qwen3's per-head q/k norms act on q_proj's and k_proj's outputs, which smoothing leaves
+unchanged). The
 statistics are the per-channel absmax of each group's input on the calibration windows.
 """
 
@@ -24,7 +26,7 @@ from torch import nn
 from lmcompress.compressor.model.families import decoder_blocks, family_of
 from lmcompress.errors import ConfigError
 
-SMOOTHABLE = ("llama", "mistral", "qwen2")
+SMOOTHABLE = ("llama", "mistral", "qwen2", "qwen3")
 # (producer of the input, the linears that read it), relative to a decoder block
 GROUPS = (
     ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),

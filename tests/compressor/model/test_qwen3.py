@@ -10,8 +10,7 @@ import json
 
 import pytest
 import torch
-import transformers
-from conftest import VOCAB, make_tiny_tokenizer
+from conftest import VOCAB, make_qwen3, make_tiny_tokenizer
 
 import lmcompress
 from lmcompress.cli.main import main
@@ -29,23 +28,6 @@ CONFIGS = {
     "wanda": lmcompress.WandaConfig(sparsity="2:4"),
     "sparsegpt": lmcompress.SparseGPTConfig(sparsity="2:4", calib_batch_size=2),
 }
-
-
-def make_qwen3(seed: int = 0) -> transformers.PreTrainedModel:
-    config = transformers.Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-    config.bos_token_id, config.eos_token_id, config.pad_token_id = 1, 2, 2
-    torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
 def test_qwen3_is_detected_and_its_block_linears_selected():
