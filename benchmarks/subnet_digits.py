@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.harness import Table, add_harness_args, run_table
+from benchmarks.subnet_digits_data import accuracy, load_split, new_network, split_info
 from benchmarks.subnet_digits_plot import plot, render
 from lmcompress.compressor.training.trainer import TrainConfig, Trainer
 from lmcompress.methods.subnet.config import SubnetConfig
@@ -47,7 +48,6 @@ from lmcompress.methods.subnet.learning import extract_layer, learnable, new_mas
 log = logging.getLogger(__name__)
 
 NAME = "subnet_digits"
-SPLIT_SEED = 0
 LAYERS = ("fc1", "fc2", "fc3")
 FULL: dict[str, Any] = {
     "seeds": [0, 1, 2],
@@ -60,6 +60,9 @@ FULL: dict[str, Any] = {
     "other_constraint": "penalty",  # compared at OTHER_TARGETS, with rescaling
     "other_constraint_weight": 1.0,
     "other_targets": [0.7, 0.9],
+    # the constraint times layer size / mean size (constraint_scale="size"), both kinds
+    "size_scaled": [["penalty", 1.0], ["lagrangian", 0.01]],
+    "size_targets": [0.9, 0.95],
     "lr": 50.0,
     "momentum": 0.9,
     "scale_lr": 1e-3,
@@ -83,59 +86,9 @@ QUICK: dict[str, Any] = {
     "epochs": 12,
     "targets": [0.5],
     "other_targets": [],
+    "size_scaled": [["penalty", 1.0]],
+    "size_targets": [0.5],
 }
-
-
-def load_split(split_seed: int = SPLIT_SEED) -> dict[str, torch.Tensor]:
-    """Stratified 60/20/20 split of ``load_digits``; features ÷ 16 (in [0, 1])."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    X, y = load_digits(return_X_y=True)
-    X_train, X_rest, y_train, y_rest = train_test_split(
-        X, y, test_size=0.4, stratify=y, random_state=split_seed
-    )
-    X_val, X_test, y_val, y_test = train_test_split(
-        X_rest, y_rest, test_size=0.5, stratify=y_rest, random_state=split_seed
-    )
-    data = {}
-    for part, (features, labels) in {
-        "train": (X_train, y_train),
-        "val": (X_val, y_val),
-        "test": (X_test, y_test),
-    }.items():
-        data[f"X_{part}"] = torch.tensor(features / 16.0, dtype=torch.float32)
-        data[f"y_{part}"] = torch.tensor(labels, dtype=torch.long)
-    return data
-
-
-class MLP(nn.Module):
-    """64→H→H→10, ReLU; weights Kaiming-normal (fan in), biases U(±1/√fan_in) (the reference)."""
-
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.fc1, self.fc2, self.fc3 = (
-            nn.Linear(64, hidden),
-            nn.Linear(hidden, hidden),
-            nn.Linear(hidden, 10),
-        )
-        for layer in (self.fc1, self.fc2, self.fc3):
-            nn.init.kaiming_normal_(layer.weight, nonlinearity="relu", mode="fan_in")
-            bound = 1 / layer.in_features**0.5
-            nn.init.uniform_(layer.bias, -bound, bound)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
-
-
-def new_network(hidden: int, seed: int) -> MLP:
-    torch.manual_seed(seed)
-    return MLP(hidden).requires_grad_(False)
-
-
-@torch.no_grad()
-def accuracy(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> float:
-    return float((model(X).argmax(-1) == y).float().mean())
 
 
 def peak_rss_mb() -> float:
@@ -143,7 +96,12 @@ def peak_rss_mb() -> float:
 
 
 def mask_config(
-    hp: dict[str, Any], target: float | None, rescale: bool, constraint: str, weight: float
+    hp: dict[str, Any],
+    target: float | None,
+    rescale: bool,
+    constraint: str,
+    weight: float,
+    scale: str = "relative",
 ) -> SubnetConfig:
     """Threshold extraction without a constraint (``target`` None: the sparsity emerges), else
     top-k at ``target``."""
@@ -156,6 +114,7 @@ def mask_config(
         extract="topk" if target is not None else "threshold",
         constraint=constraint if target is not None else "none",
         constraint_weight=weight,
+        constraint_scale=scale,
     )
 
 
@@ -194,12 +153,13 @@ def train_mask(
     rescale: bool,
     constraint: str,
     constraint_weight: float,
+    scale: str = "relative",
 ) -> dict[str, Any]:
     """One subnetwork of the seed's random network, learned with the library's Trainer; the
     extracted model at the epoch of best hard-mask val accuracy, scored on test."""
     started = time.perf_counter()
     model = new_network(hp["hidden"], seed)
-    config = mask_config(hp, target, rescale, constraint, constraint_weight)
+    config = mask_config(hp, target, rescale, constraint, constraint_weight, scale)
     modules = {name: getattr(model, name) for name in LAYERS}
     masks = {name: new_mask(config, name, module, None) for name, module in modules.items()}
     trained = learnable(config, masks)  # logits, scales, multipliers; the keep-rate term
@@ -327,25 +287,25 @@ def run(hp: dict[str, Any]) -> dict[str, Any]:
     """Every row at every seed; rows carry their per-seed results."""
     data = load_split()
     rows: list[dict[str, Any]] = []
-    settings = [(None, r, "none", 0.0) for r in (True, False)]
-    settings += [
-        (t, r, hp["constraint"], hp["constraint_weight"])
-        for t in hp["targets"]
-        for r in (True, False)
-    ]
-    settings += [(t, True, hp["other_constraint"], hp["other_constraint_weight"])
+    settings = [(None, r, "none", 0.0, "relative") for r in (True, False)]
+    settings += [(t, r, hp["constraint"], hp["constraint_weight"], "relative")
+                 for t in hp["targets"] for r in (True, False)]  # fmt: skip
+    settings += [(t, True, hp["other_constraint"], hp["other_constraint_weight"], "relative")
                  for t in hp["other_targets"]]  # fmt: skip
-    for target, rescale, constraint, weight in settings:
+    settings += [(t, True, kind, weight, "size")
+                 for kind, weight in hp["size_scaled"] for t in hp["size_targets"]]  # fmt: skip
+    for target, rescale, constraint, weight, scale in settings:
         row = {"kind": "extracted", "target": target, "rescale": rescale,
-               "constraint": constraint, "constraint_weight": weight, "seeds": {}}  # fmt: skip
+               "constraint": constraint, "constraint_weight": weight,
+               "constraint_scale": scale, "seeds": {}}  # fmt: skip
         random_row = {"kind": "random", "target": target, "seeds": {}}
         for seed in hp["seeds"]:
-            result = train_mask(data, hp, seed, target, rescale, constraint, weight)
+            result = train_mask(data, hp, seed, target, rescale, constraint, weight, scale)
             row["seeds"][str(seed)] = result
             log.info("%s %s %s seed %d: test %.4f sparsity %.3f (%.1f s)", target, rescale,
                      constraint, seed, result["test_acc"], result["sparsity"],
                      result["seconds"])  # fmt: skip
-            if rescale and (target is None or constraint == hp["constraint"]):
+            if rescale and scale == "relative" and constraint in (hp["constraint"], "none"):
                 random_row["seeds"][str(seed)] = random_subnet(
                     data, hp, seed, result["kept_per_layer"]
                 )
@@ -356,18 +316,7 @@ def run(hp: dict[str, Any]) -> dict[str, Any]:
     for seed in hp["seeds"]:
         dense["seeds"][str(seed)] = train_dense(data, hp, seed)
     rows.append(dense)
-    return {"rows": rows, "split": _split_info(data)}
-
-
-def _split_info(data: dict[str, torch.Tensor]) -> dict[str, Any]:
-    return {
-        "dataset": "sklearn.datasets.load_digits",
-        "features": "pixel / 16",
-        "fractions": [0.6, 0.2, 0.2],
-        "stratified": True,
-        "split_seed": SPLIT_SEED,
-        "sizes": {p: len(data[f"y_{p}"]) for p in ("train", "val", "test")},
-    }
+    return {"rows": rows, "split": split_info(data)}
 
 
 def measure(args: argparse.Namespace, _names: list[str], _previous: dict) -> Iterator[dict]:

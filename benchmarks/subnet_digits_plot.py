@@ -90,8 +90,14 @@ def render(payload: dict[str, Any]) -> str:
             table.append([_label(row) + " ×1/keep", sparsity, rescaled, *["-"] * 4, seconds])
             continue
         label = _label(row)
-        if row["kind"] == "extracted" and row["constraint"] != hp["constraint"] and row["target"]:
-            label += f" ({row['constraint']} {row['constraint_weight']:g})"
+        scaled = row.get("constraint_scale", "relative") == "size"
+        if (
+            row["kind"] == "extracted"
+            and row["target"]
+            and (row["constraint"] != hp["constraint"] or scaled)
+        ):
+            label += f" ({row['constraint']} {row['constraint_weight']:g}"
+            label += ", size-scaled)" if scaled else ")"
         curves = _values(row, "val_curve")
         table.append([
             label, sparsity, _pct(_values(row, "test_acc")), _pct(_values(row, "val_acc")),
@@ -128,7 +134,7 @@ def plot(payload: dict[str, Any], results_dir: Path, path: Path) -> None:  # noq
 
     hp, rows = payload["hyperparameters"], payload["rows"]
     main = [r for r in rows if r["kind"] == "extracted" and r["constraint"] in
-            (hp["constraint"], "none")]  # fmt: skip
+            (hp["constraint"], "none") and r.get("constraint_scale") != "size"]  # fmt: skip
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
     for rescale, color in ((True, "C0"), (False, "C1")):
         for paper in (False, True):

@@ -178,6 +178,35 @@ def test_the_keep_rate_constraint_by_hand(kind):
         torch.testing.assert_close(constraint.multipliers.grad, torch.tensor([[-d], [-(d**2)]]))
 
 
+@pytest.mark.parametrize("scale", ["relative", "size"])
+def test_the_size_scaled_constraint_pulls_every_layers_logits_alike(scale):
+    """Two layers of 64 and 256 logits, all 1, target k = 0.5, λ1 = 1: relative pulls a logit
+    of the small layer 4x harder (∝ 1 / (k · N)); size multiplies d_l by N_l / mean N (0.4 and
+    1.6), so both pull sigmoid'(1) / (k · 160) per logit, and keep_dev stays the relative one."""
+    config = SubnetConfig(sparsity="0.5", constraint="lagrangian", constraint_scale=scale)
+    masks = {}
+    for name, width in (("small", 8), ("large", 32)):
+        layer = torch.nn.Linear(width, 8)
+        masks[name] = KeepLogitMask(torch.full((8, width), 1.0), Sparsity(ratio=0.5))
+        add_parametrization(layer, masks[name])
+    constraint = KeepRateConstraint(config, masks)
+    with torch.no_grad():
+        constraint.multipliers.copy_(torch.tensor([[1.0, 1.0], [0.0, 0.0]]))
+    term, logs = constraint(0)
+    term.backward()
+    d = (1 / (1 + math.exp(-1)) - 0.5) / 0.5
+    assert logs["keep_dev"] == pytest.approx(d, rel=1e-6)
+    sigmoid_slope = math.exp(-1) / (1 + math.exp(-1)) ** 2
+    for name, size in (("small", 64), ("large", 256)):
+        per_logit = sigmoid_slope / (0.5 * (160 if scale == "size" else size))
+        torch.testing.assert_close(
+            masks[name].logits.grad,
+            torch.full_like(masks[name].logits, per_logit),
+            rtol=1e-5,
+            atol=0,
+        )
+
+
 def test_killed_run_resumes_to_the_same_subnetwork(tmp_path, monkeypatch):
     config = dict(sparsity="0.5", steps=6, batch_size=2, prior="magnitude")
     _, _, straight = _run(SubnetConfig(**config))

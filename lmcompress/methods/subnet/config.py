@@ -11,6 +11,7 @@ from lmcompress.methods.subnet.parametrization import Scale
 
 Prior = Literal["sparsegpt", "wanda", "magnitude", "none"]
 Constraint = Literal["lagrangian", "penalty", "none"]
+ConstraintScale = Literal["relative", "size"]
 Extract = Literal["topk", "threshold"]
 CONSTRAINTS: tuple[str, ...] = get_args(Constraint)
 
@@ -57,6 +58,14 @@ class SubnetConfig(PruningConfig):
     constraint_weight: float = field(
         default=1.0,
         metadata={"help": "penalty: its weight; lagrangian: the multipliers' learning rate"},
+    )
+    constraint_scale: ConstraintScale = field(
+        default="relative",
+        metadata={
+            "help": "each layer's deviation: relative, (r - k) / k, whose pull on one logit "
+            "scales as 1 / (k x layer size); size: that times the layer's size over the mean "
+            "size of the constrained layers, the same pull on a logit in every layer"
+        },
     )
     extract: Extract = field(
         default="topk",

@@ -11,6 +11,10 @@ The constraint, per unstructured layer with target keep rate ``k`` and expected 
   pruning (Wang et al. 2020; Sheared LLaMA): the multipliers grow while the rate is off target,
   so the optimum is on the constraint rather than at "keep everything".
 
+``d`` pulls each logit with a gradient ∝ 1 / (k · N_l), ``N_l`` the layer's size: small layers
+and small targets are pulled hardest. ``constraint_scale="size"`` multiplies ``d_l`` by
+``N_l / mean_l N_l``, the same pull on a logit in every layer.
+
 N:M layers keep exactly ``n`` of ``m`` by construction and get no term.
 """
 
@@ -70,6 +74,11 @@ class KeepRateConstraint(nn.Module):
         self.kind, self.weight = config.constraint, config.constraint_weight
         self.masks = {n: m for n, m in masks.items() if not config.sparsity_of(n).is_nm}
         self.targets = {n: 1.0 - config.sparsity_of(n).ratio for n in self.masks}
+        sizes = torch.tensor([float(m.logits.numel()) for m in self.masks.values()])
+        size_scaled = config.constraint_scale == "size" and len(sizes) > 0
+        self.register_buffer(
+            "scales", sizes / sizes.mean() if size_scaled else torch.ones(len(sizes))
+        )
         layers = len(self.masks)
         self.multipliers = nn.Parameter(torch.zeros(2, layers)) if layers else None
 
@@ -80,19 +89,21 @@ class KeepRateConstraint(nn.Module):
         return {name: self.multipliers}, {name: {"lr": self.weight, "weight_decay": 0.0}}
 
     def deviations(self) -> torch.Tensor:
-        """``(r_l − k_l) / k_l`` per constrained layer."""
-        return torch.stack(
+        """``(r_l − k_l) / k_l`` per constrained layer (``constraint_scale="size"``: times
+        ``N_l / mean N``, so that a logit's pull no longer shrinks with its layer's size)."""
+        relative = torch.stack(
             [
                 (torch.sigmoid(m.logits).mean() - self.targets[n]) / self.targets[n]
                 for n, m in self.masks.items()
             ]
         )
+        return relative * self.scales
 
     def forward(self, _step: int) -> tuple[torch.Tensor, dict[str, float]]:
         if self.kind == "none" or not self.masks:
             return torch.zeros(()), {}
         d = self.deviations()
-        logs = {"keep_dev": float(d.detach().abs().max())}
+        logs = {"keep_dev": float((d.detach() / self.scales).abs().max())}  # relative
         if self.kind == "penalty":
             return self.weight * d.square().mean(), logs
         lam = _Reverse.apply(self.multipliers)
