@@ -16,7 +16,9 @@ block by block on the compressed model with the calibration windows (``methods.s
 the ranks still from the cached dense statistics; ``distill`` then trains every factor pair one
 epoch of the windows on the dense model's logits (``methods.svd.tuning``, in ``factorise s``);
 ``calib self``: the windows are sampled from the dense model (``--calib self``, the sampling
-time inside ``factorise s``) rather than drawn from ``wiki-calib``.
+time inside ``factorise s``) rather than drawn from ``wiki-calib``; ``N windows``: the job draws
+N windows of ``wiki-calib`` (``--nsamples N``) for the block-by-block pass and the distillation,
+the statistics still the cached 128.
 ``combined`` factorises the MLP layers with GFWSVD and
 prunes the attention layers with SparseGPT 2:4. ``cli`` runs ``compress-model --method gfwsvd``
 end to end (gradient pass included) with the dense copy off, checks the size of
@@ -79,7 +81,20 @@ VARIANTS = {
         "distill_lr": 1e-4,
         "calib": "self",
     },  # fmt: skip
+    # more distinct text instead of more epochs: the same steps as 4 (2) epochs of 128 windows
+    "distill 512 windows lr 1e-4": {
+        "distill_steps": 4 * NSAMPLES,
+        "distill_lr": 1e-4,
+        "nsamples": 4 * NSAMPLES,
+    },
+    "distill 256 windows 2 epochs lr 1e-4": {
+        "distill_steps": 4 * NSAMPLES,
+        "distill_lr": 1e-4,
+        "nsamples": 2 * NSAMPLES,
+    },
 }
+# variant keys that change the job's text (RunOptions), not the method's options
+JOB_KEYS = ("calib", "nsamples")
 VARIANT_ROWS = {
     "svd-llm": ("refit", "sequential", "sequential+refit"),
     "gfwsvd": tuple(VARIANTS),

@@ -21,7 +21,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.lowrank import CHECKPOINT, CORPORA, METHODS, NSAMPLES, SEED, SEQ_LEN, VARIANTS
+from benchmarks.lowrank import (
+    CHECKPOINT,
+    CORPORA,
+    JOB_KEYS,
+    METHODS,
+    NSAMPLES,
+    SEED,
+    SEQ_LEN,
+    VARIANTS,
+)
 from lmcompress import compress
 from lmcompress.compressor.calibration.gradients import gradient_statistics
 from lmcompress.compressor.method import Stats
@@ -37,15 +46,17 @@ from lmcompress.methods.svd.fisher import SampleStore, fwsvd_stats, gfwsvd_stats
 from lmcompress.methods.svd.sequential import compress_sequential
 
 
-def setup(eval_tokens: int | None = None, calib: str = "wiki-calib") -> tuple[nn.Module, JobText]:
-    """The dense model and the text of the job: the calibration windows (wiki-calib, or sampled
-    from the dense model with ``calib="self"``), and the eval corpora."""
+def setup(
+    eval_tokens: int | None = None, calib: str = "wiki-calib", nsamples: int = NSAMPLES
+) -> tuple[nn.Module, JobText]:
+    """The dense model and the text of the job: ``nsamples`` calibration windows (wiki-calib,
+    or sampled from the dense model with ``calib="self"``), and the eval corpora."""
     torch.set_grad_enabled(False)
     model, tokenizer = load_model(CHECKPOINT)
     options = RunOptions(
         checkpoint=CHECKPOINT,
         calib=calib,
-        nsamples=NSAMPLES,
+        nsamples=nsamples,
         seq_len=SEQ_LEN,
         seed=SEED,
         eval=CORPORA,
@@ -107,7 +118,7 @@ def factorise(model: nn.Module, spec: dict[str, Any], stats_dir: Path, text: Job
     options = {"ratio": spec["ratio"], "allocation": spec.get("allocation", "uniform")}
     if combined:
         options["include"] = ("model.layers.*.mlp.*",)
-    variant = {k: v for k, v in VARIANTS.get(spec.get("variant"), {}).items() if k != "calib"}
+    variant = {k: v for k, v in VARIANTS.get(spec.get("variant"), {}).items() if k not in JOB_KEYS}
     method = method_class(method_class.config_class(**options, **overrides, **variant))
     cached = Stats() if stats_file is None else Stats.load(stats_dir / f"{stats_file}.safetensors")
     start = time.perf_counter()
@@ -136,8 +147,8 @@ def factorise(model: nn.Module, spec: dict[str, Any], stats_dir: Path, text: Job
 
 def apply(spec: dict[str, Any], stats_dir: Path, eval_tokens: int) -> dict[str, Any]:
     """Factorise (unless dense) and score; the row's numbers."""
-    calib = VARIANTS.get(spec.get("variant"), {}).get("calib", "wiki-calib")
-    model, text = setup(eval_tokens, calib)
+    job = {k: v for k, v in VARIANTS.get(spec.get("variant"), {}).items() if k in JOB_KEYS}
+    model, text = setup(eval_tokens, **job)
     result = {} if spec["method"] == "dense" else factorise(model, spec, stats_dir, text)
     scores = evaluate(model, text.tokenizer, text.corpora, text.options)
     result["ppl"] = {corpus: found["perplexity"] for corpus, found in scores.items()}
