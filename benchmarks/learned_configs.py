@@ -128,5 +128,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "note": "subnet block-wise with 2:4 patterns (benchmarks.subnet's subnet-24-refit), "
                 "re-fitted, then tuned: the same budget as maskllm-blockwise-tune",
     },
+    "subnet-24-blockwise-tune-schedules": {
+        "sparsity": "2:4",
+        "stages": [{"method": "subnet",
+                    "args": [*SUBNET_BLOCKWISE, "--tau", "4", "--tau-end", "0.05", "--kappa", "0.5",
+                             "2.5", "--refit", "sparsegpt", *TUNE]}],
+        "note": "subnet-24-blockwise-tune with MaskLLM's schedules on the 2:4 sampler: tau 4 "
+                "-> 0.05, kappa 0.5 -> 2.5, where MaskLLM's 100 -> 500 put its prior's "
+                "candidate logits (0.03 per shared weight at init std 0.01) at 3 -> 15 per "
+                "shared weight, subnet's +-3 logits at 6 -> 30",
+    },
 }
 # fmt: on

@@ -167,7 +167,8 @@ def train_mask(
     config = mask_config(hp, target, rescale, constraint, constraint_weight, scale)
     modules = {name: getattr(model, name) for name in LAYERS}
     masks = {name: new_mask(config, name, module, None) for name, module in modules.items()}
-    trained = learnable(config, masks)  # logits, scales, multipliers; the keep-rate term
+    training = train_config(data, hp, seed)
+    trained = learnable(config, masks, training.steps)  # logits, scales, multipliers, keep rate
     params, options, keep_rate = trained.params, trained.param_options, trained.extra_loss
 
     def loss_fn(net: nn.Module, batch: tuple, step: int) -> tuple[torch.Tensor, dict]:
@@ -194,7 +195,7 @@ def train_mask(
     trainer = Trainer(
         model,
         params,
-        train_config(data, hp, seed),
+        training,
         loss_fn,
         evaluate=evaluate,
         collate=lambda _examples, idx: (data["X_train"][idx], data["y_train"][idx]),

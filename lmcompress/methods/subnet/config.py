@@ -35,6 +35,21 @@ class SubnetConfig(PruningConfig):
 
     training: TrainingOptions = field(default_factory=paper_training)
     tau: float = field(default=1.0, metadata={"help": "Gumbel-softmax temperature"})
+    tau_end: float | None = field(
+        default=None,
+        metadata={
+            "help": "anneal the temperature linearly from --tau to this over the steps "
+            "(MaskLLM's schedule; none: constant --tau)"
+        },
+    )
+    kappa: tuple[float, float] = field(
+        default=(1.0, 1.0),
+        metadata={
+            "help": "N:M layers: scale of the logits in the pattern sampler, linear from START "
+            "to END (MaskLLM's κ; 1 1: the conditional Bernoulli as it is)",
+            "metavar": ("START", "END"),
+        },
+    )
     scale: Scale = field(
         default="layer",
         metadata={"help": "learned rescaling of the kept weights: per layer, per row, or none"},
@@ -80,10 +95,16 @@ class SubnetConfig(PruningConfig):
         super().__post_init__()
         if self.tau <= 0 or self.scale_lr <= 0 or self.constraint_weight < 0:
             raise ConfigError("tau and scale_lr must be positive, constraint_weight >= 0")
+        if (self.tau_end is not None and self.tau_end <= 0) or min(self.kappa) <= 0:
+            raise ConfigError(
+                f"tau_end and kappa must be positive, got {self.tau_end}, {self.kappa}"
+            )
         if self.prior_strength < 0:
             raise ConfigError(f"prior_strength must be >= 0, got {self.prior_strength}")
         nm = self.sparsity.is_nm or any(s.is_nm for _, s in self.layer_rules)
         if self.extract == "threshold" and nm:
             raise ConfigError("--extract threshold is for unstructured masks, not N:M")
+        if self.kappa != (1.0, 1.0) and not nm:
+            raise ConfigError("--kappa scales the N:M pattern sampler: it needs an N:M sparsity")
         if self.scope.blockwise and self.training.fsdp:
             raise ConfigError("--fsdp is for end-to-end training; --blockwise runs one process")

@@ -16,6 +16,11 @@ and small targets are pulled hardest. ``constraint_scale="size"`` multiplies ``d
 ``N_l / mean_l N_l``, the same pull on a logit in every layer.
 
 N:M layers keep exactly ``n`` of ``m`` by construction and get no term.
+
+``tau_end`` and ``kappa`` are MaskLLM's schedules on this sampler: τ linear from ``tau`` to
+``tau_end`` (every layer's relaxation; the hard forward sample does not depend on τ), κ linear
+from ``kappa[0]`` to ``kappa[1]`` on the N:M layers' pattern logits (κ > 1 sharpens the
+sampled distribution towards the extracted pattern as training ends).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from lmcompress.compressor.model.surgery import add_parametrization, weight_matr
 from lmcompress.compressor.report import LayerReport
 from lmcompress.compressor.training.drivers import Learnable
 from lmcompress.methods.common import prune_layer_
+from lmcompress.methods.maskllm.masks import linear_schedule
 from lmcompress.methods.subnet.config import SubnetConfig
 from lmcompress.methods.subnet.parametrization import KeepLogitMask
 from lmcompress.methods.subnet.sampling import extract_keep
@@ -143,10 +149,27 @@ def extract_layer(
     return prune_layer_(name, module, keep, config.sparsity_of(name), started, new_weight)
 
 
-def learnable(config: SubnetConfig, masks: dict[str, KeepLogitMask]) -> Learnable:
+def schedules(config: SubnetConfig, masks: dict[str, KeepLogitMask], steps: int):
+    """``before_step(step)`` setting τ and κ on every mask over ``steps`` (None: no schedule,
+    constant τ and κ 1, nothing logged)."""
+    if config.tau_end is None and config.kappa == (1.0, 1.0):
+        return None
+
+    def before_step(step: int) -> dict[str, float]:
+        tau = linear_schedule(config.tau, config.tau_end or config.tau, step, steps)
+        kappa = linear_schedule(*config.kappa, step, steps)
+        for mask in masks.values():
+            mask.tau, mask.kappa = tau, kappa
+        return {"tau": tau, "kappa": kappa}
+
+    return before_step
+
+
+def learnable(config: SubnetConfig, masks: dict[str, KeepLogitMask], steps: int) -> Learnable:
     """The logits (the trainer's lr), the scales (``scale_lr``, no weight decay) and the
-    constraint's multipliers, with the constraint as the extra loss term; ``masks`` switch to
-    their extracted (``hard``) form for the hard perplexity and block error."""
+    constraint's multipliers, with the constraint as the extra loss term and the τ/κ schedules
+    over ``steps``; ``masks`` switch to their extracted (``hard``) form for the hard perplexity
+    and block error."""
     params: dict[str, nn.Parameter] = {}
     options: dict[str, dict[str, float]] = {}
     for name, mask in masks.items():
@@ -159,5 +182,6 @@ def learnable(config: SubnetConfig, masks: dict[str, KeepLogitMask]) -> Learnabl
         params={**params, **extra},
         extra_loss=constraint,
         param_options={**options, **extra_options},
+        before_step=schedules(config, masks, steps),
         masks=list(masks.values()),
     )

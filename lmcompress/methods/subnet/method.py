@@ -127,7 +127,7 @@ class Subnet(PruningMethod):
         result = learn_end_to_end(
             model,
             train_data,
-            learnable(config, masks),
+            learnable(config, masks, config.training.steps),
             self._train_config(mmap_threshold=MMAP_THRESHOLD),
             eval_data=eval_data,
             checkpoints=Checkpoints.of(config),
@@ -160,7 +160,7 @@ class Subnet(PruningMethod):
                     H = accumulators[n].H
                     keep = prior.mask(W, prior.from_hessian(H), config.sparsity_of(n))
                 masks[n] = new_mask(config, n, layers[n], keep)
-            trained = learnable(config, masks)
+            trained = learnable(config, masks, training.steps)
 
             def finish() -> list[LayerReport]:
                 reports = []

@@ -41,6 +41,7 @@ class KeepLogitMask(nn.Module):
             raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
         self.logits = nn.Parameter(logits)
         self.target, self.tau, self.transposed = target, tau, transposed
+        self.kappa = 1.0  # N:M: the scale of the pattern logits (a schedule sets it per step)
         self.hard = False  # True: the extracted mask instead of a sample
         shape = {"layer": (), "row": (logits.shape[0], 1), "none": None}[scale]
         self.scale = (
@@ -71,7 +72,7 @@ class KeepLogitMask(nn.Module):
         elif self.candidates is not None:
             groups = self.logits.numel() // self.candidates.shape[1]
             noise = gumbel_noise((groups, self.candidates.shape[0]), device=self.logits.device)
-            mask = nm_sample(self.logits, self.candidates, self.tau, noise)
+            mask = nm_sample(self.logits, self.candidates, self.tau, noise, kappa=self.kappa)
         else:
             noise = logistic_noise(self.logits.shape, device=self.logits.device)
             mask = keep_sample(self.logits, self.tau, noise)

@@ -56,11 +56,16 @@ def nm_sample(
     tau: float,
     noise: torch.Tensor,
     hard: bool = True,
+    kappa: float = 1.0,
 ) -> torch.Tensor:
     """One N:M pattern per group of ``m`` weights: logits (..., in) with in % m == 0, candidates
-    (C, m), Gumbel noise (G, C). Returns the sampled mask shaped like ``logits``."""
+    (C, m), Gumbel noise (G, C). ``kappa`` scales the patterns' log-probabilities (MaskLLM's κ:
+    > 1 sharpens the distribution towards the most probable pattern). Returns the sampled mask
+    shaped like ``logits``."""
     m = candidates.shape[1]
     groups = logits.reshape(-1, m) @ candidates.T  # (G, C): the patterns' log-probabilities
+    if kappa != 1.0:
+        groups = groups * kappa
     soft = torch.softmax((groups + noise) / tau, dim=-1)
     if hard:
         index = (groups + noise).argmax(-1, keepdim=True)
