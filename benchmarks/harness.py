@@ -152,13 +152,25 @@ def merge_results(
 ) -> None:
     """``--merge``: the rows of ``others``' ``NAME.json`` replace those of the same name in
     ``results_dir``'s (``empty(results_dir)`` where there is none yet), in the job table's
-    ``order``; the md and PNG are redrawn."""
+    ``order``; the md and PNG are redrawn. A merged row measured on another host than the
+    file's keeps its host record as the row's ``machine`` (machines here differ)."""
     payload = read_json(results_dir / f"{name}.json") or empty(results_dir)
     rows = payload["results"]
     for other in others:
-        new = read_json(other / f"{name}.json")["results"]
+        found = read_json(other / f"{name}.json")
+        new = [
+            _with_host(row, found.get("machine"), payload.get("machine"))
+            for row in found["results"]
+        ]
         rows = merge_rows(rows, new, key=by_name, order=order)
     write_results(results_dir, name, {**payload, "results": rows}, render, plot)
+
+
+def _with_host(row: Record, host: Record | None, file_host: Record | None) -> Record:
+    """``row`` with ``host`` as its ``machine`` where that differs from the file's host."""
+    if not host or host == file_host or "machine" in row:
+        return row
+    return {**row, "machine": host}
 
 
 def select_jobs(parser: argparse.ArgumentParser, names: Sequence[str], only: Sequence[str]) -> list:

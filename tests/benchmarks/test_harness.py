@@ -124,3 +124,17 @@ def test_machine_records_the_cpu_threads_and_versions():
     assert set(host["isa"] or ()) <= set(ISA_FLAGS)
     assert host["torch_threads"] >= 1 and host["torch"] and host["cpu_count"] >= 1
     assert {"cpu_model", "omp_num_threads", "torch_cpu_capability", "transformers"} <= set(host)
+
+
+def test_a_row_merged_from_another_host_keeps_that_host(tmp_path):
+    other_host = {"cpu_model": "other CPU", "torch_threads": 1}
+    for name, host, row in [("main", HOST, "a"), ("same", HOST, "b"), ("other", other_host, "c")]:
+        (tmp_path / name).mkdir()
+        payload = {"machine": host, "results": [{"name": row, "value": 1}]}
+        (tmp_path / name / "toy.json").write_text(json.dumps(payload))
+    harness.merge_results(tmp_path / "main", [tmp_path / "same", tmp_path / "other"], "toy",
+                          ["a", "b", "c"], lambda _d: {"results": []}, _render)  # fmt: skip
+    merged = json.loads((tmp_path / "main" / "toy.json").read_text())
+    assert merged["machine"] == HOST
+    assert [r["name"] for r in merged["results"]] == ["a", "b", "c"]
+    assert [r.get("machine") for r in merged["results"]] == [None, None, other_host]
