@@ -22,6 +22,18 @@ def test_committed_markdown_is_rendered_from_its_json(name):
     assert module.render(payload) == (RESULTS_DIR / f"{module.NAME}.md").read_text()
 
 
+# tables of a benchmark run on another host than its main file's (benchmark, results JSON);
+# (speed_compiled*/ hold ``compress-model bench -o`` outputs, another format)
+OTHER_HOSTS = [("learned", "learned_epyc/learned.json")]
+
+
+@pytest.mark.parametrize(("name", "path"), OTHER_HOSTS)
+def test_the_tables_of_other_hosts_are_rendered_from_their_json(name, path):
+    module = importlib.import_module(f"benchmarks.{name}")
+    payload = json.loads((RESULTS_DIR / path).read_text())
+    assert module.render(payload) == (RESULTS_DIR / path).with_suffix(".md").read_text()
+
+
 @pytest.mark.parametrize("name", BENCHMARKS)
 def test_render_only_rewrites_the_md_and_png_and_nothing_else(tmp_path, name):
     module = importlib.import_module(f"benchmarks.{name}")
