@@ -129,13 +129,13 @@ def plot(payload: dict[str, Any], results_dir: Path, path: Path) -> None:  # noq
                     for r in rows
                     if r["method"] == method and r["allocation"] == allocation
                 )
-                if len(points) == 1:
-                    style = "x" if allocation == "greedy" else "o"
+                marker = "o"
+                if len(points) == 1:  # a lone point: no line
+                    style, marker = "none", "x" if allocation == "greedy" else "o"
                 if points:
                     xs, ys = zip(*points, strict=True)
                     label = f"{LABELS[method]}{' greedy' if allocation == 'greedy' else ''}"
-                    ax.plot(xs, ys, style, color=f"C{i}", marker="o" if style != "x" else "x",
-                            label=label)  # fmt: skip
+                    ax.plot(xs, ys, linestyle=style, color=f"C{i}", marker=marker, label=label)
         for row in variants:
             marker = VARIANT_MARKERS.get(row["variant"], "*")
             ax.scatter(row["ratio"], row["ppl"][corpus], marker=marker, facecolors="none",
