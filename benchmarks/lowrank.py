@@ -81,20 +81,22 @@ VARIANTS = {
         "distill_lr": 1e-4,
         "calib": "self",
     },  # fmt: skip
-    # more distinct text instead of more epochs: the same steps as 4 (2) epochs of 128 windows
+    # more distinct text instead of more epochs: the same steps as 4 epochs of 128 windows
     "distill 512 windows lr 1e-4": {
         "distill_steps": 4 * NSAMPLES,
         "distill_lr": 1e-4,
         "nsamples": 4 * NSAMPLES,
     },
-    "distill 256 windows 2 epochs lr 1e-4": {
-        "distill_steps": 4 * NSAMPLES,
-        "distill_lr": 1e-4,
-        "nsamples": 2 * NSAMPLES,
-    },
 }
 # variant keys that change the job's text (RunOptions), not the method's options
 JOB_KEYS = ("calib", "nsamples")
+
+
+def variant_options(variant: str | None, job: bool) -> dict[str, Any]:
+    """The options of ``variant`` (None: none) for the job's text (``job``) or the method."""
+    return {k: v for k, v in VARIANTS.get(variant, {}).items() if (k in JOB_KEYS) == job}
+
+
 VARIANT_ROWS = {
     "svd-llm": ("refit", "sequential", "sequential+refit"),
     "gfwsvd": tuple(VARIANTS),

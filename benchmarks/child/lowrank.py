@@ -24,12 +24,11 @@ from torch import nn
 from benchmarks.lowrank import (
     CHECKPOINT,
     CORPORA,
-    JOB_KEYS,
     METHODS,
     NSAMPLES,
     SEED,
     SEQ_LEN,
-    VARIANTS,
+    variant_options,
 )
 from lmcompress import compress
 from lmcompress.compressor.calibration.gradients import gradient_statistics
@@ -118,7 +117,7 @@ def factorise(model: nn.Module, spec: dict[str, Any], stats_dir: Path, text: Job
     options = {"ratio": spec["ratio"], "allocation": spec.get("allocation", "uniform")}
     if combined:
         options["include"] = ("model.layers.*.mlp.*",)
-    variant = {k: v for k, v in VARIANTS.get(spec.get("variant"), {}).items() if k not in JOB_KEYS}
+    variant = variant_options(spec.get("variant"), job=False)
     method = method_class(method_class.config_class(**options, **overrides, **variant))
     cached = Stats() if stats_file is None else Stats.load(stats_dir / f"{stats_file}.safetensors")
     start = time.perf_counter()
@@ -147,8 +146,7 @@ def factorise(model: nn.Module, spec: dict[str, Any], stats_dir: Path, text: Job
 
 def apply(spec: dict[str, Any], stats_dir: Path, eval_tokens: int) -> dict[str, Any]:
     """Factorise (unless dense) and score; the row's numbers."""
-    job = {k: v for k, v in VARIANTS.get(spec.get("variant"), {}).items() if k in JOB_KEYS}
-    model, text = setup(eval_tokens, **job)
+    model, text = setup(eval_tokens, **variant_options(spec.get("variant"), job=True))
     result = {} if spec["method"] == "dense" else factorise(model, spec, stats_dir, text)
     scores = evaluate(model, text.tokenizer, text.corpora, text.options)
     result["ppl"] = {corpus: found["perplexity"] for corpus, found in scores.items()}
