@@ -200,3 +200,22 @@ def test_fsdp_child_records_what_the_report_says(tiny_checkpoint, tmp_path):
     assert record["rank"] == 0 and len(record["losses"]) == 2
     assert record["logits_held"] == record["logits_total"] > 0
     assert record["peak_rss_mb"] > 0 and record["logits_abs_sum"] > 0
+
+
+def test_lowrank_end_to_end_rows_are_paragraphs_with_their_threads():
+    from benchmarks import lowrank
+
+    row = {"method": "gfwsvd", "ratio": 0.8, "command": "C", "wall_seconds": 10.0,
+           "peak_rss_mb": 5.0, "params_kept_fraction": 0.8, "compressed_bytes": 4004,
+           "expected_bytes": 4000, "ppl": {"wiki-test": 23.456, "lee": 39.123},
+           "reloaded_ppl": {"wiki-test": 23.456, "lee": 39.123}}  # fmt: skip
+    payload = {"nsamples": 128, "seq_len": 512, "eval_tokens": 16384, "results": [
+        {"name": "cli", **row},
+        {"name": "recipe", **row, "machine": {"torch_threads": 2}},
+    ]}  # fmt: skip
+    text = lowrank.render(payload)
+    assert "| GFWSVD" not in text  # no table row: paragraphs of their own
+    cli, recipe = text.split("End to end")[1:]
+    assert cli.startswith(": `C`") and "gradient pass on 32 windows" in cli
+    assert recipe.startswith(", 2 threads: `C`") and "distillation on 512" in recipe
+    assert "23.46 / lee 39.12" in recipe and "1.0010 ×" in recipe

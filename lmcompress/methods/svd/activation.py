@@ -59,7 +59,7 @@ class _ActivationMethod(LowRankMethod):
         """One batch's activations and its logits; the statistics (float32)."""
         layers = self.validate(model)
         config = model.config
-        batch = min(self.config.calib_batch_size, max(nsamples, 1))
+        batch = min(self.config.calib_batch_size, max(self.stats_windows(nsamples), 1))
         tokens = batch * seq_len
         return {
             "calibration batch": tokens * (8 * config.hidden_size + config.vocab_size) * itemsize,

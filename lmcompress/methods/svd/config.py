@@ -93,9 +93,19 @@ class _CalibratedConfig(LowRankConfig):
                   "logits (0: off)"},
     )  # fmt: skip
     distill_lr: float = field(default=1e-4, metadata={"help": "learning rate of --distill-steps"})
+    stats_nsamples: int = field(
+        default=0,
+        metadata={"help": "the statistics (and so the ranks) from the first N calibration "
+                  "windows only; the block-by-block pass and --distill-steps still use all "
+                  "--nsamples of them (0: all)"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.stats_nsamples < 0:
+            raise ConfigError(
+                f"stats_nsamples must be >= 0 (0: every window), got {self.stats_nsamples}"
+            )
         if self.calib_batch_size < 1:
             raise ConfigError(f"calib_batch_size must be at least 1, got {self.calib_batch_size}")
         for steps, lr in (("tune_steps", "tune_lr"), ("distill_steps", "distill_lr")):

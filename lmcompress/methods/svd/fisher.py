@@ -138,7 +138,7 @@ class _GradientMethod(LowRankMethod):
     ) -> dict[str, int]:
         """One batch's backward: every block's activations, or with checkpointing one block's
         and the hidden states between blocks (and the logits either way)."""
-        batch = min(self.config.calib_batch_size, max(nsamples, 1))
+        batch = min(self.config.calib_batch_size, max(self.stats_windows(nsamples), 1))
         full = backward_bytes(model, batch, seq_len, itemsize)
         if not self.config.checkpointing:
             return {"activations kept for backward": full}
@@ -183,7 +183,7 @@ class GFWSVD(_GradientMethod):
         shapes = [weight_matrix(m).shape for m in layers.values()]
         parts["Kronecker factors"] = sum(4 * (m * m + n * n) for m, n in shapes)
         if self.config.kronecker == "nearest":
-            samples = sample_count(nsamples, self.config.calib_batch_size)
+            samples = sample_count(self.stats_windows(nsamples), self.config.calib_batch_size)
             parts["per-sample gradients"] = samples * sum(2 * m * n for m, n in shapes)
         return {**parts, **self.block_pass_estimate(model, nsamples, seq_len, itemsize)}
 

@@ -124,10 +124,12 @@ class LowRankMethod(Method):
         source: BlockSource | None = None,
         offload_dir: str | Path | None = None,
     ) -> tuple[CompressionReport, Stats]:
-        """The dense statistics, then the factorisation: all at once (``apply``), or block by
-        block on the compressed inputs with ``sequential`` / ``refit`` (``sequential``)."""
+        """The dense statistics (on the first ``stats_nsamples`` windows), then the
+        factorisation: all at once (``apply``), or block by block on the compressed inputs
+        with ``sequential`` / ``refit`` / ``tune_steps`` / ``distill_steps``
+        (``sequential``), which take every window."""
         if not self.block_by_block():
-            return super().compress(model, data, source, offload_dir)
+            return super().compress(model, self.stats_data(data), source, offload_dir)
         if source is not None:
             raise ConfigError(
                 f"{self.name} --sequential / --refit / --tune-steps / --distill-steps cannot stream"
@@ -135,8 +137,26 @@ class LowRankMethod(Method):
         if data is None:
             raise ConfigError(f"method {self.name!r} needs calibration data")
         model.eval()
-        stats = self.calibrate(model, data)
+        stats = self.calibrate(model, self.stats_data(data))
         return compress_sequential(self, model, data, stats), stats
+
+    def stats_windows(self, nsamples: int) -> int:
+        """How many of ``nsamples`` calibration windows the statistics see: the first
+        ``stats_nsamples`` (0, or a method without the option: all). More than there are is
+        a :class:`ConfigError`, raised before any pass starts."""
+        wanted = getattr(self.config, "stats_nsamples", 0)
+        if wanted > nsamples:
+            raise ConfigError(
+                f"{self.name}: --stats-nsamples {wanted} exceeds the {nsamples} calibration "
+                "windows (--nsamples); it takes the first N of them"
+            )
+        return wanted or nsamples
+
+    def stats_data(self, data: torch.Tensor | None) -> torch.Tensor | None:
+        """The windows the statistics are collected on: the first :meth:`stats_windows`."""
+        if data is None:
+            return None
+        return data[: self.stats_windows(int(data.shape[0]))]
 
     def validate(self, model: nn.Module) -> dict[str, nn.Module]:
         """The selected layers; a :class:`ConfigError` naming the smallest ratio that works
