@@ -60,7 +60,14 @@ def render(payload: dict[str, Any]) -> str:
             table.append(["dense", "1", "-", "100", _ppl(row, "wiki-test"), _ppl(row, "lee"),
                           "-", f"{row['peak_rss_mb']:.0f}", "-"])  # fmt: skip
             continue
+        if row["method"] == "sparsegpt":  # the baseline of the residual row
+            table.append(["SparseGPT 2:4", "-", "-", f"{100 * row['params_kept_fraction']:.2f}",
+                          _ppl(row, "wiki-test"), _ppl(row, "lee"), f"{row['apply_seconds']:.1f}",
+                          f"{row['peak_rss_mb']:.0f}", "-"])  # fmt: skip
+            continue
         label = LABELS[row["method"]] + (f", {row['variant']}" if row.get("variant") else "")
+        if row.get("residual"):
+            label += f", SparseGPT {row['residual']} on the residual"
         table.append([
             label, f"{row['ratio']:g}", row["allocation"],
             f"{100 * row['params_kept_fraction']:.2f}", _ppl(row, "wiki-test"), _ppl(row, "lee"),
@@ -123,7 +130,10 @@ def plot(payload: dict[str, Any], results_dir: Path, path: Path) -> None:  # noq
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in payload["results"] if r.get("allocation") in ("uniform", "greedy")]
+    rows = [
+        r for r in payload["results"]
+        if r.get("allocation") in ("uniform", "greedy") and not r.get("residual")
+    ]  # fmt: skip
     variants = [r for r in rows if r.get("variant")]  # block by block: markers of their own
     rows = [r for r in rows if not r.get("variant")]
     dense = next((r for r in payload["results"] if r["name"] == "dense"), None)

@@ -32,9 +32,10 @@ from benchmarks.lowrank import (
 )
 from lmcompress import compress
 from lmcompress.compressor.calibration.gradients import gradient_statistics
+from lmcompress.compressor.formats.low_rank import LowRankLinear
 from lmcompress.compressor.method import Stats
 from lmcompress.compressor.model.loading import load_model
-from lmcompress.compressor.model.surgery import LayerSelection
+from lmcompress.compressor.model.surgery import LayerSelection, replace_module, weight_matrix
 from lmcompress.jobs.evaluate import JobText, evaluate
 from lmcompress.jobs.options import RunOptions
 from lmcompress.methods import get_method
@@ -144,10 +145,66 @@ def factorise(model: nn.Module, spec: dict[str, Any], stats_dir: Path, text: Job
     return result
 
 
+class ResidualSum(nn.Module):
+    """A factor pair beside a linear holding the rest of the dense weight, ``W − B A``; the
+    output is their sum (the residual linear is then pruned 2:4)."""
+
+    def __init__(self, low_rank: LowRankLinear, residual: torch.Tensor) -> None:
+        super().__init__()
+        self.low_rank = low_rank
+        self.residual = nn.Linear(residual.shape[1], residual.shape[0], bias=False)
+        self.residual.weight.data = residual  # (out, in)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.low_rank(x) + self.residual(x)
+
+
+def residual_row(model: nn.Module, spec: dict[str, Any], stats_dir: Path, text: JobText) -> dict:
+    """GFWSVD at the row's ratio, then SparseGPT ``spec["residual"]`` (2:4) on every factorised
+    layer's residual ``W − B A``, fitted to the layer's inputs in the compressed model (the
+    layer-wise loop): kept = the factors plus the residual's non-zeros. ``apply_seconds``
+    counts both steps."""
+    dense = {
+        n: weight_matrix(m).detach().clone() for n, m in LayerSelection().select(model).items()
+    }
+    start = time.perf_counter()
+    result = factorise(model, spec, stats_dir, text)
+    for name, rank in result["ranks"].items():
+        if rank is not None:
+            low_rank = model.get_submodule(name)
+            replace_module(
+                model, name, ResidualSum(low_rank, dense[name] - low_rank.dense_weight())
+            )
+    residual = SparseGPTConfig(sparsity=spec["residual"], include=("*.residual",))
+    pruned = compress(model, residual, text.calibration())
+    params = sum(w.numel() for w in dense.values())
+    result["params_kept_fraction"] += pruned.params_kept / params
+    result["sparsegpt_seconds"] = round(pruned.seconds, 1)
+    result["apply_seconds"] = round(time.perf_counter() - start, 1)
+    return result
+
+
+def sparsegpt_row(model: nn.Module, text: JobText) -> dict[str, Any]:
+    """SparseGPT 2:4 on every decoder linear, the baseline of the ``residual`` row."""
+    start = time.perf_counter()
+    report = compress(model, SparseGPTConfig(sparsity="2:4"), text.calibration())
+    return {
+        "apply_seconds": round(time.perf_counter() - start, 1),
+        "params_kept_fraction": report.params_kept / report.params,
+    }
+
+
 def apply(spec: dict[str, Any], stats_dir: Path, eval_tokens: int) -> dict[str, Any]:
     """Factorise (unless dense) and score; the row's numbers."""
     model, text = setup(eval_tokens, **variant_options(spec.get("variant"), job=True))
-    result = {} if spec["method"] == "dense" else factorise(model, spec, stats_dir, text)
+    if spec["method"] == "dense":
+        result = {}
+    elif spec["method"] == "sparsegpt":
+        result = sparsegpt_row(model, text)
+    elif spec.get("residual"):
+        result = residual_row(model, spec, stats_dir, text)
+    else:
+        result = factorise(model, spec, stats_dir, text)
     scores = evaluate(model, text.tokenizer, text.corpora, text.options)
     result["ppl"] = {corpus: found["perplexity"] for corpus, found in scores.items()}
     return result

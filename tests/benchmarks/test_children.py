@@ -88,3 +88,38 @@ def test_streaming_compare_finds_equal_and_different_tensors(tmp_path):
     }  # fmt: skip
     differ = streaming.compare_outputs(tmp_path / "left", tmp_path / "other")
     assert differ["differ"] == ["compressed/b"] and not differ["equal"]
+
+
+def test_lowrank_residual_row_prunes_the_residual_of_every_factor_pair(
+    tiny_checkpoint, tmp_path, monkeypatch
+):
+    from lmcompress.methods.svd import GFWSVD, GFWSVDConfig
+
+    data = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
+    dense_model = make_tiny_model("llama")
+    GFWSVD(GFWSVDConfig()).calibrate(dense_model, data).save(tmp_path / "gfwsvd-kfac.safetensors")
+    text = JobText(None, RunOptions(checkpoint=str(tiny_checkpoint)), evaluates=False)
+    monkeypatch.setattr(text, "calibration", lambda: data)
+    spec = {
+        "name": "r",
+        "method": "gfwsvd",
+        "ratio": 0.6,
+        "allocation": "uniform",
+        "residual": "2:4",
+    }
+    model = make_tiny_model("llama")
+    alone = lowrank.factorise(make_tiny_model("llama"), dict(spec), tmp_path, text)
+    found = lowrank.residual_row(model, spec, tmp_path, text)
+    factorised = [name for name, rank in found["ranks"].items() if rank is not None]
+    assert factorised and found["ranks"] == alone["ranks"]
+    share = sum(dense_model.get_submodule(n).weight.numel() for n in factorised) / sum(
+        m.weight.numel() for m in lowrank.LayerSelection().select(dense_model).values()
+    )
+    assert found["params_kept_fraction"] == pytest.approx(alone["params_kept_fraction"] + share / 2)
+    for name in factorised:
+        layer = model.get_submodule(name)
+        residual = layer.residual.weight.reshape(-1, 4)
+        assert ((residual != 0).sum(dim=1) <= 2).all()  # 2:4
+        W = dense_model.get_submodule(name).weight
+        low_rank = layer.low_rank.dense_weight()
+        assert (W - low_rank - layer.residual.weight).norm() < (W - low_rank).norm()

@@ -215,6 +215,16 @@ def test_lowrank_end_to_end_rows_are_paragraphs_with_their_threads():
     ]}  # fmt: skip
     text = lowrank.render(payload)
     assert "| GFWSVD" not in text  # no table row: paragraphs of their own
+    payload["results"] += [
+        {"name": "sparsegpt 2:4", **row, "method": "sparsegpt", "apply_seconds": 7.0},
+        {"name": lowrank.RESIDUAL, **row, "ratio": 0.3, "allocation": "uniform",
+         "residual": "2:4", "apply_seconds": 9.0, "params_kept_fraction": 0.79},
+    ]  # fmt: skip
+    table = lowrank.render(payload)
+    assert "| SparseGPT 2:4 | - | - | 80.00 | 23.46 | 39.12 | 7.0 | 5 | - |" in table
+    assert (
+        "| GFWSVD (K-FAC factors), SparseGPT 2:4 on the residual | 0.3 | uniform | 79.00 |" in table
+    )
     cli, recipe = text.split("End to end")[1:]
     assert cli.startswith(": `C`") and "gradient pass on 32 windows" in cli
     assert recipe.startswith(", 2 threads: `C`") and "distillation on 512" in recipe
