@@ -19,13 +19,16 @@ epoch of the windows on the dense model's logits (``methods.svd.tuning``, in ``f
 time inside ``factorise s``) rather than drawn from ``wiki-calib``; ``N windows``: the job draws
 N windows of ``wiki-calib`` (``--nsamples N``) for the block-by-block pass and the distillation,
 the statistics still the cached 128.
-``combined`` factorises the MLP layers with GFWSVD and
-prunes the attention layers with SparseGPT 2:4. ``cli`` runs ``compress-model --method gfwsvd``
+``combined`` factorises the MLP layers with GFWSVD and prunes the attention layers with
+SparseGPT 2:4; ``gfwsvd 0.3 uniform + 2:4 residual`` factorises every layer with GFWSVD at 0.3
+kept, then prunes each factorised layer's residual ``W − B A`` 2:4 with SparseGPT on the
+compressed model's inputs (about 0.8 kept in all; ``factorise s`` both steps), beside
+``sparsegpt 2:4`` alone on the same windows. ``cli`` runs ``compress-model --method gfwsvd``
 end to end (gradient pass included) with the dense copy off, checks the size of
-``compressed.safetensors`` against the kept parameters, and reloads it with
-``compress-model eval --runtime packed``; ``recipe`` does the same with
-``recipes/gfwsvd80-distill.yaml`` (the ``512 windows`` row as one job: statistics on the first
-128 windows, ``stats_nsamples``, the rest on all 512).
+``compressed.safetensors`` against the kept parameters, and reloads it with ``compress-model
+eval --runtime packed``; ``recipe`` does the same with ``recipes/gfwsvd80-distill.yaml`` (the
+``512 windows`` row as one job: statistics on the first 128 windows, ``stats_nsamples``, the
+rest on all 512).
 Writes ``benchmarks/results/lowrank.{json,md}`` and ``lowrank_curves.png``.
 """
 
@@ -50,6 +53,12 @@ NSAMPLES, SEQ_LEN, SEED = 128, 512, 0
 # about 0.8 of the parameters kept in all, beside SparseGPT 2:4 alone on the same text
 RESIDUAL = "gfwsvd 0.3 uniform + 2:4 residual"
 RECIPE = "recipes/gfwsvd80-distill.yaml"  # the ``recipe`` row: the best row, as a user runs it
+# rows of one ``compress-model`` job end to end (gradient pass included), then the packed reload
+END_TO_END = {
+    "cli": (CHECKPOINT, "--method", "gfwsvd", "--ratio", "0.8", "--nsamples", "32",
+            "--seq-len", str(SEQ_LEN)),
+    "recipe": ("--config", RECIPE),
+}  # fmt: skip
 RATIOS = (0.9, 0.8, 0.7)
 # (method, stats file, option overrides); every one at every ratio, uniform ranks
 METHODS = {
@@ -130,8 +139,7 @@ def _rows() -> list[dict[str, Any]]:
     rows.append({"name": "sparsegpt 2:4", "method": "sparsegpt", "ratio": 0.5})
     rows.append({"name": RESIDUAL, "method": "gfwsvd", "ratio": 0.3, "allocation": "uniform",
                  "residual": "2:4"})  # fmt: skip
-    rows.append({"name": "cli", "method": "gfwsvd", "ratio": 0.8})
-    rows.append({"name": "recipe", "method": "gfwsvd", "ratio": 0.8})
+    rows += [{"name": name, "method": "gfwsvd", "ratio": 0.8} for name in END_TO_END]
     return rows
 
 
@@ -145,14 +153,6 @@ def _stats_needed(row: dict[str, Any]) -> str | None:
     if row["name"] in ("dense", *END_TO_END) or method in ("svd", "sparsegpt"):
         return None
     return "stats:activations" if method in STATS_JOBS["stats:activations"] else "stats:gradients"
-
-
-# rows of one ``compress-model`` job end to end (gradient pass included), then the packed reload
-END_TO_END = {
-    "cli": (CHECKPOINT, "--method", "gfwsvd", "--ratio", "0.8", "--nsamples", "32",
-            "--seq-len", str(SEQ_LEN)),
-    "recipe": ("--config", RECIPE),
-}  # fmt: skip
 
 
 def _end_to_end_row(name: str, work: Path, eval_tokens: int) -> dict[str, Any]:
