@@ -20,8 +20,8 @@ time inside ``factorise s``) rather than drawn from ``wiki-calib``; ``N windows`
 N windows of ``wiki-calib`` (``--nsamples N``) for the block-by-block pass and the distillation,
 the statistics still the cached 128.
 ``combined`` factorises the MLP layers with GFWSVD and prunes the attention layers with
-SparseGPT 2:4; ``gfwsvd 0.3 uniform + 2:4 residual`` factorises every layer with GFWSVD at 0.3
-kept, then prunes each factorised layer's residual ``W − B A`` 2:4 with SparseGPT on the
+SparseGPT 2:4; ``gfwsvd 0.3 uniform + 2:4 residual`` (and ``greedy``) factorises with GFWSVD at
+0.3 kept, then prunes each factorised layer's residual ``W − B A`` 2:4 with SparseGPT on the
 compressed model's inputs (about 0.8 kept in all; ``factorise s`` both steps), beside
 ``sparsegpt 2:4`` alone on the same windows. ``cli`` runs ``compress-model --method gfwsvd``
 end to end (gradient pass included) with the dense copy off, checks the size of
@@ -49,9 +49,9 @@ NAME = "lowrank"
 CORPORA = ("wiki-test", "lee")
 CHECKPOINT = "smollm2-135m"
 NSAMPLES, SEQ_LEN, SEED = 128, 512, 0
-# GFWSVD at 0.3 kept with uniform ranks, every layer's residual W - BA pruned 2:4 by SparseGPT:
-# about 0.8 of the parameters kept in all, beside SparseGPT 2:4 alone on the same text
-RESIDUAL = "gfwsvd 0.3 uniform + 2:4 residual"
+# GFWSVD at 0.3 kept (uniform or greedy ranks), every factorised layer's residual W - BA pruned
+# 2:4 by SparseGPT: about 0.8 of the parameters kept in all, beside SparseGPT 2:4 alone
+RESIDUAL = "gfwsvd 0.3 {} + 2:4 residual"
 RECIPE = "recipes/gfwsvd80-distill.yaml"  # the ``recipe`` row: the best row, as a user runs it
 # rows of one ``compress-model`` job end to end (gradient pass included), then the packed reload
 END_TO_END = {
@@ -137,8 +137,9 @@ def _rows() -> list[dict[str, Any]]:
         row["name"] = row_name(row["method"], row["ratio"], row["allocation"], row.get("variant"))
     rows.append({"name": "combined", "method": "gfwsvd+sparsegpt", "ratio": 0.8})
     rows.append({"name": "sparsegpt 2:4", "method": "sparsegpt", "ratio": 0.5})
-    rows.append({"name": RESIDUAL, "method": "gfwsvd", "ratio": 0.3, "allocation": "uniform",
-                 "residual": "2:4"})  # fmt: skip
+    for allocation in ("uniform", "greedy"):
+        rows.append({"name": RESIDUAL.format(allocation), "method": "gfwsvd", "ratio": 0.3,
+                     "allocation": allocation, "residual": "2:4"})  # fmt: skip
     rows += [{"name": name, "method": "gfwsvd", "ratio": 0.8} for name in END_TO_END]
     return rows
 

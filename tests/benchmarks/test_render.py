@@ -217,7 +217,7 @@ def test_lowrank_end_to_end_rows_are_paragraphs_with_their_threads():
     assert "| GFWSVD" not in text  # no table row: paragraphs of their own
     payload["results"] += [
         {"name": "sparsegpt 2:4", **row, "method": "sparsegpt", "apply_seconds": 7.0},
-        {"name": lowrank.RESIDUAL, **row, "ratio": 0.3, "allocation": "uniform",
+        {"name": lowrank.RESIDUAL.format("uniform"), **row, "ratio": 0.3, "allocation": "uniform",
          "residual": "2:4", "apply_seconds": 9.0, "params_kept_fraction": 0.79},
     ]  # fmt: skip
     table = lowrank.render(payload)
