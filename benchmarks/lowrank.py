@@ -8,11 +8,9 @@ nearest-Kronecker factors), at three ratios of parameters kept, with uniform and
 Every linear in the decoder blocks; statistics from the dense model on 128 × 512 tokens of
 ``wiki-calib`` (seed 0), collected once per kind by a job of its own (wall time and peak RSS of
 that job: one forward pass for ASVD and SVD-LLM, one gradient pass of 8 windows per backward
-for FWSVD and both GFWSVD variants; ``stats:nearest-32``, the nearest Kronecker product from a
-pass of 4 windows per backward, 32 gradient samples) and cached under ``--work``; each row
-then loads them, factorises (``Method.apply``) and scores perplexity on ``wiki-test`` and
-``lee`` (seq-len 512, the library's evaluate step) in a process of its own
-(``benchmarks.child.lowrank``).
+for FWSVD and both GFWSVD variants) and cached under ``--work``; each row then loads them,
+factorises (``Method.apply``) and scores perplexity on ``wiki-test`` and ``lee`` (seq-len 512,
+the library's evaluate step) in a process of its own (``benchmarks.child.lowrank``).
 Rows with a variant (``refit``, ``sequential``, ``sequential+refit``, ``distill``) factorise
 block by block on the compressed model with the calibration windows (``methods.svd.sequential``),
 the ranks still from the cached dense statistics; ``distill`` then trains every factor pair one
@@ -70,8 +68,6 @@ METHODS = {
     "fwsvd": ("fwsvd", {}),
     "gfwsvd": ("gfwsvd-kfac", {}),
     "gfwsvd-nearest": ("gfwsvd-nearest", {"kronecker": "nearest"}),
-    # the same from a gradient pass of 4 windows a backward: 32 gradient samples instead of 16
-    "gfwsvd-nearest-32": ("gfwsvd-nearest-32", {"kronecker": "nearest"}),
 }
 GREEDY = {  # allocated ranks: every ratio for GFWSVD, 0.8 for the others
     "svd": (0.8,),
@@ -80,13 +76,8 @@ GREEDY = {  # allocated ranks: every ratio for GFWSVD, 0.8 for the others
     "fwsvd": (0.8,),
     "gfwsvd": RATIOS,
     "gfwsvd-nearest": (0.8,),
-    "gfwsvd-nearest-32": (),
 }
-STATS_JOBS = {
-    "stats:activations": ("asvd", "svd-llm"),
-    "stats:gradients": ("fwsvd", "gfwsvd", "gfwsvd-nearest"),
-    "stats:nearest-32": ("gfwsvd-nearest-32",),
-}
+STATS_JOBS = {"stats:activations": ("asvd", "svd-llm"), "stats:gradients": ("fwsvd", "gfwsvd")}
 # Block by block on the compressed model (``methods.svd.sequential``), at 0.8 with greedy ranks:
 # variant -> options. The dense statistics still allocate the ranks.
 VARIANTS = {
@@ -162,7 +153,7 @@ def _stats_needed(row: dict[str, Any]) -> str | None:
     method = "gfwsvd" if row["name"] == "combined" else row["method"]
     if row["name"] in ("dense", *END_TO_END) or method in ("svd", "sparsegpt"):
         return None
-    return next(job for job, methods in STATS_JOBS.items() if method in methods)
+    return "stats:activations" if method in STATS_JOBS["stats:activations"] else "stats:gradients"
 
 
 def _end_to_end_row(name: str, work: Path, eval_tokens: int) -> dict[str, Any]:

@@ -15,7 +15,6 @@ LABELS = {
     "fwsvd": "FWSVD",
     "gfwsvd": "GFWSVD (K-FAC factors)",
     "gfwsvd-nearest": "GFWSVD (nearest Kronecker)",
-    "gfwsvd-nearest-32": "GFWSVD (nearest Kronecker, 32 samples)",
 }
 
 
@@ -38,7 +37,6 @@ def render(payload: dict[str, Any]) -> str:
         "fwsvd": rows.get("stats:gradients"),
         "gfwsvd": rows.get("stats:gradients"),
         "gfwsvd-nearest": rows.get("stats:gradients"),
-        "gfwsvd-nearest-32": rows.get("stats:nearest-32"),
     }
     lines = [
         "# Low-rank compression of SmolLM2-135M (`python -m benchmarks.lowrank`)\n",

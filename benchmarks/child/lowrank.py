@@ -100,39 +100,12 @@ def gradient_stats(model: nn.Module, calib: torch.Tensor, stats_dir: Path) -> di
     }
 
 
-def nearest_stats(model: nn.Module, calib: torch.Tensor, stats_dir: Path) -> dict[str, Any]:
-    """The nearest Kronecker product alone from a pass of 4 windows a backward: twice the
-    gradient samples of ``gradient_stats``'s (and twice the bfloat16 memory for them)."""
-    start = time.perf_counter()
-    layers = LayerSelection().select(model)
-    samples = SampleStore(layers, sample_count(NSAMPLES, 4))
-    torch.set_grad_enabled(True)
-    found = gradient_statistics(
-        model, calib, layers, fisher=False, batch_size=4, checkpointing=True, on_sample=samples
-    )
-    pass_seconds = time.perf_counter() - start
-    nearest = gfwsvd_stats(found, NSAMPLES, samples)
-    nearest.save(stats_dir / "gfwsvd-nearest-32.safetensors")
-    return {
-        "pass_seconds": round(pass_seconds, 1),
-        "samples": nearest.meta["samples"],
-        "power_seconds": nearest.meta["power_seconds"],
-        "power_iterations": nearest.meta["power_iterations"],
-    }
-
-
-STATS = {
-    "stats:activations": activation_stats,
-    "stats:gradients": gradient_stats,
-    "stats:nearest-32": nearest_stats,
-}
-
-
 def stats(job: str, stats_dir: Path) -> dict[str, Any]:
     """Collect the statistics of ``job`` once and save each method's Stats file."""
     model, text = setup()
     stats_dir.mkdir(parents=True, exist_ok=True)
-    return STATS[job](model, text.calibration(), stats_dir)
+    collect = activation_stats if job == "stats:activations" else gradient_stats
+    return collect(model, text.calibration(), stats_dir)
 
 
 def factorise(model: nn.Module, spec: dict[str, Any], stats_dir: Path, text: JobText) -> dict:
