@@ -105,7 +105,7 @@ def render(payload: dict[str, Any]) -> str:
             f"{row['wall_seconds']:.0f} s, peak RSS {row['peak_rss_mb']:.0f} MiB ({what} "
             f"included); kept {100 * row['params_kept_fraction']:.2f} %; "
             f"`compressed.safetensors` {row['compressed_bytes']:,} bytes = {ratio:.4f} × the "
-            f"fp32 bytes of the kept parameters (the factors; the rest is its header); "
+            f"fp32 bytes of the factorised layers' factors (the rest is its header); "
             f"perplexity wiki-test {_ppl(row, 'wiki-test')} / lee {_ppl(row, 'lee')}, reloaded "
             f"by `compress-model eval --runtime packed`: {row['reloaded_ppl']['wiki-test']:.2f} "
             f"/ {row['reloaded_ppl']['lee']:.2f}.\n"
