@@ -94,6 +94,13 @@ def render(payload: dict[str, Any]) -> str:
             f"wiki-test {_ppl(row, 'wiki-test')}, lee {_ppl(row, 'lee')}; factorise "
             f"{row['apply_seconds']:.1f} s, SparseGPT {row['sparsegpt_seconds']:.0f} s.\n"
         )
+    lines += _end_to_end(rows)
+    return "\n".join(lines)
+
+
+def _end_to_end(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """A paragraph for each ``END_TO_END`` row: the job, its cost, its output, its scores."""
+    lines = []
     for name, what in END_TO_END.items():
         if name not in rows:
             continue
@@ -110,7 +117,7 @@ def render(payload: dict[str, Any]) -> str:
             f"by `compress-model eval --runtime packed`: {row['reloaded_ppl']['wiki-test']:.2f} "
             f"/ {row['reloaded_ppl']['lee']:.2f}.\n"
         )
-    return "\n".join(lines)
+    return lines
 
 
 NSAMPLES_TEXT = "the same 128 calibration windows"
