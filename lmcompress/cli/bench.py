@@ -13,7 +13,8 @@ from lmcompress.evaluation.speed_report import speed_table
 from lmcompress.jobs.bench import bench_job
 
 
-def bench_command(argv: Sequence[str]) -> int:
+def bench_parser() -> Parser:
+    """The flags of ``compress-model bench``, each help ending with its default."""
     defaults = SpeedOptions()
     parser = Parser(
         prog=f"{PROG} bench",
@@ -34,20 +35,31 @@ def bench_command(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--prompt", type=int, default=defaults.prompt, help="prompt tokens (default: %(default)s)"
     )
-    parser.add_argument("--repeats", type=int, default=defaults.repeats)
-    parser.add_argument("--warmup", type=int, default=defaults.warmup)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=defaults.repeats,
+        help="timed rounds of each row; the table shows their median (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=defaults.warmup,
+        help="untimed rounds of each row before the timed ones (default: %(default)s)",
+    )
     parser.add_argument(
         "--dense-dtypes",
         nargs="+",
         choices=("float32", "bfloat16", "float16"),
         default=list(defaults.dense_dtypes),
-        help="dtypes of the dense rows (default: %(default)s)",
+        help=f"dtypes of the dense rows (default: {' '.join(defaults.dense_dtypes)})",
     )
     parser.add_argument(
         "--compile",
         action="store_true",
         help="also time each row under torch.compile (static KV cache; compiling takes ~1 min "
-        "a row on 2 cores); a compiled row is compared with the best compiled dense row",
+        "a row on 2 cores); a compiled row is compared with the best compiled dense row "
+        "(default: off)",
     )
     parser.add_argument(
         "--runtime",
@@ -55,15 +67,36 @@ def bench_command(argv: Sequence[str]) -> int:
         choices=RUNTIMES,
         default=list(defaults.runtimes),
         help="each export in these runtimes: packed (its compressed form), expanded (packed N:M "
-        "layers unpacked once: faster, more memory), dense (default: %(default)s)",
+        "layers unpacked once: faster, more memory), dense "
+        f"(default: {' '.join(defaults.runtimes)})",
     )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("-o", "--output", help="write speed.json, speed.md and speed.png here")
-    parser.add_argument("--overwrite", action="store_true")
-    parser.add_argument("--json", action="store_true", help="print the record as JSON")
-    parser.add_argument("-q", "--quiet", action="store_true")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--device",
+        default=defaults.device,
+        help="where every row runs: cpu, cuda, cuda:1, ... (default: %(default)s)",
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        help="write speed.json, speed.md and speed.png here (default: not written)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty --output directory (default: off, refuse)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print the record as JSON (default: off, a table)"
+    )
+    parser.add_argument(
+        "-q", "--quiet", action="store_true", help="warnings only, no progress bars (default: off)"
+    )
+    return parser
+
+
+def bench_command(argv: Sequence[str]) -> int:
+    args = bench_parser().parse_args(argv)
     setup_logging(args.quiet)
     options = SpeedOptions(
         prefill=parse_prefill(args.prefill),

@@ -34,7 +34,7 @@ def _field_kwargs(hint: Any) -> dict[str, Any]:
         inner = [a for a in args if a is not type(None)]
         return _field_kwargs(inner[0]) if len(inner) == 1 else {"type": str}
     if hint is bool:
-        return {"action": _BooleanFlag}
+        return {"action": BooleanFlag}
     if origin is tuple:
         element = _field_kwargs(args[0])
         if "type" not in element:
@@ -46,7 +46,7 @@ def _field_kwargs(hint: Any) -> dict[str, Any]:
     raise TypeError(f"no CLI flag for a field of type {hint!r}")
 
 
-class _BooleanFlag(argparse.BooleanOptionalAction):
+class BooleanFlag(argparse.BooleanOptionalAction):
     """``--x`` / ``--no-x`` with the help as given: Python 3.9 to 3.11 append their own
     ``(default: %(default)s)``, which with ``default=SUPPRESS`` shows a wrong default."""
 
@@ -105,17 +105,14 @@ def add_dataclass_flags(
 
 
 def describe(cls: type) -> list[tuple[str, str, str]]:
-    """(flag, default, help) for every option, for ``compress-model methods``; a ``Literal``
-    option's help ends with its choices."""
+    """(flag, default, help) for every option, for ``compress-model methods``: the default as
+    ``--help`` shows it (:func:`shown_default`: ``2:4``, ``wiki-test``, ``none``, ``off``), and
+    a ``Literal`` option's help ending with its choices."""
     rows = []
     for option in option_fields(cls):
-        default = option.default
-        shown = "required" if default is dataclasses.MISSING else repr(recipe_value(default))
         help_text = option.field.metadata.get("help", "")
-        if "default_text" in option.field.metadata:
-            help_text = f"{help_text} (default: {option.field.metadata['default_text']})"
         choices = literal_choices(option.hint)
         if choices is not None:
             help_text = f"{help_text} [{'|'.join(map(str, choices))}]".strip()
-        rows.append((flag_name(option.name), shown, help_text))
+        rows.append((flag_name(option.name), shown_default(option), help_text))
     return rows

@@ -9,65 +9,67 @@ Exit codes: 0 success; 2 a user error (one line on stderr, nothing written); 130
 (Ctrl-C, SIGINT); 143 terminated (SIGTERM). An interrupted or terminated run cleans up what it
 was writing, exactly as on an error. The CLI parses and prints; the work is
 :mod:`lmcompress.jobs`'.
+
+This module imports nothing heavy: ``--help`` is answered from the parsers' description
+(:mod:`lmcompress.cli.help_spec`) without importing torch, and each command's module (which
+imports torch) is imported when the command runs.
 """
 
 from __future__ import annotations
 
-import inspect
 import sys
-import textwrap
 from collections.abc import Sequence
 
-from lmcompress.cli.bench import bench_command
-from lmcompress.cli.compress import compress
-from lmcompress.cli.evaluate import evaluate_command
-from lmcompress.cli.flags import describe
-from lmcompress.cli.terminal import PROG, Parser, Terminated, guarded, quiet_environment
-from lmcompress.methods import METHODS
+from lmcompress.cli.help_spec import spec_parser, wants_help
+from lmcompress.cli.terminal import PROG, Terminated, guarded, quiet_environment
 
 __all__ = ["COMMANDS", "Terminated", "main"]
 
 
-WIDTH = 100  # of `compress-model methods`' lines: descriptions and helps wrap, never cut
-
-
-def first_paragraph(doc: str | None) -> str:
-    """The first paragraph of a docstring, on one line."""
-    return " ".join(inspect.cleandoc(doc or "").split("\n\n")[0].split())
-
-
-def wrapped(text: str, first: str, rest: str) -> str:
-    """``first + text`` wrapped at :data:`WIDTH`, its next lines indented by ``rest``."""
-    return textwrap.fill(
-        text,
-        WIDTH,
-        initial_indent=first,
-        subsequent_indent=rest,
-        break_on_hyphens=False,
-        break_long_words=False,
-    )
-
-
 def list_methods(argv: Sequence[str]) -> int:
-    parser = Parser(
-        prog=f"{PROG} methods",
-        description="List methods (each config's description) and their options.",
-    )
-    parser.parse_args(argv)
-    for name, method_class in METHODS.items():
-        print(wrapped(first_paragraph(method_class.config_class.__doc__), f"{name}: ", "    "))
-        for flag, default, help_text in describe(method_class.config_class):
-            row = f"  {flag:<22} {default:<14} "
-            print(wrapped(help_text, row, " " * min(len(row), 40)))
-    return 0
+    from lmcompress.cli.listing import list_methods as command
+
+    return command(argv)
+
+
+def evaluate_command(argv: Sequence[str]) -> int:
+    from lmcompress.cli.evaluate import evaluate_command as command
+
+    return command(argv)
+
+
+def bench_command(argv: Sequence[str]) -> int:
+    from lmcompress.cli.bench import bench_command as command
+
+    return command(argv)
+
+
+def compress(argv: Sequence[str]) -> int:
+    from lmcompress.cli.compress import compress as command
+
+    return command(argv)
 
 
 COMMANDS = {"methods": list_methods, "eval": evaluate_command, "bench": bench_command}
 
 
+def print_help(argv: Sequence[str]) -> int:
+    """``--help`` from the parsers' description: argparse prints it and exits 0 (or reports a
+    bad flag before it, as the real parser would). Where the description cannot know the
+    parser (a recipe names the method), the real command answers."""
+    parser = spec_parser(list(argv), tuple(COMMANDS))
+    if parser is None:
+        command = COMMANDS.get(argv[0]) if argv else None
+        return command(argv[1:]) if command else compress(argv)
+    parser.parse_args(argv[1:] if argv and argv[0] in COMMANDS else argv)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     quiet_environment(argv)
+    if wants_help(argv):
+        return guarded(PROG, print_help, argv)
     command = COMMANDS.get(argv[0]) if argv else None
     if command:
         return guarded(PROG, command, argv[1:])

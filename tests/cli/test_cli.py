@@ -138,8 +138,10 @@ def test_maskllm_transfer_from_an_output_dir(tiny_checkpoint, corpus, tmp_path):
 def test_methods_lists_options_generated_from_configs(capsys):
     assert main(["methods"]) == 0
     printed = capsys.readouterr().out
-    assert "magnitude:" in printed and "--sparsity" in printed and "'2:4'" in printed
+    assert "magnitude:" in printed and "--sparsity" in printed and " 2:4 " in printed
     assert "[float32|float64]" in printed  # SparseGPT's hessian_dtype Literal
+    assert "('" not in printed and " None " not in printed  # defaults as typed, not reprs
+    assert " wiki-test " in printed or "decoder linears" in printed
 
 
 def test_methods_prints_every_description_and_help_whole_in_wrapped_lines(capsys):

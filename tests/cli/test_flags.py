@@ -124,12 +124,14 @@ def test_a_name_in_both_the_outer_config_and_a_group_is_refused():
 
 def test_describe_lists_group_options_with_defaults_and_choices():
     rows = {flag: (default, help_text) for flag, default, help_text in describe(ToyConfig)}
-    assert rows["--sparsity"] == ("'2:4'", "target")
+    assert rows["--sparsity"] == ("2:4", "target")  # as typed, not Python reprs
     assert rows["--steps"] == ("7", "optimiser steps")
-    assert rows["--noise"] == ("'exact'", "Gumbel noise [exact|pool]")
+    assert rows["--noise"] == ("exact", "Gumbel noise [exact|pool]")
+    assert rows["--tau"] == ("4.0 0.05", "START END")
+    assert rows["--prior-from"] == ("none", "a directory")
     assert "--training" not in rows
-    include = "glob(s) of module names to compress (default: decoder linears)"
-    assert rows["--include"] == ("[]", include)  # default_text: an empty default in words
+    include = "glob(s) of module names to compress"
+    assert rows["--include"] == ("decoder linears", include)  # default_text: the default in words
 
 
 def test_help_shows_value_types_as_text_and_groups_by_default():
