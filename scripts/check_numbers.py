@@ -20,11 +20,11 @@ appear there as written (thousands separators aside): quote a number as its resu
 prints it, not rounded again. Version numbers (``2.13.0``, ``Python 3.11``, ``≥ 3.10``) are
 skipped.
 
-**Ratios.** A ratio is traced when the cited files print it as a ratio (``1.09×``, ``1.09x``),
-or when it is the quotient, rounded as written, of two numbers of its sentence (``23.65 /
-19.38 = 1.220×``), or of the two named in a marker on its line, ``<!-- derived: 23.65 / 19.38
--->`` (each looked up as any number), or when its line marks it as a goal, not a measurement:
-``<!-- goal -->`` (``within 1.3 × dense`` is a recipe's target).
+**Ratios.** A ratio is traced when the cited files print it as a ratio (``1.09×``, ``1.09x``,
+or in a table column headed ``× dense``, ``÷ SparseGPT``, ``vs fp32``), or when it is the
+quotient, rounded as written, of two numbers of its sentence (``23.65 / 19.38 = 1.220×``), or
+of the two named in a marker on its line, ``<!-- derived: 23.65 / 19.38 -->`` (each looked up
+as any number), or when its line marks it as a goal, not a measurement: ``<!-- goal -->``.
 
 Prints each number it cannot trace, with its file, line and the files it was looked up in, and
 exits 1 if there is one.
@@ -61,8 +61,25 @@ def _numbers(text: str) -> set[str]:
     return set(re.findall(r"\d+(?:\.\d+)?", text.replace(",", "")))
 
 
+def _ratio_columns(text: str) -> Iterator[str]:
+    """The cells of every Markdown table column whose header is a ratio (``× dense``, ``÷
+    SparseGPT``, ``vs fp32``)."""
+    columns: list[bool] = []
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            columns = []
+            continue
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if not columns:
+            columns = [bool(re.search(r"[×÷]|\bvs\b|\bx\b", cell)) for cell in cells]
+        elif not set(line) <= set("|-: "):
+            yield from (cell for cell, ratio in zip(cells, columns, strict=False) if ratio)
+
+
 def _ratios(text: str) -> set[str]:
-    return set(re.findall(r"(\d+(?:\.\d+)?)\s?[×x]", text.replace(",", "")))
+    """Numbers printed as ratios: followed by ``×`` or ``x``, or in a ratio column."""
+    printed = re.findall(r"(\d+(?:\.\d+)?)\s?[×x]", text.replace(",", ""))
+    return set(printed) | _numbers(" ".join(_ratio_columns(text)))
 
 
 class Sources:
