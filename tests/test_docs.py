@@ -6,6 +6,7 @@ file, and the generated references cover the whole CLI and the whole public API.
 is a failure, as a broken page is.
 """
 
+import html
 import importlib.util
 import os
 import re
@@ -51,6 +52,21 @@ def test_site_builds_strict(tmp_path):
     cli = (tmp_path / "cli" / "index.html").read_text()
     assert "cli-reference" not in cli  # the placeholder was replaced
     assert "--blocksize" in cli and "usage: compress-model bench" in cli
+    check_api_page((tmp_path / "api" / "index.html").read_text())
+
+
+def check_api_page(page: str) -> None:
+    """What docs/hooks/griffe_docs.py and the mkdocstrings options promise: no literal Sphinx
+    role, no raw ``field(...)`` default, a base's members once, roles as working links."""
+    text = html.unescape(re.sub(r"<[^>]+>", "", page))
+    assert not re.findall(r":(?:class|func|meth|mod|data|attr|exc):`", text)
+    assert "field(" not in text and "metadata=" not in text
+    # to_dict is defined by MethodConfig and CompressionReport: a heading and a signature each
+    assert len(re.findall(r"^to_dict\(\)", text, re.MULTILINE)) == 2
+    assert 'href="#lmcompress.errors.ModelLoadError"' in page  # a role became a link
+    assert "nsamples: int = 128" in text and "calibration windows" in text  # a field, readably
+    for group in ("TrainingOptions", "LearningScope"):
+        assert f'id="lmcompress.compressor.training.options.{group}"' in page
 
 
 def test_every_page_is_in_the_nav():
