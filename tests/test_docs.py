@@ -110,3 +110,20 @@ def test_cli_reference_has_every_command_and_method_option():
     for flag in ("--blocksize", "--percdamp", "--update-weights", "--hessian-dtype", "--ratio"):
         assert flag in page
     assert "--runtime {packed,dense,expanded}" in page
+
+
+def test_tested_versions_are_what_the_set_up_installed():
+    """``docs/install.md``'s table is written by ``scripts/setup.sh`` (through
+    ``scripts/tested_versions.py``) from the environment, never typed: it must name exactly
+    what is installed where the tests run."""
+    path = ROOT / "scripts" / "tested_versions.py"
+    spec = importlib.util.spec_from_file_location("tested_versions", path)
+    versions = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(versions)
+    assert "tested_versions.py --write" in (ROOT / "scripts" / "setup.sh").read_text()
+    page = (DOCS / "install.md").read_text()
+    assert versions.written(page) == versions.table(), (
+        "the environment differs from docs/install.md: run "
+        "`.venv/bin/python scripts/tested_versions.py --write`"
+    )
+    assert "| transformers |" in versions.table() and "5.24.0" not in page
