@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcompress.cli.flags import BooleanFlag
-from lmcompress.cli.terminal import Parser
+from lmcompress.cli.terminal import PROG, Parser
 
 SPEC = Path(__file__).with_name("parsers.json")
 TYPES: dict[str, Any] = {"int": int, "float": float, "str": str}
@@ -88,19 +88,33 @@ def _add_action(group: Any, described: dict[str, Any]) -> None:
         group.add_argument(described["dest"], help=described["help"], **kwargs)
 
 
+def add_spec_arguments(parser: argparse.ArgumentParser, spec: dict[str, Any]) -> None:
+    """Add the groups and actions ``spec`` describes to ``parser`` (a help action only where
+    ``parser`` has none: optimum's parsers come with theirs)."""
+    groups = {group.title: group for group in parser._action_groups}
+    has_help = any(isinstance(a, argparse._HelpAction) for a in parser._actions)
+    for group_spec in spec["groups"]:
+        group = groups.get(group_spec["title"]) or parser.add_argument_group(
+            group_spec["title"], group_spec["description"]
+        )
+        for described in group_spec["actions"]:
+            if not (has_help and described["kind"] == "_HelpAction"):
+                _add_action(group, described)
+
+
 def build_parser(spec: dict[str, Any]) -> Parser:
     """The parser ``spec`` (:func:`describe_parser`'s output) describes."""
     parser = Parser(
         prog=spec["prog"], description=spec["description"], epilog=spec["epilog"], add_help=False
     )
-    defaults = {group.title: group for group in parser._action_groups}
-    for group_spec in spec["groups"]:
-        group = defaults.get(group_spec["title"]) or parser.add_argument_group(
-            group_spec["title"], group_spec["description"]
-        )
-        for described in group_spec["actions"]:
-            _add_action(group, described)
+    add_spec_arguments(parser, spec)
     return parser
+
+
+def job_epilog(epilog: str, prog: str) -> str:
+    """A job parser's epilog for another program (``optimum-cli lmcompress``): the text
+    :func:`lmcompress.cli.compress.add_job_arguments` writes with ``prog``."""
+    return epilog.replace(f"`{PROG} --method NAME --help`", f"`{prog} --method NAME --help`", 1)
 
 
 @cache
@@ -113,12 +127,10 @@ def wants_help(argv: list[str]) -> bool:
     return any(arg in HELP_FLAGS for arg in argv)
 
 
-def spec_parser(argv: list[str], commands: tuple[str, ...]) -> Parser | None:
-    """The parser that answers ``compress-model ARGV`` when ARGV asks for help, or None where
-    the file cannot know it (a recipe given with ``--config`` decides the method; an unknown
+def job_spec(argv: list[str]) -> dict[str, Any] | None:
+    """The description of the job parser for the command line ``argv``, or None where the
+    file cannot know it (a recipe given with ``--config`` decides the method; an unknown
     method): the real parser then answers, and reports what is wrong."""
-    if argv and argv[0] in commands:
-        return build_parser(specs()[argv[0]])
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--method", default="magnitude")
     pre.add_argument("--config")
@@ -126,4 +138,13 @@ def spec_parser(argv: list[str], commands: tuple[str, ...]) -> Parser | None:
     jobs = specs()["job"]
     if known.config or known.method not in jobs:
         return None
-    return build_parser(jobs[known.method])
+    return jobs[known.method]
+
+
+def spec_parser(argv: list[str], commands: tuple[str, ...]) -> Parser | None:
+    """The parser that answers ``compress-model ARGV`` when ARGV asks for help, or None where
+    :func:`job_spec` cannot know it."""
+    if argv and argv[0] in commands:
+        return build_parser(specs()[argv[0]])
+    spec = job_spec(argv)
+    return None if spec is None else build_parser(spec)

@@ -20,7 +20,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from lmcompress.cli.compress import JobFlags, add_job_arguments, run_job
+from lmcompress.cli.help_spec import add_spec_arguments, job_epilog, job_spec, wants_help
 from lmcompress.cli.terminal import guarded, quiet_environment
 from lmcompress.errors import LmcompressError
 
@@ -34,8 +34,19 @@ def add_arguments(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
 
     An unknown ``--method`` or an unreadable recipe ends the process here, with one line and
     exit 2: without the method there are no flags to define, and optimum-cli would otherwise
-    report every method option as unrecognized."""
+    report every method option as unrecognized.
+
+    ``--help`` is answered from the parsers' description (:mod:`lmcompress.cli.help_spec`),
+    without importing torch; the job's modules are imported only to run a job."""
     quiet_environment(argv)
+    spec = job_spec(list(argv)) if wants_help(argv) else None
+    if spec is not None:
+        parser.description = spec["description"]
+        parser.epilog = job_epilog(spec["epilog"], PROG)
+        add_spec_arguments(parser, spec)
+        return
+    from lmcompress.cli.compress import add_job_arguments
+
     try:
         flags = add_job_arguments(parser, argv, prog=PROG)
     except LmcompressError as err:
@@ -46,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the job optimum's parser parsed; returns the exit code."""
+    from lmcompress.cli.compress import JobFlags, run_job
+
     values = vars(args).copy()
     flags: JobFlags = values.pop(_FLAGS)
     values.pop("func", None)  # optimum's dispatch entry

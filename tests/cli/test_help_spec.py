@@ -13,10 +13,13 @@ from pathlib import Path
 import pytest
 
 from lmcompress.cli.bench import bench_parser
+from lmcompress.cli.compress import add_job_arguments
 from lmcompress.cli.evaluate import eval_parser
 from lmcompress.cli.help_spec import SPEC, build_parser, specs
 from lmcompress.cli.listing import methods_parser
 from lmcompress.cli.main import COMMANDS, main
+from lmcompress.cli.optimum import PROG as OPTIMUM_PROG
+from lmcompress.cli.optimum import add_arguments
 from lmcompress.cli.parsers import described_parsers, job_parser
 from lmcompress.methods import METHODS
 
@@ -88,3 +91,31 @@ def test_help_with_a_recipe_or_unknown_method_asks_the_real_parser(tmp_path, cap
     assert "sparsegpt options" in capsys.readouterr().out
     assert main(["--method", "nope", "--help"]) == 2
     assert "unknown method 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["magnitude", "gfwsvd"])
+def test_optimum_help_from_the_file_is_the_real_one(method, monkeypatch):
+    """``optimum-cli lmcompress --help`` adds the described actions to optimum's own parser."""
+    monkeypatch.setenv("COLUMNS", "100")
+    real = argparse.ArgumentParser(prog=OPTIMUM_PROG)
+    add_job_arguments(real, ["--method", method], prog=OPTIMUM_PROG)
+    from_file = argparse.ArgumentParser(prog=OPTIMUM_PROG)
+    add_arguments(from_file, ["--method", method, "--help"])
+    assert from_file.format_help() == real.format_help()
+    assert f"`{OPTIMUM_PROG} --method NAME --help`" in from_file.format_help().replace("\n", " ")
+
+
+def test_optimum_help_imports_no_torch():
+    code = (
+        "import argparse, sys\n"
+        "from lmcompress.cli.optimum import add_arguments\n"
+        "parser = argparse.ArgumentParser(prog='optimum-cli lmcompress')\n"
+        "add_arguments(parser, ['--method', 'maskllm', '--help'])\n"
+        "try:\n    parser.parse_args(['--method', 'maskllm', '--help'])\n"
+        "except SystemExit as exit:\n    assert exit.code == 0, exit.code\n"
+        "heavy = sorted({'torch', 'transformers', 'accelerate'} & set(sys.modules))\n"
+        "assert not heavy, heavy\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "maskllm options" in done.stdout

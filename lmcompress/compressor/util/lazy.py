@@ -23,6 +23,10 @@ DEFERRED: dict[str, str] = {
         "`compress-model --help` is answered without importing torch (lmcompress.cli.help_spec): "
         "each command's module, which imports torch, is imported when the command runs"
     ),
+    "lmcompress.cli.optimum -> lmcompress.cli.compress": (
+        "`optimum-cli lmcompress --help` likewise: the job's parser and runner import torch, "
+        "so only a job imports them"
+    ),
     "lmcompress.compressor.io.hf_registration -> lmcompress.compressor.io.hf_quantizer": (
         "transformers' quantizer registry costs seconds to import, which `import lmcompress` "
         "must not: the quantizer is imported when transformers imports its registry"
