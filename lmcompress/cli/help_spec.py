@@ -43,7 +43,9 @@ def describe_action(action: argparse.Action) -> dict[str, Any]:
     described = {"flags": flags, "kind": kind, "dest": action.dest, "help": action.help}
     for key in ("nargs", "default", "choices", "metavar", "required"):
         value = getattr(action, key)
-        if value not in (None, False):
+        if key == "nargs" and value == 0:  # a switch: its action class sets that itself
+            continue
+        if value is not None and value is not False:  # 0 is a value (a default of 0)
             described[key] = list(value) if isinstance(value, tuple) and key != "metavar" else value
     if isinstance(action.metavar, tuple):
         described["metavar"] = list(action.metavar)
