@@ -45,5 +45,5 @@ def list_methods(argv: Sequence[str]) -> int:
         print(wrapped(first_paragraph(method_class.config_class.__doc__), f"{name}: ", "    "))
         for flag, default, help_text in describe(method_class.config_class):
             row = f"  {flag:<22} {default:<16} "
-            print(wrapped(help_text, row, " " * min(len(row), 40)))
+            print(wrapped(help_text, row, " " * min(len(row), 42)))
     return 0
