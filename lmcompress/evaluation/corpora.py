@@ -36,7 +36,7 @@ from pathlib import Path
 import mwparserfromhell
 import torch
 
-from lmcompress.compressor.util.cache import cache_dir
+from lmcompress.cache import cache_dir
 from lmcompress.compressor.util.fsutil import atomic_file
 from lmcompress.errors import ConfigError, DataError
 from lmcompress.evaluation.wikitext import parse_wiki_dump

@@ -14,11 +14,7 @@ import torch
 from lmcompress.compressor.io.layout import MANIFEST, MODEL_CARD
 from lmcompress.compressor.io.load import read_manifest
 from lmcompress.compressor.io.model_card import model_card
-from lmcompress.compressor.model.checkpoint import check_checkpoint
-from lmcompress.compressor.model.loading import check_device
-from lmcompress.compressor.util.fsutil import atomic_dir, atomic_file
-from lmcompress.evaluation.speed import SpeedOptions, bench
-from lmcompress.evaluation.speed_report import (
+from lmcompress.compressor.io.speed_report import (
     SPEED_JSON,
     SPEED_MD,
     SPEED_PNG,
@@ -26,6 +22,10 @@ from lmcompress.evaluation.speed_report import (
     speed_table,
     write_speed,
 )
+from lmcompress.compressor.model.checkpoint import check_checkpoint
+from lmcompress.compressor.model.loading import check_device
+from lmcompress.compressor.util.fsutil import atomic_dir, atomic_file
+from lmcompress.evaluation.speed import SpeedOptions, bench
 from lmcompress.jobs.preflight import check_output
 
 

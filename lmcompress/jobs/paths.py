@@ -17,12 +17,12 @@ from pathlib import Path
 
 from torch import nn
 
+from lmcompress.cache import cache_dir
 from lmcompress.compressor.io.shards import open_safetensors
 from lmcompress.compressor.method import Method
 from lmcompress.compressor.model.budget import param_bytes
 from lmcompress.compressor.model.checkpoint import ALIASES
 from lmcompress.compressor.model.loading import resolve_dtype
-from lmcompress.compressor.util.cache import cache_dir
 from lmcompress.compressor.util.fsutil import format_bytes, free_bytes
 from lmcompress.errors import ConfigError, ModelLoadError
 from lmcompress.jobs.options import RunOptions

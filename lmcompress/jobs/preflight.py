@@ -21,6 +21,7 @@ from pathlib import Path
 
 from torch import nn
 
+from lmcompress.cache import cache_dir
 from lmcompress.compressor.io.save import check_output_dir
 from lmcompress.compressor.method import Method
 from lmcompress.compressor.model.budget import (
@@ -38,7 +39,6 @@ from lmcompress.compressor.model.checkpoint import (
     model_config,
 )
 from lmcompress.compressor.model.loading import check_device, model_skeleton, resolve_dtype
-from lmcompress.compressor.util.cache import cache_dir
 from lmcompress.compressor.util.fsutil import sweep_stale
 from lmcompress.errors import ConfigError, DataError, LmcompressError
 from lmcompress.evaluation.corpora import load_documents
