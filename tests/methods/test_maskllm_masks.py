@@ -4,17 +4,14 @@ import pytest
 import torch
 
 from lmcompress.compressor.sparsity import nm_mask
-from lmcompress.methods.maskllm.masks import (
+from lmcompress.compressor.training.gumbel import (
     GumbelPool,
     candidate_patterns,
     gumbel_noise,
-    hard_mask,
-    init_logits,
     linear_schedule,
     pooled_gumbel_noise,
-    prior_logits,
-    soft_mask,
 )
+from lmcompress.methods.maskllm.masks import hard_mask, init_logits, prior_logits, soft_mask
 
 EULER_GAMMA = 0.5772156649015329
 
@@ -199,7 +196,8 @@ def test_straight_through_gradient_is_the_soft_masks(tau):
 def test_replayed_soft_mask_matches_autograd(source, hard):
     """The memory-lean mask (noise replayed, softmax recomputed in backward) has the value and
     the logits gradient of plain autograd through ``soft_mask`` with the same noise."""
-    from lmcompress.methods.maskllm.masks import replayable_noise, soft_mask_replayed
+    from lmcompress.compressor.training.gumbel import replayable_noise
+    from lmcompress.methods.maskllm.masks import soft_mask_replayed
 
     candidates = candidate_patterns(2, 4)
     logits = torch.randn(64, 6, generator=torch.Generator().manual_seed(1)) * 0.05
@@ -223,7 +221,8 @@ def test_replayed_soft_mask_matches_autograd(source, hard):
 def test_replayed_soft_mask_stays_fp32_under_bf16_autocast():
     """Under autocast the mask is computed in the logits' dtype (a bf16 matmul would round it)
     and the backward takes a bf16 upstream gradient (from bf16 layers) without a dtype error."""
-    from lmcompress.methods.maskllm.masks import replayable_noise, soft_mask_replayed
+    from lmcompress.compressor.training.gumbel import replayable_noise
+    from lmcompress.methods.maskllm.masks import soft_mask_replayed
 
     candidates = candidate_patterns(2, 4)
     logits = torch.randn(64, 6, generator=torch.Generator().manual_seed(1)) * 0.05
