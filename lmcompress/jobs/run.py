@@ -127,7 +127,8 @@ def run(
         raise ConfigError("--streaming runs one method: it is not for a multi-stage recipe")
     # One object for the output directory: each of its rules is checked once (the lock, every
     # stage's preflight, the save). A second run writing the same output waits for nothing: it
-    # is refused, naming the first.
+    # is refused, naming the first. (An empty ``-o`` takes no lock: the preflight refuses it in
+    # its place among the checks.)
     output = output_of(options)
     locked = output.lock() if output and options.output else contextlib.nullcontext()
     with locked:
