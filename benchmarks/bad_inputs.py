@@ -37,8 +37,8 @@ from safetensors.numpy import load_file, save_file  # numpy: the driver imports 
 from benchmarks.harness import add_harness_args, row_table, run_table
 from benchmarks.render import markdown_table
 from benchmarks.runner import CLI
+from lmcompress.cache import cache_dir
 from lmcompress.compressor.io.layout import COMPRESSED_TENSORS
-from lmcompress.compressor.util.cache import cache_dir
 
 NAME = "bad_inputs"
 # the probe table, the set-ups' fixtures and the tampering edits

@@ -27,7 +27,7 @@ from typing import Any
 
 from benchmarks.harness import Table, add_harness_args, run_table
 from benchmarks.runner import CLI, STDOUT, Job, run_job
-from lmcompress.evaluation.speed_report import plot_speed, speed_table
+from lmcompress.compressor.io.speed_report import plot_speed, speed_table
 
 NAME = "speed"
 # name, compress-model flags (an export per stored format and save dtype)

@@ -51,7 +51,7 @@ _EXPORTS = {
     "load_model": "lmcompress.compressor.model.loading",
     "perplexity": "lmcompress.evaluation.perplexity",
     "tokenize": "lmcompress.evaluation.corpora",
-    "calibration_windows": "lmcompress.evaluation.corpora",
+    "calibration_windows": "lmcompress.compressor.calibration.windows",
     "run_lm_eval": "lmcompress.evaluation.lm_eval_adapter",
     "LmcompressError": "lmcompress.errors",
     "ConfigError": "lmcompress.errors",

@@ -1,7 +1,8 @@
 """The shape of the package, read from the source with ``ast`` (function-level imports
-included): no import cycle; the core imports neither the methods, the jobs nor the CLI; the
-methods import neither the jobs nor the CLI; no private name crosses a module; imports inside
-functions only where :mod:`lmcompress.compressor.util.lazy` says; files and functions short."""
+included): every module sits in exactly one layer of :data:`LAYERS` and imports only from its
+own layer entry or from lower ones; no import cycle between modules, between layer entries or
+between the top-level packages; no private name crosses a module; imports inside functions only
+where :mod:`lmcompress.compressor.util.lazy` says; files and functions short."""
 
 from __future__ import annotations
 
@@ -15,7 +16,41 @@ import lmcompress
 from lmcompress.compressor.util.lazy import DEFERRED, OPTIONAL
 
 PACKAGE = Path(lmcompress.__file__).resolve().parent
-CORE = ("lmcompress.compressor", "lmcompress.kernels", "lmcompress.evaluation")
+# The layers, bottom to top. An entry is one module (``lmcompress.compressor.report``) or a
+# package with everything in it (``lmcompress.kernels.*``). A module imports from its own entry
+# or from an entry in a lower layer; the entries of one layer (a tuple of several) do not import
+# each other. The compressor's own modules are entries of their own: ``compressor/method.py``
+# sits above the sub-packages whose modules import ``compressor/report.py``.
+LAYERS: list[tuple[str, ...]] = [
+    ("lmcompress.version", "lmcompress.errors", "lmcompress.cache"),  # leaves
+    ("lmcompress.kernels.*",),  # the reference ops and their kernels: no model, no method
+    ("lmcompress.compressor.util.*",),  # files, memory, progress, the lazy-import list
+    ("lmcompress.compressor.options", "lmcompress.compressor.report"),
+    ("lmcompress.compressor.config",),
+    ("lmcompress.compressor.sparsity",),
+    ("lmcompress.compressor.model.*",),
+    ("lmcompress.compressor.formats.*",),
+    ("lmcompress.compressor.io.*",),  # the output directory, save, load, model card
+    ("lmcompress.compressor.calibration.*",),
+    ("lmcompress.compressor.method",),
+    ("lmcompress.compressor.training.*",),  # receives its scoring functions as arguments
+    ("lmcompress.evaluation.*",),  # perplexity, corpora, lm-eval, speed
+    ("lmcompress.methods.common",),
+    ("lmcompress.methods.pruning",),
+    (
+        "lmcompress.methods.magnitude.*",
+        "lmcompress.methods.wanda.*",
+        "lmcompress.methods.sparsegpt.*",
+        "lmcompress.methods.svd.*",
+        "lmcompress.methods.int8.*",
+    ),
+    ("lmcompress.methods.priors",),  # the one-shot masks the learned methods start from
+    ("lmcompress.methods.maskllm.*", "lmcompress.methods.subnet.*"),
+    ("lmcompress.methods",),  # the registry
+    ("lmcompress.jobs.*",),
+    ("lmcompress.cli.*", "lmcompress.api"),  # the two front ends
+    ("lmcompress",),  # the public names, imported on first use
+]
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 80
 
@@ -122,6 +157,61 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def _in_entry(module: str, entry: str) -> bool:
+    if entry.endswith(".*"):
+        package = entry[:-2]
+        return module == package or module.startswith(package + ".")
+    return module == entry
+
+
+def _empty_package(module: str) -> bool:
+    """A package's ``__init__`` that holds no code: a directory, not a module of any layer."""
+    path, is_package = MODULES[module]
+    return is_package and not ast.parse(path.read_text()).body
+
+
+def _entries_of(module: str) -> list[tuple[int, str]]:
+    return [
+        (rank, entry)
+        for rank, layer in enumerate(LAYERS)
+        for entry in layer
+        if _in_entry(module, entry)
+    ]
+
+
+def _entry(module: str) -> tuple[int, str]:
+    (found,) = _entries_of(module)
+    return found
+
+
+def _upward(imports: list[Import]) -> list[str]:
+    """Every import of one of our modules from a higher layer, or from another entry of the
+    importer's own layer."""
+    wrong = []
+    for imp in imports:
+        target = _resolve(imp.target) if imp.target.startswith("lmcompress") else None
+        if target is None or target == imp.module or _empty_package(target):
+            continue
+        (rank, entry), (target_rank, target_entry) = _entry(imp.module), _entry(target)
+        if target_rank > rank or (target_rank == rank and target_entry != entry):
+            wrong.append(f"{imp!r}: layer {rank} {entry} -> layer {target_rank} {target_entry}")
+    return wrong
+
+
+def _collapsed(graph: dict[str, set[str]], node_of) -> dict[str, set[str]]:
+    """``graph`` with every module replaced by ``node_of(module)`` (edges inside one dropped)."""
+    collapsed: dict[str, set[str]] = defaultdict(set)
+    for module, targets in graph.items():
+        for target in targets:
+            if node_of(module) != node_of(target):
+                collapsed[node_of(module)].add(node_of(target))
+    return collapsed
+
+
+def _top_package(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
 def test_the_walk_sees_the_package():
     assert "lmcompress.jobs.run" in MODULES and "lmcompress.compressor.io.save" in MODULES
     assert any(i.lazy for i in IMPORTS) and any(not i.lazy for i in IMPORTS)
@@ -132,22 +222,43 @@ def test_no_import_cycle():
     assert _cycles(_graph()) == []
 
 
-@pytest.mark.parametrize(
-    "layer, forbidden",
-    [
-        (CORE, ("lmcompress.methods", "lmcompress.jobs", "lmcompress.cli", "lmcompress.api")),
-        (("lmcompress.methods",), ("lmcompress.jobs", "lmcompress.cli", "lmcompress.api")),
-        (("lmcompress.jobs",), ("lmcompress.cli",)),
-    ],
-)
-def test_layers_import_only_downwards(layer, forbidden):
-    wrong = [
-        imp
-        for imp in IMPORTS
-        if imp.module.startswith(layer)
-        and (imp.target == "lmcompress" or imp.target.startswith(forbidden))
-    ]
+def test_every_module_is_in_exactly_one_layer():
+    entries = [entry for layer in LAYERS for entry in layer]
+    assert len(entries) == len(set(entries)), "an entry listed twice"
+    wrong = {
+        module: [entry for _, entry in _entries_of(module)]
+        for module in MODULES
+        if not _empty_package(module) and len(_entries_of(module)) != 1
+    }
     assert not wrong, wrong
+    unused = [e for e in entries if not any(_in_entry(m, e) for m in MODULES)]
+    assert not unused, f"entries that name no module: {unused}"
+
+
+def test_the_layer_check_sees_an_upward_import():
+    up = Import("lmcompress.compressor.io.model_card", "lmcompress.evaluation.speed", None, 1, True)
+    side = Import(
+        "lmcompress.methods.subnet.learning", "lmcompress.methods.maskllm", None, 2, False
+    )
+    down = Import("lmcompress.evaluation.speed", "lmcompress.compressor.io.load", None, 3, False)
+    root = Import("lmcompress.jobs.run", "lmcompress", "run", 4, False)
+    assert len(_upward([up, side, down, root])) == 3
+    assert "lmcompress.compressor.io.load" not in " ".join(_upward([up, side, down, root]))
+
+
+def test_layers_import_only_downwards():
+    wrong = _upward(IMPORTS)
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize(
+    "granularity", ["layer entry", "top-level package"], ids=["entries", "packages"]
+)
+def test_no_cycle_between_packages(granularity):
+    node_of = (lambda m: _entry(m)[1]) if granularity == "layer entry" else _top_package
+    graph = {m: {t for t in ts if not _empty_package(t)} for m, ts in _graph().items()}
+    cycles = _cycles(_collapsed(graph, node_of))
+    assert not cycles, cycles
 
 
 def test_no_private_name_crosses_a_module():

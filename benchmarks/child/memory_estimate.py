@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from lmcompress.cache import cache_dir
 from lmcompress.compressor.model.budget import ESTIMATE_FACTOR
-from lmcompress.compressor.util.cache import cache_dir
 
 SHAPES = {  # names as LlamaConfig spells them; GPT-2's config maps them to its own
     "vocab_size": 49152,  # SmolLM2's tokenizer

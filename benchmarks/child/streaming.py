@@ -20,8 +20,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from benchmarks.streaming import MODEL
+from lmcompress.cache import cache_dir
 from lmcompress.compressor.model.loading import model_skeleton
-from lmcompress.compressor.util.cache import cache_dir
 
 
 def write_checkpoint(path: Path, seed: int = 0) -> int:

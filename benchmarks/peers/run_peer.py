@@ -26,8 +26,9 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from benchmarks.runner import STDOUT, Job, run_job
+from lmcompress.compressor.calibration.windows import calibration_windows
 from lmcompress.compressor.model import loading as models
-from lmcompress.evaluation.corpora import calibration_windows, tokenize
+from lmcompress.evaluation.corpora import tokenize
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 from lmcompress.cli.terminal import PROG, Parser, setup_logging
 from lmcompress.compressor.io.load import RUNTIMES
+from lmcompress.compressor.io.speed_report import speed_table
 from lmcompress.evaluation.speed import SpeedOptions, parse_prefill
-from lmcompress.evaluation.speed_report import speed_table
 from lmcompress.jobs.bench import bench_job
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from lmcompress.compressor.io.layout import COMPRESSED_TENSORS, MANIFEST, output_sizes
+from lmcompress.compressor.io.speed_report import speed_table
 from lmcompress.compressor.report import CompressionReport
-from lmcompress.evaluation.speed_report import speed_table
 from lmcompress.methods import get_method
 
 

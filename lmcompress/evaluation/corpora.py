@@ -1,4 +1,5 @@
-"""Text corpora for calibration and perplexity: real text that works offline, or local files.
+"""Text corpora for calibration and perplexity: real text that works offline, or local files
+(the calibration windows cut from it: :mod:`lmcompress.compressor.calibration.windows`).
 
 The built-in corpora are real English text shipped as test data in the ``gensim`` wheel (``pip
 install --no-deps gensim==4.4.0``; the files are read, gensim is never imported):
@@ -36,7 +37,7 @@ from pathlib import Path
 import mwparserfromhell
 import torch
 
-from lmcompress.compressor.util.cache import cache_dir
+from lmcompress.cache import cache_dir
 from lmcompress.compressor.util.fsutil import atomic_file
 from lmcompress.errors import ConfigError, DataError
 from lmcompress.evaluation.wikitext import parse_wiki_dump
@@ -86,30 +87,6 @@ def tokenize(tokenizer, source: str, max_tokens: int | None = None) -> torch.Ten
     if token_ids.numel() == 0:
         raise DataError(f"corpus {source!r} gives no tokens")
     return token_ids
-
-
-def calibration_windows(
-    token_ids: torch.Tensor, nsamples: int, seq_len: int, seed: int = 0
-) -> torch.Tensor:
-    """(nsamples, seq_len) int64 windows of ``token_ids`` at random starts (SparseGPT protocol).
-
-    Starts are uniform in ``[0, n - seq_len - 1]`` like SparseGPT's ``random.randint``, drawn
-    from a ``torch.Generator`` seeded with ``seed``; windows may overlap.
-    """
-    if nsamples < 1 or seq_len < 1:
-        raise ConfigError(f"nsamples and seq_len must be >= 1, got {nsamples} and {seq_len}")
-    if token_ids.dim() != 1:
-        raise ConfigError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
-    n = token_ids.numel()
-    if n < seq_len + 1:
-        raise DataError(
-            f"the calibration corpus has {n} tokens; windows of {seq_len} need at "
-            f"least {seq_len + 1}: use a larger corpus or a shorter seq_len"
-        )
-    generator = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, n - seq_len, (nsamples,), generator=generator)  # (nsamples,)
-    index = starts[:, None] + torch.arange(seq_len)  # (nsamples, seq_len)
-    return token_ids.long()[index.to(token_ids.device)]
 
 
 # --- built-in corpora ---------------------------------------------------------------------------

@@ -227,7 +227,7 @@ def bench(
     checkpoint: str, exports: Sequence[str | Path] = (), options: SpeedOptions | None = None
 ) -> dict[str, Any]:
     """Time ``checkpoint`` (dense, each dtype) and its ``exports`` side by side; returns the
-    record :func:`~lmcompress.evaluation.speed_report.write_speed` renders: host, options,
+    record :func:`~lmcompress.compressor.io.speed_report.write_speed` renders: host, options,
     bandwidth, and per row medians, ratios to the best dense row and the decode limit."""
     options = options or SpeedOptions()
     device = torch.device(options.device)

@@ -14,11 +14,8 @@ import torch
 from lmcompress.compressor.io.layout import MANIFEST, MODEL_CARD
 from lmcompress.compressor.io.load import read_manifest
 from lmcompress.compressor.io.model_card import model_card
-from lmcompress.compressor.model.checkpoint import check_checkpoint
-from lmcompress.compressor.model.loading import check_device
-from lmcompress.compressor.util.fsutil import atomic_dir, atomic_file
-from lmcompress.evaluation.speed import SpeedOptions, bench
-from lmcompress.evaluation.speed_report import (
+from lmcompress.compressor.io.output import OutputDir
+from lmcompress.compressor.io.speed_report import (
     SPEED_JSON,
     SPEED_MD,
     SPEED_PNG,
@@ -26,7 +23,10 @@ from lmcompress.evaluation.speed_report import (
     speed_table,
     write_speed,
 )
-from lmcompress.jobs.preflight import check_output
+from lmcompress.compressor.model.checkpoint import check_checkpoint
+from lmcompress.compressor.model.loading import check_device
+from lmcompress.compressor.util.fsutil import atomic_file
+from lmcompress.evaluation.speed import SpeedOptions, bench
 
 
 def bench_job(
@@ -43,13 +43,14 @@ def bench_job(
     check_checkpoint(checkpoint)
     for export in exports:
         read_manifest(export)  # a one-line error for a directory that is not an output
-    if output is not None:
-        check_output(output, overwrite, [Path(checkpoint), *map(Path, exports)])
+    out = None if output is None else OutputDir(output, overwrite)
+    if out is not None:
+        out.check([Path(checkpoint), *map(Path, exports)])
     if threads is not None:
         torch.set_num_threads(threads)
     record = bench(checkpoint, exports, options)
-    if output is not None:
-        with atomic_dir(Path(output)) as tmp:
+    if out is not None:
+        with out.build() as tmp:
             write_speed(record, tmp)
         record["output"] = output
     return record

@@ -20,13 +20,14 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lmcompress.compressor.calibration.windows import calibration_windows
 from lmcompress.compressor.io.layout import MANIFEST
 from lmcompress.compressor.io.load import load_compressed, read_manifest, runtime_bytes
 from lmcompress.compressor.model.families import family_of
 from lmcompress.compressor.model.loading import load_model
 from lmcompress.compressor.util.memory import peak_rss_mib
 from lmcompress.errors import ConfigError, LmcompressError
-from lmcompress.evaluation.corpora import calibration_windows, tokenize
+from lmcompress.evaluation.corpora import tokenize
 from lmcompress.evaluation.generated import SELF_CORPUS, sample_windows
 from lmcompress.evaluation.lm_eval_adapter import run_lm_eval
 from lmcompress.evaluation.perplexity import perplexity

@@ -1,102 +1,30 @@
-"""The paths and the disk space a job writes: every directory it creates or writes into can
-be written (:func:`check_writable`), and what it writes fits the free space of each
-filesystem (:func:`disk_needs`, :func:`check_space`); a local checkpoint's weights have the
-shapes its config builds (:func:`check_weight_shapes`, from the safetensors headers).
-:mod:`lmcompress.jobs.preflight` calls them before any weight is read; a disk that fills
-anyway is one line (``fsutil``).
+"""The disk space a job writes: what it writes fits the free space of each filesystem
+(:func:`disk_needs`, :func:`check_space`). :mod:`lmcompress.jobs.preflight` calls them before
+any weight is read, beside the checks that every directory can be written
+(:func:`lmcompress.compressor.util.paths.check_writable`, the output's in
+:class:`lmcompress.compressor.io.output.OutputDir`); a disk that fills anyway is one line
+(``fsutil``).
 """
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from torch import nn
 
-from lmcompress.compressor.io.shards import open_safetensors
+from lmcompress.cache import cache_dir
 from lmcompress.compressor.method import Method
 from lmcompress.compressor.model.budget import param_bytes
 from lmcompress.compressor.model.checkpoint import ALIASES
 from lmcompress.compressor.model.loading import resolve_dtype
-from lmcompress.compressor.util.cache import cache_dir
 from lmcompress.compressor.util.fsutil import format_bytes, free_bytes
-from lmcompress.errors import ConfigError, ModelLoadError
+from lmcompress.compressor.util.paths import shown_path
+from lmcompress.errors import ConfigError
 from lmcompress.jobs.options import RunOptions
 
 logger = logging.getLogger(__name__)
-
-
-PATH_SHOWN = 100  # characters of a path a message quotes whole
-
-
-def shown_path(path: str | os.PathLike) -> str:
-    """A path as a one-line message quotes it: whole up to :data:`PATH_SHOWN` characters,
-    else its two ends and its length."""
-    text = os.fspath(path)
-    if len(text) <= PATH_SHOWN:
-        return text
-    return f"{text[:50]}…{text[-40:]} ({len(text)} characters)"
-
-
-def check_writable(path: str | os.PathLike, what: str, inside: bool = True) -> Path:
-    """The resolved directory ``path``, after checking that the job can create or write it:
-    one-line :class:`ConfigError` s for an empty path (an unset variable), a name longer than
-    the filesystem allows, a symlink loop, a dangling symlink (in any component), a path under
-    a file, and a place that cannot be written. ``inside``: files go into the directory (a
-    work directory), else beside it (an output, built in a temporary sibling and renamed).
-
-    Writability is probed by creating and removing a directory in the nearest existing
-    ancestor (this catches ``/proc``, read-only mounts and missing permissions without
-    trusting ``os.access``)."""
-    text = os.fspath(path)
-    if not text.strip():
-        flag = "-o" if what == "output" else what
-        raise ConfigError(f"{flag} is empty (an unset variable?): name the {what} directory")
-    shown = shown_path(text)
-    raw = Path(text).expanduser().absolute()
-    limit = os.pathconf("/", "PC_NAME_MAX") if hasattr(os, "pathconf") else 255
-    if any(len(os.fsencode(part)) > limit for part in raw.parts):
-        raise ConfigError(f"{what} {shown}: a name in it is longer than {limit} bytes")
-    try:
-        os.stat(raw)
-    except FileNotFoundError:
-        pass
-    except NotADirectoryError:
-        pass  # found below: which ancestor is a file
-    except OSError as err:
-        reason = {
-            errno.ELOOP: "a symlink loop",
-            errno.ENAMETOOLONG: "the path is longer than the system allows",
-        }.get(err.errno, err.strerror or str(err))
-        raise ConfigError(f"{what} {shown}: {reason}") from None
-    ancestor = raw if inside else raw.parent
-    while not ancestor.exists():
-        if ancestor.is_symlink():
-            raise ConfigError(
-                f"{what} {shown}: {shown_path(ancestor)} is a dangling symlink (to "
-                f"{shown_path(os.readlink(ancestor))}); remove it or choose another path"
-            )
-        ancestor = ancestor.parent
-    if raw.is_symlink() and not raw.exists():
-        raise ConfigError(
-            f"{what} {shown} is a dangling symlink (to {shown_path(os.readlink(raw))}); "
-            "remove it or choose another path"
-        )
-    if raw.exists() and not raw.is_dir():
-        raise ConfigError(f"{what} {shown} exists and is not a directory")
-    if not ancestor.is_dir():
-        raise ConfigError(f"{what} {shown}: {shown_path(ancestor)} is a file, not a directory")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".lmcompress-probe-", dir=ancestor))
-    except OSError as err:
-        raise ConfigError(
-            f"{what} {shown}: cannot write in {shown_path(ancestor)} ({err.strerror or err})"
-        ) from None
-    return raw.resolve()
 
 
 @dataclass
@@ -184,31 +112,3 @@ def check_space(needs: list[DiskNeed], force: bool = False) -> None:
             logger.warning("%s: going on (--force)", message)
             continue
         raise ConfigError(f"{message}; free space, write elsewhere, or pass --force to try anyway")
-
-
-def check_weight_shapes(checkpoint: str, skeleton: nn.Module) -> None:
-    """A local checkpoint directory's safetensors hold the shapes its ``config.json`` builds:
-    a one-line :class:`ModelLoadError` naming the first weight that disagrees (and how many
-    do), before ``from_pretrained`` would print its load report. Reads the headers only."""
-    directory = Path(checkpoint).expanduser()
-    if not directory.is_dir():
-        return
-    expected = {key: tuple(t.shape) for key, t in skeleton.state_dict().items()}
-    wrong = []
-    for file in sorted(directory.glob("*.safetensors")):
-        try:
-            with open_safetensors(file) as handle:
-                for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                    shape = tuple(handle.get_slice(key).get_shape())
-                    if key in expected and shape != expected[key]:
-                        wrong.append((key, shape, expected[key]))
-        except ModelLoadError as err:  # a truncated or foreign file: its header says so
-            raise ModelLoadError(f"{checkpoint}: corrupt or unreadable weights: {err}") from None
-    if wrong:
-        key, found, built = wrong[0]
-        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
-        raise ModelLoadError(
-            f"{checkpoint}: config.json disagrees with the weights: {key} is {list(found)} in "
-            f"the safetensors but {list(built)} by config.json{more}; fix config.json or "
-            "use the checkpoint it belongs to"
-        )

@@ -1,27 +1,30 @@
 """Everything a job checks before it reads a weight: a bad input fails in about a second with one
 line, never after minutes of loading, calibrating or compressing.
 
-In order: the device exists; the checkpoint exists and is of a supported kind; the output path
-can be written, is not the input (nor inside it, nor around it) and has no debris of a killed
-run; the lm-eval tasks resolve; the model, built from its config on the meta device (shapes, no
-memory), accepts the method (layer selection, N:M divisibility, per-layer overrides, the
-method's files such as ``--resume``); ``seq_len`` fits the model's positions; the estimated
-peak memory fits the machine; and the corpora exist. :func:`lmcompress.jobs.run.run` calls
-:func:`preflight` first (for every stage); ``compress-model eval`` calls the parts that apply to
-it (:func:`check_eval`).
+In order: the device exists; the checkpoint exists and is of a supported kind; the output
+directory's rules (:class:`~lmcompress.compressor.io.output.OutputDir`: it can be written, is
+not the input, nor inside it, nor around it, is empty unless ``--overwrite``, has no debris of
+a killed run); the lm-eval tasks resolve; the model, built from its config on the meta device
+(shapes, no memory), accepts the method (layer selection, N:M divisibility, per-layer
+overrides, the method's files such as ``--resume``); ``seq_len`` fits the model's positions;
+the estimated peak memory fits the machine; and the corpora exist.
+:func:`lmcompress.jobs.run.run` calls :func:`preflight` first (for every stage, one
+``OutputDir`` for all); ``compress-model eval`` calls the parts that apply to it
+(:func:`check_eval`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch import nn
 
-from lmcompress.compressor.io.save import check_output_dir
+from lmcompress.cache import cache_dir
+from lmcompress.compressor.io.output import OutputDir
+from lmcompress.compressor.io.shards import check_weight_shapes
 from lmcompress.compressor.method import Method
 from lmcompress.compressor.model.budget import (
     RUNTIME_BYTES,
@@ -38,21 +41,13 @@ from lmcompress.compressor.model.checkpoint import (
     model_config,
 )
 from lmcompress.compressor.model.loading import check_device, model_skeleton, resolve_dtype
-from lmcompress.compressor.util.cache import cache_dir
-from lmcompress.compressor.util.fsutil import sweep_stale
+from lmcompress.compressor.util.paths import check_writable, shown_path
 from lmcompress.errors import ConfigError, DataError, LmcompressError
 from lmcompress.evaluation.corpora import load_documents
 from lmcompress.evaluation.generated import SELF_CORPUS
 from lmcompress.evaluation.lm_eval_adapter import check_tasks
 from lmcompress.jobs.options import RunOptions
-from lmcompress.jobs.paths import (
-    DiskNeed,
-    check_space,
-    check_weight_shapes,
-    check_writable,
-    disk_needs,
-    shown_path,
-)
+from lmcompress.jobs.paths import DiskNeed, check_space, disk_needs
 from lmcompress.jobs.streaming import check_streaming, streaming_weight_bytes
 
 logger = logging.getLogger(__name__)
@@ -67,15 +62,24 @@ class Plan:
     estimate: MemoryEstimate
     memory_line: str = ""  # logged once every check has passed
     disk: list[DiskNeed] = field(default_factory=list)  # what the job writes, by where
+    output: OutputDir | None = None  # checked; the job writes it
 
 
-def preflight(options: RunOptions, method: Method) -> Plan:
+def output_of(options: RunOptions) -> OutputDir | None:
+    """The job's output directory (``None``: nothing is saved)."""
+    return None if options.output is None else OutputDir(options.output, options.overwrite)
+
+
+def preflight(options: RunOptions, method: Method, output: OutputDir | None = None) -> Plan:
+    """Every check of one stage that needs no weights; ``output``: the job's (default: a new
+    one for ``options.output``), whose rules are checked once however many stages share it."""
     if options.streaming:
         check_streaming(options, method)
     device = check_device(options.device)
     check_checkpoint(options.checkpoint)
-    if options.output is not None:
-        check_output(options.output, options.overwrite, _inputs(options, method))
+    output = output or output_of(options)
+    if output is not None:
+        output.check(_inputs(options, method))
     for path, what in _work_dirs(options, method):
         check_writable(path, what)
     if options.lm_eval_tasks:
@@ -102,7 +106,7 @@ def preflight(options: RunOptions, method: Method) -> Plan:
     memory_line = check_fits(estimate, device, force=options.force)
     disk = disk_needs(skeleton, options, method, selected)
     check_space(disk, force=options.force)
-    return Plan(skeleton=skeleton, estimate=estimate, memory_line=memory_line, disk=disk)
+    return Plan(skeleton, estimate, memory_line, disk, output)
 
 
 def _inputs(options: RunOptions, method: Method) -> list[Path]:
@@ -115,35 +119,6 @@ def _inputs(options: RunOptions, method: Method) -> list[Path]:
     if training is not None and training.checkpoint_dir:
         paths.append(Path(training.checkpoint_dir))
     return paths
-
-
-def check_output(output: str | os.PathLike, overwrite: bool, inputs: list[Path]) -> None:
-    """The output directory can be created or replaced, and replacing it destroys no input.
-
-    Refused: an output equal to an input, inside one, or containing one (``--overwrite``
-    replaces the whole directory); a path that cannot be written (:func:`check_writable`: an
-    empty ``-o``, a dangling or looping symlink, a name too long, a path under a file, a
-    parent that cannot be written). Debris of a killed run next to the output
-    (``.OUT.tmp-*``) is removed here."""
-    out = check_writable(output, "output", inside=False)
-    for path in inputs:
-        source = path.expanduser().resolve()
-        if out == source:
-            relation = "is"
-        elif out.is_relative_to(source):
-            relation = "is inside"
-        elif source.is_relative_to(out):
-            relation = "contains"
-        else:
-            continue
-        raise ConfigError(
-            f"output {output} {relation} the input {path}: writing it would destroy the "
-            "input (even with --overwrite); choose another -o"
-        )
-    if out.exists():
-        check_output_dir(out, overwrite)
-    if out.parent.is_dir():
-        sweep_stale(out)
 
 
 def _work_dirs(options: RunOptions, method: Method) -> list[tuple[str, str]]:

@@ -38,13 +38,14 @@ from torch import nn
 
 from lmcompress.compressor.config import MethodConfig
 from lmcompress.compressor.formats.base import CompressedLinear
+from lmcompress.compressor.io.output import OutputDir
 from lmcompress.compressor.method import Method
 from lmcompress.compressor.model.families import family_of
 from lmcompress.compressor.model.surgery import is_linear
 from lmcompress.compressor.options import flag_name, option_fields, option_value, recipe_value
 from lmcompress.errors import ConfigError, cut, first_line, shown
 from lmcompress.jobs.options import RunOptions
-from lmcompress.jobs.preflight import Plan, preflight
+from lmcompress.jobs.preflight import Plan, output_of, preflight
 from lmcompress.methods import get_method
 
 # Run options that make no sense per stage or across stages.
@@ -296,20 +297,24 @@ def stage_method(
     return get_method(config.method)(config), skipped
 
 
-def check_stages(options: RunOptions, configs: Sequence[MethodConfig]) -> Plan:
+def check_stages(
+    options: RunOptions, configs: Sequence[MethodConfig], output: OutputDir | None = None
+) -> Plan:
     """:func:`~lmcompress.jobs.preflight.preflight` for every stage, before any weight is read.
 
     On the model's skeleton a later stage skips the layers an earlier one selects, unless it
     composes after some formats (``Method.composes_after``): which format an earlier stage will
     store is known only once it ran, so such a stage is checked on all its layers here and
     again, exactly, when it starts. Returns the first stage's plan with the largest stage's
-    memory estimate (the stages run one after another: the job's peak is theirs)."""
-    plan = preflight(options, get_method(configs[0].method)(configs[0]))
+    memory estimate (the stages run one after another: the job's peak is theirs). ``output``: the
+    job's output directory (default: ``options.output``'s), one for every stage."""
+    output = output or output_of(options)
+    plan = preflight(options, get_method(configs[0].method)(configs[0]), output)
     selected: list[str] = list(matching_layers(plan.skeleton, configs[0]))
     for index in range(1, len(configs)):
         skip = [] if get_method(configs[index].method).composes_after else selected
         method, _ = stage_method(plan.skeleton, configs, index, skip)
-        estimate = preflight(options, method).estimate
+        estimate = preflight(options, method, output).estimate
         if estimate.total > plan.estimate.total:
             plan.estimate = estimate
         selected += list(method.validate(plan.skeleton))

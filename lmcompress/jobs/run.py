@@ -24,20 +24,20 @@ from torch import nn
 
 from lmcompress.compressor.config import MethodConfig
 from lmcompress.compressor.formats.compose import compose_, layers_to_skip
+from lmcompress.compressor.io.output import OutputDir
 from lmcompress.compressor.io.save import save_compressed
 from lmcompress.compressor.method import Method, Stats
 from lmcompress.compressor.model.loading import load_model
 from lmcompress.compressor.options import command_line
 from lmcompress.compressor.report import CompressionReport
 from lmcompress.compressor.training import distributed
-from lmcompress.compressor.util.fsutil import disk_full_as_error, output_lock
 from lmcompress.errors import ConfigError, ModelLoadError
 from lmcompress.evaluation.lm_eval_adapter import run_lm_eval
 from lmcompress.evaluation.speed import SpeedOptions
 from lmcompress.jobs.bench import bench_into_export
 from lmcompress.jobs.evaluate import JobText, evaluate
 from lmcompress.jobs.options import RunOptions
-from lmcompress.jobs.paths import check_writable
+from lmcompress.jobs.preflight import output_of
 from lmcompress.jobs.recipe import check_stages, recipe_of, stage_method
 from lmcompress.jobs.streaming import StreamedModel
 from lmcompress.methods import get_method
@@ -69,8 +69,8 @@ class InMemoryModel:
 
     evaluates = True
 
-    def __init__(self, options: RunOptions) -> None:
-        self.options = options
+    def __init__(self, options: RunOptions, output: OutputDir | None = None) -> None:
+        self.options, self.output = options, output
 
     def __enter__(self) -> InMemoryModel:
         options = self.options
@@ -97,11 +97,10 @@ class InMemoryModel:
         save_dtype = None if options.save_dtype == "auto" else getattr(torch, options.save_dtype)
         save_compressed(
             self.model,
-            options.output,
+            self.output or OutputDir(options.output, options.overwrite),
             report,
             tokenizer=self.tokenizer,
             dtype=save_dtype,
-            overwrite=options.overwrite,
             extra=results,
             stats=stats,
             dense_copy=options.dense_copy,
@@ -126,12 +125,14 @@ def run(
         raise ConfigError("a recipe needs at least one stage")
     if options.streaming and len(configs) > 1:
         raise ConfigError("--streaming runs one method: it is not for a multi-stage recipe")
-    # A second run writing the same output waits for nothing: it is refused, naming the first.
-    locked = contextlib.nullcontext()
-    if options.output:
-        locked = output_lock(check_writable(options.output, "output", inside=False))
+    # One object for the output directory: each of its rules is checked once (the lock, every
+    # stage's preflight, the save). A second run writing the same output waits for nothing: it
+    # is refused, naming the first. (An empty ``-o`` takes no lock: the preflight refuses it in
+    # its place among the checks.)
+    output = output_of(options)
+    locked = output.lock() if output and options.output else contextlib.nullcontext()
     with locked:
-        plan = check_stages(options, configs)
+        plan = check_stages(options, configs, output)
         logger.info("%s", plan.memory_line)
         if not options.output and distributed.is_main_process():
             logger.info(
@@ -140,15 +141,15 @@ def run(
             )
         start = time.perf_counter()
         if options.streaming:
-            target: Target = StreamedModel(options, plan.skeleton)
+            target: Target = StreamedModel(options, plan.skeleton, output)
         else:
-            target = InMemoryModel(options)
+            target = InMemoryModel(options, output)
         results = _new_results(options, configs, stages)
         # the peak the job was admitted with, beside what it did (benchmarks.memory_estimate
         # compares it with the measured peak RSS)
         results["memory_estimate"] = {"total": plan.estimate.total, "parts": plan.estimate.parts}
         # a full disk is one line, after the output's temporary directory is removed
-        writing = disk_full_as_error(options.output) if options.output else contextlib.nullcontext()
+        writing = output.guarded() if output and options.output else contextlib.nullcontext()
         with writing, target:
             return _run(target, options, configs, stages, results, start)
 

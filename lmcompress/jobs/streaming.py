@@ -44,13 +44,14 @@ from torch import nn
 
 from lmcompress.compressor.io.layout import DENSE_TENSORS, update_config_json
 from lmcompress.compressor.io.load import key_renaming
+from lmcompress.compressor.io.output import OutputDir
 from lmcompress.compressor.io.save import Export, compressed_modules, dense_state
 from lmcompress.compressor.io.shards import TensorFiles, cast_tensor
 from lmcompress.compressor.method import Method, Stats
 from lmcompress.compressor.model.families import family_of
 from lmcompress.compressor.model.loading import load_tokenizer, resolve_dtype
 from lmcompress.compressor.report import CompressionReport, LayerReport
-from lmcompress.compressor.util.fsutil import atomic_dir, made_dirs
+from lmcompress.compressor.util.fsutil import made_dirs
 from lmcompress.compressor.util.memory import release_free_memory, set_mmap_threshold
 from lmcompress.errors import ConfigError, ModelLoadError, cut
 from lmcompress.evaluation.generated import SELF_CORPUS
@@ -252,10 +253,14 @@ class StreamedModel:
 
     evaluates = False
 
-    def __init__(self, options: RunOptions, skeleton: nn.Module) -> None:
+    def __init__(
+        self, options: RunOptions, skeleton: nn.Module, output: OutputDir | None = None
+    ) -> None:
         """``skeleton``: the model of the checkpoint's config, parameters on the meta device,
-        buffers real (the one preflight checked the method on)."""
+        buffers real (the one preflight checked the method on); ``output``: the job's output
+        directory (default: ``options.output``'s)."""
         self.options, self.model = options, skeleton
+        self.output = output or OutputDir(options.output, options.overwrite)
         self.stack = contextlib.ExitStack()
 
     def __enter__(self) -> StreamedModel:
@@ -265,9 +270,9 @@ class StreamedModel:
         dtype = resolve_dtype(options.dtype)
         save_dtype = dtype if options.save_dtype == "auto" else resolve_dtype(options.save_dtype)
         self.tokenizer = load_tokenizer(str(checkpoint), False, {"trust_remote_code": False})
-        out = Path(options.output)
+        out = self.output.path
         with self.stack:
-            self.tmp = self.stack.enter_context(atomic_dir(out))
+            self.tmp = self.stack.enter_context(self.output.build())
             self.export_ = Export(self.tmp, out.resolve().name, save_dtype, options.dense_copy)
             self.streamer = Streamer(self.model, checkpoint, self.export_, dtype)
             self.stack = self.stack.pop_all()  # the directory stays open until __exit__

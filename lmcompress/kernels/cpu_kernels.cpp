@@ -724,7 +724,7 @@ extern "C" int lmc_all_finite(const void* values, int kind, int64_t count, int t
 // G groups of m weights, C candidates (rows of cand, 0/1). The Gumbel noise g of value i = g·C+c
 // is either pool[offset + i mod size] (a doubled pool of `size` values: the GumbelPool) or,
 // with pool NULL, a counter-based draw: u = (top 23 bits of splitmix64(seed + i·φ) + 0.5) / 2^23,
-// g = −log(−log u), the same in forward and backward and in masks.counter_gumbel.
+// g = −log(−log u), the same in forward and backward and in gumbel.counter_gumbel.
 
 static inline uint64_t lmc_splitmix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;

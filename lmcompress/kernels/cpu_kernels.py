@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from lmcompress.compressor.util.cache import cache_dir
+from lmcompress.cache import cache_dir
 from lmcompress.kernels import reference
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The constants that define ``lmcompress::int8_softmax`` (:mod:`lmcompress.kernels.int8_softmax`),
+"""The constants that define ``lmcompress::int8_softmax`` (:mod:`lmcompress.kernels.reference`),
 read by the reference and the Triton kernel alike (:mod:`lmcompress.kernels.triton_softmax`).
 """
 

@@ -1,4 +1,5 @@
-"""Wiring every pruning method shares: check shapes up front, apply a mask, report it."""
+"""Wiring the methods share: apply a mask and report it; the held-out perplexity a learned
+method's training measures (handed to the core's drivers as their ``score``)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,33 @@ from torch import nn
 from lmcompress.compressor.config import Sparsity
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.compressor.report import LayerReport
+from lmcompress.evaluation.perplexity import perplexity
 from lmcompress.kernels.reference import packed_nm_nbytes
 
 
 def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def held_out_perplexity(model: nn.Module, eval_data: torch.Tensor | None):
+    """A function that measures ``model``'s perplexity on the held-out windows ``eval_data``
+    (N, L) as ``{"hard_ppl": ...}`` each time it is called (the drivers' ``Score``); ``None``
+    without held-out windows."""
+    if eval_data is None:
+        return None
+
+    def score() -> dict[str, float]:
+        result = perplexity(model, eval_data.flatten(), eval_data.shape[1], progress=False)
+        return {"hard_ppl": result.perplexity}
+
+    return score
+
+
+def hard_perplexity(model: nn.Module, eval_data: torch.Tensor | None) -> dict[str, float]:
+    """The held-out perplexity of ``model`` as it is (its masks baked); ``{}`` without
+    held-out windows."""
+    score = held_out_perplexity(model, eval_data)
+    return score() if score is not None else {}
 
 
 @torch.no_grad()

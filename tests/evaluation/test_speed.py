@@ -11,6 +11,7 @@ from conftest import make_tiny_model
 
 from lmcompress import MagnitudeConfig, compress, save_compressed
 from lmcompress.cli.main import main
+from lmcompress.compressor.io.speed_report import SPEED_JSON, SPEED_MD, SPEED_PNG
 from lmcompress.errors import ConfigError
 from lmcompress.evaluation.speed import (
     SpeedOptions,
@@ -20,7 +21,6 @@ from lmcompress.evaluation.speed import (
     parse_prefill,
     weight_bytes,
 )
-from lmcompress.evaluation.speed_report import SPEED_JSON, SPEED_MD, SPEED_PNG
 
 FAST = SpeedOptions(prefill=(2, 16), decode=3, prompt=4, repeats=2, warmup=1)
 

@@ -8,11 +8,14 @@ import sys
 
 import pytest
 
+import lmcompress.compressor.io.output as output_module
 import lmcompress.compressor.model.loading as loading
 import lmcompress.evaluation.corpora as corpora
 import lmcompress.jobs.run as pipeline
 from lmcompress.compressor.io.layout import MANIFEST
 from lmcompress.compressor.report import CompressionReport
+from lmcompress.compressor.util.fsutil import disk_full_as_error
+from lmcompress.compressor.util.paths import check_writable
 from lmcompress.errors import DataError, LmcompressError, ModelLoadError
 from lmcompress.jobs.evaluate import register_evaluate_hook
 from lmcompress.jobs.options import RunOptions
@@ -86,6 +89,23 @@ def test_run_magnitude_scores_and_writes(tiny_checkpoint, corpus, tmp_path):
     assert manifest["config"]["sparsity"] == "2:4"
     assert manifest["results"]["compressed"][corpus]["perplexity"] == pruned["perplexity"]
     assert (out / "config.json").is_file()
+
+
+@pytest.mark.parametrize("stages", [1, 2], ids=["one-stage", "recipe"])
+def test_a_job_checks_its_output_once(tiny_checkpoint, corpus, tmp_path, monkeypatch, stages):
+    """The lock, every stage's preflight and the save share one OutputDir: its path is checked
+    writable once, the old directory looked at once, and a full disk guarded once."""
+    writable = _spy(monkeypatch, check_writable)
+    guards = _spy(monkeypatch, disk_full_as_error)
+    swept = []
+    real_sweep = output_module.sweep_stale
+    monkeypatch.setattr(output_module, "sweep_stale", lambda p: swept.append(p) or real_sweep(p))
+    configs = [MagnitudeConfig(include=("*.mlp.*",)), WandaConfig(exclude=("*.mlp.*",))][:stages]
+    options = _options(tiny_checkpoint, corpus, output=str(tmp_path / "out"), eval=())
+    run(options, configs if stages > 1 else configs[0])
+    assert [args[1] for args in writable].count("output") == 1
+    assert len(swept) == 1 and len(guards) == 1
+    assert (tmp_path / "out" / MANIFEST).is_file()
 
 
 def test_run_without_output_writes_nothing_and_skips_dense(tiny_checkpoint, corpus, tmp_path):

@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from lmcompress import MaskLLMConfig, compress
-from lmcompress.kernels import cpu_kernels
-from lmcompress.methods.maskllm import fused
-from lmcompress.methods.maskllm.masks import (
+from lmcompress.compressor.training.gumbel import (
     GumbelPool,
     candidate_patterns,
     counter_gumbel,
     replayable_noise,
-    soft_mask_replayed,
 )
+from lmcompress.kernels import cpu_kernels
+from lmcompress.methods.maskllm import fused
+from lmcompress.methods.maskllm.masks import soft_mask_replayed
 from lmcompress.methods.maskllm.parametrization import LearnableNMMask
 
 pytestmark = pytest.mark.skipif(

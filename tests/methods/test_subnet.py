@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from lmcompress import compress, load_compressed, save_compressed
 from lmcompress.compressor.config import Sparsity
 from lmcompress.compressor.model.surgery import LayerSelection, add_parametrization, weight_matrix
+from lmcompress.compressor.training.gumbel import candidate_patterns, gumbel_noise
 from lmcompress.compressor.training.trainer import Trainer
 from lmcompress.errors import ConfigError
-from lmcompress.methods.maskllm.masks import candidate_patterns, gumbel_noise
 from lmcompress.methods.subnet import SubnetConfig
 from lmcompress.methods.subnet.learning import KeepRateConstraint, new_mask
 from lmcompress.methods.subnet.parametrization import KeepLogitMask

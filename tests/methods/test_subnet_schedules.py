@@ -7,8 +7,8 @@ import torch
 from lmcompress import compress
 from lmcompress.compressor.config import Sparsity
 from lmcompress.compressor.model.surgery import LayerSelection, weight_matrix
+from lmcompress.compressor.training.gumbel import candidate_patterns, gumbel_noise
 from lmcompress.errors import ConfigError
-from lmcompress.methods.maskllm.masks import candidate_patterns, gumbel_noise
 from lmcompress.methods.subnet import SubnetConfig
 from lmcompress.methods.subnet.learning import schedules
 from lmcompress.methods.subnet.parametrization import KeepLogitMask

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from lmcompress.compressor.io.layout import REPORT_PNG
-from lmcompress.evaluation.speed_report import SPEED_PNG, speed_table
+from lmcompress.compressor.io.speed_report import SPEED_PNG, speed_table
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -157,7 +157,7 @@ def _lm_eval_section(lm_eval: dict[str, dict[str, float]]) -> str:
 
 
 def _speed_section(record: dict[str, Any] | None) -> str:
-    """``compress-model ... --bench``'s table (:mod:`lmcompress.evaluation.speed_report`)."""
+    """``compress-model ... --bench``'s table (:mod:`lmcompress.compressor.io.speed_report`)."""
     if not record:
         return ""
     return (

@@ -19,7 +19,7 @@ The stored form of a layer is chosen by name from the format catalog: a layer
 the method already replaced by a compressed module is stored as that module's tensors; a layer
 whose report names a format (``LayerReport.format``) is encoded with that format's
 ``from_linear``. Everything is written into a temporary sibling directory that is renamed at
-the end (``fsutil.atomic_dir``): a failed or interrupted save leaves no half-written output,
+the end (:meth:`OutputDir.build`): a failed or interrupted save leaves no half-written output,
 and the hidden ``.OUT.tmp-PID-HOST-*`` sibling a killed one (SIGKILL) leaves is removed by the
 next save next to it. Every file gets the modes of an ordinary new file (safetensors' own are
 0600).
@@ -62,12 +62,11 @@ from lmcompress.compressor.io.layout import (
     update_config_json,
 )
 from lmcompress.compressor.io.model_card import model_card
+from lmcompress.compressor.io.output import OutputDir
 from lmcompress.compressor.io.report_plot import write_report_png
 from lmcompress.compressor.io.shards import TensorFiles, cast_state, cast_tensor, merge_safetensors
 from lmcompress.compressor.model.surgery import replace_modules
 from lmcompress.compressor.report import CompressionReport, LayerReport
-from lmcompress.compressor.util.fsutil import atomic_dir, disk_full_as_error
-from lmcompress.errors import LmcompressError
 from lmcompress.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -86,18 +85,9 @@ def versions() -> dict[str, str]:
     }
 
 
-def check_output_dir(out_dir: str | Path, overwrite: bool = False) -> None:
-    """Refuse a path that is a file, or a non-empty directory unless ``overwrite``."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise LmcompressError(f"output path {out_dir} exists and is not a directory")
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise LmcompressError(f"output directory {out_dir} is not empty (use --overwrite)")
-
-
 def save_compressed(
     model: nn.Module,
-    out_dir: str | Path,
+    out_dir: str | Path | OutputDir,
     report: CompressionReport,
     tokenizer: Any = None,
     dtype: torch.dtype | None = None,
@@ -109,9 +99,11 @@ def save_compressed(
     """Save ``model`` (compressed in place by ``report``'s method) to ``out_dir``.
 
     Args:
+        out_dir: a path, or a job's :class:`OutputDir` (checked already: not again).
         dtype: storage dtype of the weights and compressed tensors (floating ones only: packed
             positions stay uint8); ``None`` = the model's. The model itself is not changed.
-        overwrite: replace an existing non-empty ``out_dir`` (only once the new one is complete).
+        overwrite: replace an existing non-empty ``out_dir`` (only once the new one is
+            complete); an :class:`OutputDir` brings its own.
         extra: more JSON-serialisable results to record in ``compression.json`` and show in
             the model card: the job's ``checkpoint``, ``options``, ``dense`` /
             ``compressed`` perplexities, ``lm_eval`` and ``command``.
@@ -123,13 +115,12 @@ def save_compressed(
             directory that :func:`load_compressed` reads, and ``from_pretrained`` too once
             ``lmcompress`` is imported (:mod:`lmcompress.compressor.io.hf_quantizer`).
     """
-    out_dir = Path(out_dir)
-    check_output_dir(out_dir, overwrite)
+    output = OutputDir.of(out_dir, overwrite).check()
     dtype = dtype or next(model.parameters()).dtype
     compressed = compressed_modules(model, report.layers)
     interop = interop_layout(compressed, dense_copy)
-    with disk_full_as_error(out_dir), atomic_dir(out_dir) as tmp:
-        export = Export(tmp, out_dir.resolve().name, dtype, dense_copy)
+    with output.build() as tmp:
+        export = Export(tmp, output.path.resolve().name, dtype, dense_copy)
         interop_config = None
         if interop == "compressed-tensors":  # the dense copy in the layout other tools read
             interop_config = write_compressed_tensors(model, tmp, compressed, dtype=dtype)
@@ -143,8 +134,8 @@ def save_compressed(
         export.add_transforms(installed(model))
         interop_entry = {"layout": interop, "quantization_config": interop_config}
         export.finish(report, extra or {}, interop_entry if interop else None, stats)
-    logger.info("saved compressed model to %s", out_dir)
-    return out_dir
+    logger.info("saved compressed model to %s", output.path)
+    return output.path
 
 
 def interop_layout(compressed: dict[str, CompressedLinear], dense_copy: bool) -> str | None:

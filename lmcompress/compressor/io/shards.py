@@ -8,6 +8,7 @@ through here.
   (:func:`read_unmapped`: straight into the tensors, for streaming);
 - :func:`merge_safetensors`: concatenate files without loading them;
 - :func:`cast_tensor` / :func:`cast_state`: what a tensor becomes when it is written;
+- :func:`check_weight_shapes`: a checkpoint's headers against the shapes its config builds;
 - :data:`SAFETENSORS_DTYPES`: the header dtype names.
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from lmcompress.compressor.io.layout import DENSE_TENSORS
 from lmcompress.errors import ModelLoadError, first_line
@@ -244,3 +246,31 @@ def cast_tensor(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     nothing changes."""
     target = dtype if tensor.is_floating_point() else tensor.dtype
     return tensor.detach().to(device="cpu", dtype=target).contiguous()
+
+
+def check_weight_shapes(checkpoint: str, skeleton: nn.Module) -> None:
+    """A local checkpoint directory's safetensors hold the shapes its ``config.json`` builds:
+    a one-line :class:`ModelLoadError` naming the first weight that disagrees (and how many
+    do), before ``from_pretrained`` would print its load report. Reads the headers only."""
+    directory = Path(checkpoint).expanduser()
+    if not directory.is_dir():
+        return
+    expected = {key: tuple(t.shape) for key, t in skeleton.state_dict().items()}
+    wrong = []
+    for file in sorted(directory.glob("*.safetensors")):
+        try:
+            with open_safetensors(file) as handle:
+                for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                    shape = tuple(handle.get_slice(key).get_shape())
+                    if key in expected and shape != expected[key]:
+                        wrong.append((key, shape, expected[key]))
+        except ModelLoadError as err:  # a truncated or foreign file: its header says so
+            raise ModelLoadError(f"{checkpoint}: corrupt or unreadable weights: {err}") from None
+    if wrong:
+        key, found, built = wrong[0]
+        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        raise ModelLoadError(
+            f"{checkpoint}: config.json disagrees with the weights: {key} is {list(found)} in "
+            f"the safetensors but {list(built)} by config.json{more}; fix config.json or "
+            "use the checkpoint it belongs to"
+        )

@@ -18,8 +18,8 @@ import huggingface_hub
 import transformers
 from safetensors import SafetensorError
 
+from lmcompress.cache import cache_dir
 from lmcompress.compressor.model.families import family_of
-from lmcompress.compressor.util.cache import cache_dir
 from lmcompress.errors import ModelLoadError, first_line
 
 DEFAULT_CHECKPOINT = "smollm2-135m"

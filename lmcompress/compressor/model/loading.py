@@ -16,6 +16,7 @@ import torch
 import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from lmcompress.cache import cache_dir
 from lmcompress.compressor.model.checkpoint import (
     DEFAULT_CHECKPOINT,
     LOAD_ERRORS,
@@ -24,7 +25,6 @@ from lmcompress.compressor.model.checkpoint import (
     model_config,
     read_config,
 )
-from lmcompress.compressor.util.cache import cache_dir
 from lmcompress.compressor.util.fsutil import atomic_dir, disk_full_as_error, format_bytes
 from lmcompress.errors import ConfigError, ModelLoadError, first_line
 

@@ -46,9 +46,12 @@ from lmcompress.compressor.training.checkpoint import Checkpoints, block_dir, da
 from lmcompress.compressor.training.trainer import TrainConfig, Trainer, TrainState
 from lmcompress.compressor.util import memory
 from lmcompress.errors import LmcompressError
-from lmcompress.evaluation.perplexity import perplexity
 
 ExtraLoss = Callable[[int], tuple[torch.Tensor, dict[str, float]]]
+# Held-out metrics of the model as it is now (``{"hard_ppl": ...}``): the method passes the
+# scoring in (:func:`lmcompress.methods.common.held_out_perplexity`), so the core, below the
+# evaluation layer, runs it without importing it.
+Score = Callable[[], dict[str, float]]
 
 # End to end, every soft mask, gradient and optimiser moment of the whole model is live at
 # once, and the heap would otherwise keep ~1 GB of freed step temporaries (compressor.memory):
@@ -98,16 +101,13 @@ def masks_set(masks: Iterable[nn.Module], **flags: bool) -> Iterator[None]:
                 setattr(mask, name, value)
 
 
-def hard_perplexity(
-    model: nn.Module, eval_data: torch.Tensor | None, masks: Iterable[nn.Module] = ()
-) -> dict[str, float]:
-    """Perplexity on the held-out windows with every mask in ``masks`` switched to its
-    deterministic (``hard``) form; ``{}`` without held-out windows."""
-    if eval_data is None:
+def hard_score(masks: Iterable[nn.Module], score: Score | None) -> dict[str, float]:
+    """``score()`` with every mask in ``masks`` switched to its deterministic (``hard``) form;
+    ``{}`` without a score (no held-out windows)."""
+    if score is None:
         return {}
     with masks_set(masks, hard=True):
-        result = perplexity(model, eval_data.flatten(), eval_data.shape[1], progress=False)
-    return {"hard_ppl": result.perplexity}
+        return score()
 
 
 def training_extra(meta: dict[str, Any], curve_keys: tuple[str, ...]) -> dict[str, Any]:
@@ -150,7 +150,7 @@ def learn_end_to_end(
     train_data: torch.Tensor,
     learnable: Learnable,
     config: TrainConfig,
-    eval_data: torch.Tensor | None = None,
+    score: Score | None = None,
     checkpoints: Checkpoints | None = None,
     accelerator: Any = None,
     distill: bool = False,
@@ -159,22 +159,20 @@ def learn_end_to_end(
     """Train ``learnable`` on the LM loss of ``model`` over (N, L) token windows, plus its
     extra terms and, with ``distill``, KL(dense || masked) on the logits (the dense model is
     ``model`` with ``learnable.masks`` disabled; ``lm_loss`` False: the KL alone, the LM loss
-    only logged). With ``eval_data`` (held-out windows), the
-    hard masks' perplexity is measured before training and at every evaluation. ``accelerator``
+    only logged). With ``score`` (the held-out perplexity), the
+    hard masks' score is measured before training and at every evaluation. ``accelerator``
     (``distributed.join_processes``): several processes, the parameters sharded or not.
     ``checkpoints``: where to checkpoint, whether to resume. Raises if training ends before
     ``config.steps`` (a run stopped early)."""
     checkpoints = checkpoints or Checkpoints()
-    step0 = hard_perplexity(model, eval_data, learnable.masks)
+    step0 = hard_score(learnable.masks, score)
     trainer = Trainer(
         model,
         learnable.params,
         config,
         _lm_loss(learnable, distill, lm_loss),
         before_step=learnable.before_step,
-        evaluate=(lambda _step: hard_perplexity(model, eval_data, learnable.masks))
-        if eval_data is not None
-        else None,
+        evaluate=(lambda _step: hard_score(learnable.masks, score)) if score is not None else None,
         checkpoint_dir=checkpoints.directory,
         accelerator=accelerator,
         param_options=learnable.param_options,

@@ -22,10 +22,10 @@ from lmcompress.compressor.method import Stats
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.compressor.report import LayerReport
 from lmcompress.compressor.training.checkpoint import Checkpoints
-from lmcompress.compressor.training.drivers import Learnable, hard_perplexity, learn_blockwise
+from lmcompress.compressor.training.drivers import Learnable, learn_blockwise
 from lmcompress.compressor.training.trainer import TrainConfig
 from lmcompress.compressor.training.tuning import tune_kept_weights
-from lmcompress.methods.common import prune_layer_
+from lmcompress.methods.common import hard_perplexity, prune_layer_
 from lmcompress.methods.maskllm import learning
 from lmcompress.methods.maskllm.config import MaskLLMConfig
 from lmcompress.methods.maskllm.parametrization import LearnableNMMask

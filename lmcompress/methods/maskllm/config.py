@@ -4,9 +4,9 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal, get_args
 
 from lmcompress.compressor.options import flat_option_groups
+from lmcompress.compressor.training.gumbel import Noise
 from lmcompress.compressor.training.options import LearningScope, TrainingOptions
 from lmcompress.errors import ConfigError
-from lmcompress.methods.maskllm.masks import Noise
 from lmcompress.methods.pruning import PruningConfig
 
 Prior = Literal["sparsegpt", "wanda", "magnitude", "none"]

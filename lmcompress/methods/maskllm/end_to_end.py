@@ -21,10 +21,10 @@ from lmcompress.compressor.training.checkpoint import Checkpoints
 from lmcompress.compressor.training.drivers import (
     MMAP_THRESHOLD,
     Learnable,
-    hard_perplexity,
     learn_end_to_end,
 )
 from lmcompress.compressor.training.trainer import TrainConfig
+from lmcompress.methods.common import hard_perplexity, held_out_perplexity
 from lmcompress.methods.maskllm import learning
 from lmcompress.methods.maskllm.config import MaskLLMConfig
 from lmcompress.methods.maskllm.transfer import learned_prior_masks
@@ -86,7 +86,7 @@ def calibrate_end_to_end(
         train_data,
         learnable,
         TrainConfig.from_options(training, mmap_threshold=MMAP_THRESHOLD),
-        eval_data=eval_data,
+        score=held_out_perplexity(model, eval_data),
         checkpoints=Checkpoints.of(config),
         accelerator=accelerator,
         distill=config.distill,

@@ -5,7 +5,7 @@ The torch path (``masks.soft_mask_replayed`` then ``W * mask``) makes ~10 passes
 and (G, m) tensors in each direction; on SmolLM2-135M's 159M logits that was 13 s of a ~25 s
 end-to-end step at one thread (``benchmarks/results/learned.md`` has the step rates). The kernel
 reads the logits and the weight once, draws the same noise as the torch path (the same pool
-window, or ``masks.counter_gumbel``'s values for the same seed: one draw from the global RNG a
+window, or ``gumbel.counter_gumbel``'s values for the same seed: one draw from the global RNG a
 call in both), and keeps nothing between forward and backward but the noise's offset or seed.
 Values agree with the torch path to float rounding (``expf`` against torch's ``exp``).
 """
@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from lmcompress.compressor.training.gumbel import shared_gumbel_pool
 from lmcompress.kernels import soft_mask as kernel
-from lmcompress.methods.maskllm.masks import MASK_FLOOR, shared_gumbel_pool
+from lmcompress.methods.maskllm.masks import MASK_FLOOR
 
 FUSED_NOISES = ("pool", "counter")
 
@@ -23,7 +24,7 @@ NoiseSpec = tuple[torch.Tensor | None, int, int]  # (doubled pool, offset, seed)
 
 
 def draw_noise(source: str) -> NoiseSpec:
-    """The noise of one call, drawn from the global RNG as ``masks.replayable_noise`` does."""
+    """The noise of one call, drawn from the global RNG as ``gumbel.replayable_noise`` does."""
     if source == "pool":
         pool = shared_gumbel_pool()
         offset = int(torch.randint(pool.size, ()))

@@ -20,16 +20,11 @@ from transformers.pytorch_utils import Conv1D
 from lmcompress.compressor.model.surgery import add_parametrization, weight_matrix
 from lmcompress.compressor.training import distributed
 from lmcompress.compressor.training.drivers import ExtraLoss
+from lmcompress.compressor.training.gumbel import candidate_patterns, linear_schedule
 from lmcompress.kernels import soft_mask as kernel
 from lmcompress.methods.maskllm import quant_aware
 from lmcompress.methods.maskllm.config import MaskLLMConfig
-from lmcompress.methods.maskllm.masks import (
-    candidate_patterns,
-    hard_mask,
-    init_logits,
-    linear_schedule,
-    prior_logits,
-)
+from lmcompress.methods.maskllm.masks import hard_mask, init_logits, prior_logits
 from lmcompress.methods.maskllm.parametrization import LearnableNMMask
 
 

@@ -14,18 +14,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmcompress.methods.maskllm import fused
-from lmcompress.methods.maskllm.masks import (
-    MASK_FLOOR,
+from lmcompress.compressor.training.gumbel import (
     NOISES,
     candidate_patterns,
     gumbel_noise,
-    hard_mask,
     pooled_gumbel_noise,
     replayable_noise,
-    soft_mask,
-    soft_mask_replayed,
 )
+from lmcompress.methods.maskllm import fused
+from lmcompress.methods.maskllm.masks import MASK_FLOOR, hard_mask, soft_mask, soft_mask_replayed
 
 
 class LearnableNMMask(nn.Module):
@@ -48,7 +45,7 @@ class LearnableNMMask(nn.Module):
         self.shape, self.transposed = shape, transposed
         self.tau, self.kappa, self.hard = 4.0, 100.0, False
         self.enabled = True  # False: the dense weight (a distillation teacher)
-        self.noise: str = "exact"  # or "pool": the shared GumbelPool (see masks.GumbelPool)
+        self.noise: str = "exact"  # or "pool": the shared GumbelPool (see gumbel.GumbelPool)
         self.straight_through = False  # True: forward the sampled N:M pattern, soft gradient
         # True: keep no (G, C) probabilities for backward, replay the noise instead (less
         # memory, one more noise draw); False: plain autograd through ``soft_mask``.

@@ -12,8 +12,9 @@ from lmcompress.compressor.config import Sparsity
 from lmcompress.compressor.io.layout import STATS
 from lmcompress.compressor.io.shards import read_safetensors
 from lmcompress.compressor.model.surgery import weight_matrix
+from lmcompress.compressor.training.gumbel import candidate_patterns
 from lmcompress.errors import ConfigError
-from lmcompress.methods.maskllm.masks import candidate_patterns, hard_mask
+from lmcompress.methods.maskllm.masks import hard_mask
 
 
 def learned_prior_masks(

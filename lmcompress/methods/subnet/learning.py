@@ -35,8 +35,8 @@ from transformers.pytorch_utils import Conv1D
 from lmcompress.compressor.model.surgery import add_parametrization, weight_matrix
 from lmcompress.compressor.report import LayerReport
 from lmcompress.compressor.training.drivers import Learnable
+from lmcompress.compressor.training.gumbel import linear_schedule
 from lmcompress.methods.common import prune_layer_
-from lmcompress.methods.maskllm.masks import linear_schedule
 from lmcompress.methods.subnet.config import SubnetConfig
 from lmcompress.methods.subnet.parametrization import KeepLogitMask
 from lmcompress.methods.subnet.sampling import extract_keep

@@ -21,7 +21,6 @@ from lmcompress.compressor.training.drivers import (
     MMAP_THRESHOLD,
     Learnable,
     blockwise_estimate,
-    hard_perplexity,
     learn_blockwise,
     learn_end_to_end,
     training_extra,
@@ -29,7 +28,12 @@ from lmcompress.compressor.training.drivers import (
 from lmcompress.compressor.training.trainer import TrainConfig
 from lmcompress.compressor.training.tuning import tune_kept_weights
 from lmcompress.errors import ConfigError
-from lmcompress.methods.common import count_params, prune_layer_
+from lmcompress.methods.common import (
+    count_params,
+    hard_perplexity,
+    held_out_perplexity,
+    prune_layer_,
+)
 from lmcompress.methods.priors import (
     ONE_SHOT_PRIORS,
     one_shot_prior_masks,
@@ -129,7 +133,7 @@ class Subnet(PruningMethod):
             train_data,
             learnable(config, masks, config.training.steps),
             self._train_config(mmap_threshold=MMAP_THRESHOLD),
-            eval_data=eval_data,
+            score=held_out_perplexity(model, eval_data),
             checkpoints=Checkpoints.of(config),
             accelerator=distributed.accelerator(next(model.parameters()).device),
         )

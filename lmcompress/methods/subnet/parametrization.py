@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lmcompress.compressor.config import Sparsity
-from lmcompress.methods.maskllm.masks import candidate_patterns, gumbel_noise
+from lmcompress.compressor.training.gumbel import candidate_patterns, gumbel_noise
 from lmcompress.methods.subnet.sampling import extract_keep, keep_sample, logistic_noise, nm_sample
 
 Scale = Literal["layer", "row", "none"]

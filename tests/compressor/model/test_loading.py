@@ -17,11 +17,11 @@ from conftest import make_tiny_model, make_tiny_tokenizer
 from safetensors.torch import load_file, save_file
 from transformers.pytorch_utils import Conv1D
 
+from lmcompress.cache import cache_dir
 from lmcompress.compressor.model import checkpoint
 from lmcompress.compressor.model import loading as models
 from lmcompress.compressor.model.checkpoint import DEFAULT_CHECKPOINT
 from lmcompress.compressor.model.loading import load_model
-from lmcompress.compressor.util.cache import cache_dir
 from lmcompress.errors import ConfigError, ModelLoadError
 
 TEXT = "Sparse models, dense results: 2:4 pruning keeps half the weights."

@@ -1,4 +1,5 @@
-"""Where lmcompress caches what it derives once (the dequantized SmolLM2, the clean wiki text)."""
+"""Where lmcompress caches what it derives once (the dequantized SmolLM2, the clean wiki text,
+the compiled CPU kernels): a leaf, so that the kernels below the core and the core share it."""
 
 from __future__ import annotations
 

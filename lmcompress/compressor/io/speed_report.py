@@ -1,5 +1,8 @@
 """The speed record (:func:`lmcompress.evaluation.speed.bench`) as a person reads it: a markdown
-table, the JSON, and a PNG (prefill and decode throughput per row against the best dense row)."""
+table, the JSON, and a PNG (prefill and decode throughput per row against the best dense row).
+
+Pure rendering of plain dicts, in the core's ``io`` beside the model card that shows the same
+table: the measurement (above the core) hands its record down, nothing here measures."""
 
 from __future__ import annotations
 
