@@ -1,16 +1,26 @@
 """The scripts behind every number the README quotes, and their results (``results/``).
 
-Run each as a module from the repository root (``python -m benchmarks.pruning``). They share
+The sweeps are tables (``tables/NAME.yaml``: settings, rows as recipes, baseline, columns,
+caption; ``table.py``) run by one program, ``python -m benchmarks.sweep NAME`` (``sweep.py``; its
+columns in ``columns.py``); the bespoke measurements are programs, each run as a module from the
+repository root (``python -m benchmarks.int8``). They share
 one loop (``harness.py``: ``run_table`` runs the jobs, ``--only`` some of them merged into the
 results file, writes the JSON after each with the host it ran on, and draws the md and PNG; or
 ``--render-only``), one job runner (``runner.py``: a process per job, its wall time, peak RSS
 and JSON result) and one renderer (``render.py``: the results JSON is the record, the md and PNG
-are drawn from it). Each benchmark module holds its job table, what one job does and
+are drawn from it). Each benchmark program holds its job table, what one job does and
 ``render(payload)``; what a job runs in its own process (the model work, with torch and the
 library) is in ``child/``, so a driver's ``--help`` stays cheap:
 
+Tables (``python -m benchmarks.NAME`` is the old name of ``python -m benchmarks.sweep NAME``):
+
 - ``magnitude``: dense vs magnitude pruning;
 - ``pruning``: magnitude / Wanda / SparseGPT, ours next to llm-compressor (``peers/``);
+- ``recipes``: a two-stage recipe (SparseGPT 2:4 then int8, stored as packed 2:4 int8) beside
+  each stage alone: perplexity, stored bytes, wall time and peak RSS.
+
+Programs:
+
 - ``maskllm`` (with ``maskllm_results``, ``maskllm_plot``): learned 2:4 masks;
 - ``maskllm_fsdp``: MaskLLM memory per process, data parallel vs FSDP;
 - ``runtime``: compress, then reload in the packed and the dense runtime (bytes, RSS,
@@ -25,8 +35,6 @@ library) is in ``child/``, so a driver's ``--help`` stays cheap:
   random subnetworks vs the trained network, with and without rescaling, 3 seeds);
 - ``subnet``: subnetwork extraction on SmolLM2 at 50 % and 2:4 next to SparseGPT, Wanda and
   MaskLLM;
-- ``recipes``: a two-stage recipe (SparseGPT 2:4 then int8, stored as packed 2:4 int8) beside
-  each stage alone: perplexity, stored bytes, wall time and peak RSS;
 - ``streaming``: SparseGPT 2:4 on a random 6.6 GB Llama, streamed block by block against in
   memory: peak RSS over the weight bytes, wall time, bit-for-bit equality of the outputs;
 - ``speed``: prefill and batch-1 decode tokens/s of every compressed runtime against the dense
@@ -57,9 +65,8 @@ temporary directory (a smoke run never writes into ``results/``).
 file.
 """
 
+# the programs (the tables: benchmarks.table.table_names())
 BENCHMARKS = (
-    "magnitude",
-    "pruning",
     "maskllm",
     "maskllm_fsdp",
     "runtime",
@@ -69,7 +76,6 @@ BENCHMARKS = (
     "lowrank",
     "subnet_digits",
     "subnet",
-    "recipes",
     "streaming",
     "layer_speed",
     "speed",

@@ -1,6 +1,7 @@
-"""The benchmark renderer and the benchmarks' shared flags (benchmarks/render.py): every committed
-results file is regenerated from its JSON byte for byte, and ``--only`` merges rerun rows into
-the results file. No model runs (jobs are replaced by canned runs)."""
+"""The benchmark renderer, the sweep program and the benchmarks' shared flags (render.py,
+sweep.py): every committed results file is regenerated from its JSON byte for byte, and
+``--only`` merges rerun rows into the results file. No model runs (jobs are replaced by
+canned runs)."""
 
 import importlib
 import json
@@ -8,11 +9,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
-from benchmarks import BENCHMARKS, harness, magnitude, maskllm_fsdp, pruning
+from benchmarks import BENCHMARKS, harness, maskllm_fsdp, sweep
 from benchmarks.child import maskllm_fsdp as fsdp_child
+from benchmarks.columns import row_name
 from benchmarks.render import RESULTS_DIR, merge_rows
 from benchmarks.runner import Run
+from benchmarks.table import load_table, table_names
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)
@@ -20,6 +24,12 @@ def test_committed_markdown_is_rendered_from_its_json(name):
     module = importlib.import_module(f"benchmarks.{name}")
     payload = json.loads((RESULTS_DIR / f"{module.NAME}.json").read_text())
     assert module.render(payload) == (RESULTS_DIR / f"{module.NAME}.md").read_text()
+
+
+@pytest.mark.parametrize("name", table_names())
+def test_committed_markdown_of_every_table_is_rendered_from_its_json(name):
+    payload = json.loads((RESULTS_DIR / f"{name}.json").read_text())
+    assert sweep.render(load_table(name), payload) == (RESULTS_DIR / f"{name}.md").read_text()
 
 
 # tables of a benchmark run on another host than its main file's (benchmark, results JSON);
@@ -56,6 +66,24 @@ def test_render_only_rewrites_the_md_and_png_and_nothing_else(tmp_path, name):
         assert after[file] == (RESULTS_DIR / file).read_bytes(), file
 
 
+@pytest.mark.parametrize("names", [[name] for name in table_names()] + [[]])
+def test_sweep_render_only_rewrites_the_md_of_its_tables_and_nothing_else(tmp_path, names):
+    """``python -m benchmarks.sweep [TABLE] --render-only`` (no name: every table)."""
+    shutil.copytree(RESULTS_DIR, tmp_path, dirs_exist_ok=True)
+    drawn = [f"{name}.md" for name in names or table_names()]
+    drawn += [p.name for name in names or table_names() for p in tmp_path.glob(f"{name}_*.png")]
+    for file in drawn:
+        (tmp_path / file).unlink()
+    before = _files(tmp_path)
+
+    assert sweep.main([*names, "--render-only", "--results-dir", str(tmp_path)]) == 0
+    after = _files(tmp_path)
+    assert sorted(set(after) - set(before)) == sorted(drawn)
+    assert all(after[f] == before[f] for f in before)  # the JSON files untouched
+    for file in drawn:  # the committed md (and PNG) again, byte for byte
+        assert after[file] == (RESULTS_DIR / file).read_bytes(), file
+
+
 def _files(root):
     """Every file under ``root`` (``compress-model bench -o`` outputs are directories)."""
     return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
@@ -84,30 +112,67 @@ def test_magnitude_only_reruns_one_row_and_keeps_the_others(tmp_path, monkeypatc
 
     def result(job):
         ran.append(job.name)
-        assert job.command[1:3] == ("-m", "benchmarks.child.magnitude")
-        spec = json.loads(job.command[3])
-        assert (spec["name"], spec["method"], spec["eval_tokens"]) == ("dense", None, 64)
+        command = [str(part) for part in job.command]
+        assert command[3:5] == ["eval", "smollm2-135m"]  # a row of kind eval
+        assert command[command.index("--eval-tokens") + 1] == "64"
         ppl = {"perplexity": 42.0, "tokens": 64}
-        return {"name": "dense", "wiki-test": ppl, "lee": ppl, "seconds": 1.0}
+        return {"perplexity": {"wiki-test": ppl, "lee": ppl}}
 
-    monkeypatch.setattr(magnitude, "run_job", _canned(result))
+    monkeypatch.setattr(sweep, "run_job", _canned(result))
     monkeypatch.setattr(harness, "machine", lambda: {"cpu_count": 0})
-    argv = ["--only", "dense", "--eval-tokens", "64", "--results-dir", str(tmp_path)]
-    assert magnitude.main([*argv, "--work", str(tmp_path / "work")]) == 0
+    argv = ["magnitude", "--only", "dense", "--set", "eval_tokens=64"]
+    assert sweep.main([*argv, "--results-dir", str(tmp_path), "--work", str(tmp_path / "w")]) == 0
 
-    assert ran == ["dense"]
+    assert ran == ["eval dense"]
     new = json.loads((tmp_path / "magnitude.json").read_text())
     assert [r["name"] for r in new["results"]] == [r["name"] for r in old["results"]]
     dense = new["results"][0]
-    assert (dense["wiki-test"]["perplexity"], dense["wall_seconds"], dense["peak_rss_mb"]) == (
-        42.0,
-        12.5,
-        321.0,
-    )
+    assert (dense["ppl"]["wiki-test"]["perplexity"], dense["wall_seconds"]) == (42.0, 12.5)
+    assert (dense["peak_rss_mb"], new["settings"]["eval_tokens"]) == (321.0, 64)
     assert new["results"][1:] == old["results"][1:]
     md = (tmp_path / "magnitude.md").read_text()
     assert "| dense | 42.00 | 42.00 | 12.5 | 321.0 |" in md
     assert "| magnitude 2:4 | 1160.35 |" in md
+
+
+def test_a_recipe_row_runs_compress_model_on_its_recipe_and_reads_its_output(tmp_path, monkeypatch):
+    """magnitude 2:4: ``compress-model --config ROW.yaml`` with the table's settings as flags;
+    the row's record from its output's compression.json."""
+    shutil.copy(RESULTS_DIR / "magnitude.json", tmp_path)
+    old = json.loads((tmp_path / "magnitude.json").read_text())
+
+    def result(job):
+        command = [str(part) for part in job.command]
+        config = Path(command[command.index("--config") + 1])
+        assert yaml.safe_load(config.read_text()) == {"method": "magnitude", "sparsity": "2:4"}
+        assert command[command.index("--config") + 2] == "smollm2-135m"
+        assert command[command.index("--eval") + 1 : command.index("--eval") + 3] == [
+            "wiki-test",
+            "lee",
+        ]
+        assert {"--skip-dense", "--no-dense-copy", "-o"} <= set(command)
+        ppl = {"perplexity": 1000.0, "tokens": 32704}
+        summary = {"bytes_compressed": 1, "bytes_dense": 2}
+        return {
+            "results": {"compressed": {"wiki-test": ppl, "lee": ppl}},
+            "report": {"summary": summary},
+            "compressed_layers": {"a": {"format": "nm_packed"}},
+        }
+
+    monkeypatch.setattr(sweep, "run_job", _canned(result))
+    monkeypatch.setattr(harness, "machine", lambda: {"cpu_count": 0})
+    argv = ["magnitude", "--only", "magnitude 2:4", "--results-dir", str(tmp_path)]
+    assert sweep.main([*argv, "--work", str(tmp_path / "w")]) == 0
+
+    row = json.loads((tmp_path / "magnitude.json").read_text())["results"][1]
+    assert (row["name"], row["formats"]) == ("magnitude 2:4", ["nm_packed"])
+    assert row["summary"] == {"bytes_compressed": 1, "bytes_dense": 2}
+    assert (row["method"], row["sparsity"], row["tool"]) == ("magnitude", "2:4", "lmcompress")
+    assert (
+        "| magnitude 2:4 | 1000.00 | 1000.00 | 12.5 | 321.0 |"
+        in (tmp_path / "magnitude.md").read_text()
+    )
+    assert old["results"][0] == json.loads((tmp_path / "magnitude.json").read_text())["results"][0]
 
 
 def test_pruning_only_reruns_our_row_and_scores_its_output(tmp_path, monkeypatch):
@@ -120,20 +185,23 @@ def test_pruning_only_reruns_our_row_and_scores_its_output(tmp_path, monkeypatch
         if job.name.startswith("eval "):
             ppl = {"perplexity": 60.0, "tokens": 32704}
             return {"perplexity": {"wiki-test": ppl, "lee": ppl}}
-        tail = job.command[3:]
-        assert tail[:5] == ("smollm2-135m", "--method", "sparsegpt", "--sparsity", "2:4")
-        return None
+        command = [str(part) for part in job.command]
+        config = Path(command[command.index("--config") + 1])
+        assert yaml.safe_load(config.read_text()) == {"method": "sparsegpt", "sparsity": "2:4"}
+        tail = command[command.index("--config") + 2 :]
+        assert tail[:9] == ["smollm2-135m", "--nsamples", "128", "--seq-len", "512",
+                            "--calib", "wiki-calib", "--seed", "0"]  # fmt: skip
+        assert tail[9:11] == ["--eval", "-o"]  # scored apart: the job evaluates nothing
+        return {"results": {}, "report": {"summary": {}}, "compressed_layers": {}}
 
-    monkeypatch.setattr(pruning, "run_job", _canned(result))
+    monkeypatch.setattr(sweep, "run_job", _canned(result))
     monkeypatch.setattr(harness, "machine", lambda: {"cpu_count": 0})
-    argv = ["--only", "lmcompress:sparsegpt:2:4", "--results-dir", str(tmp_path)]
-    assert pruning.main([*argv, "--work", str(tmp_path / "work")]) == 0
+    argv = ["pruning", "--only", "lmcompress:sparsegpt:2:4", "--results-dir", str(tmp_path)]
+    assert sweep.main([*argv, "--work", str(tmp_path / "work")]) == 0
 
     assert ran == ["lmcompress:sparsegpt:2:4", "eval lmcompress:sparsegpt:2:4"]
     new = json.loads((tmp_path / "pruning.json").read_text())
-    assert [pruning.row_name(r) for r in new["results"]] == [
-        pruning.row_name(r) for r in old["results"]
-    ]
+    assert [row_name(r) for r in new["results"]] == [row_name(r) for r in old["results"]]
     pairs = zip(old["results"], new["results"], strict=True)
     changed = [i for i, (a, b) in enumerate(pairs) if a != b]
     assert changed == [4]
@@ -146,11 +214,19 @@ def test_pruning_only_reruns_our_row_and_scores_its_output(tmp_path, monkeypatch
     )
 
 
-@pytest.mark.parametrize("module", [magnitude, pruning])
-def test_only_rejects_an_unknown_job_before_running_anything(tmp_path, module, monkeypatch):
-    monkeypatch.setattr(module, "run_job", _canned(lambda _job: pytest.fail("ran")))
+def test_skip_peers_runs_none_of_the_peer_rows(tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(sweep, "run_table", lambda _table, args, _p: ran.extend(args.only) or 0)
+    assert sweep.main(["pruning", "--skip-peers", "--results-dir", str(tmp_path)]) == 0
+    assert ran and not [name for name in ran if name.startswith("llm-compressor:")]
+    assert "lmcompress:wanda:2:4" in ran
+
+
+@pytest.mark.parametrize("table", ["magnitude", "pruning"])
+def test_only_rejects_an_unknown_job_before_running_anything(tmp_path, table, monkeypatch):
+    monkeypatch.setattr(sweep, "run_job", _canned(lambda _job: pytest.fail("ran")))
     with pytest.raises(SystemExit):
-        module.main(["--only", "no-such-job", "--results-dir", str(tmp_path)])
+        sweep.main([table, "--only", "no-such-job", "--results-dir", str(tmp_path)])
     assert not list(tmp_path.iterdir())
 
 

@@ -1,0 +1,176 @@
+"""The columns a table may show (``columns:`` in ``benchmarks/tables/NAME.yaml``), one fixed list:
+each a header and a cell, a function of the row's record and the table around it.
+
+A column is named by its key (``ppl:wiki-test``), or by a mapping that also gives its
+``header`` or its ``digits`` (``{column: ppl:wiki-test, digits: 3}``). Keys:
+
+- ``name``, ``method``, ``sparsity``, ``tool``: what the row is;
+- ``ppl:CORPUS``: the compressed model's perplexity on CORPUS (2 digits);
+- ``wall_s``, ``peak_rss_mib``: of the row's compression process (``-`` where not measured);
+- ``ratio:ppl:CORPUS``, ``ratio:wall_s``, ``ratio:peak_rss_mib``: divided by the row's
+  baseline (``baseline:`` of the row, else of the table; ``-`` without one);
+- ``formats``: the stored formats of the compressed layers;
+- ``layers_mib``, ``layers_ratio``: the compressed layers' stored bytes (values and metadata,
+  as the report counts them), and the same over their dense fp32 bytes;
+- ``file_mib``: the size of ``compressed.safetensors``.
+
+Perplexities are read through :func:`perplexity`, which also knows the layouts of the rows
+written before the tables existed (``magnitude.json``: each corpus at the top of the row;
+``recipes.json``: ``compressed`` and ``dense`` as bare numbers), so the committed files render
+unchanged and a rerun row sits beside them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+Record = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a cell sees besides its row: every row by name, and each row's baseline's name."""
+
+    rows: Mapping[str, Record]
+    baselines: Mapping[str, str]
+
+    def baseline(self, row: Record) -> Record | None:
+        name = self.baselines.get(row_name(row))
+        return None if name is None or name == row_name(row) else self.rows.get(name)
+
+
+Cell = Callable[[Record, Context], Any]
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str
+    header: str
+    cell: Cell
+    in_stage_rows: bool = False  # filled in a recipe's "after stage i" rows
+
+
+def row_name(row: Record) -> str:
+    """A row's name (``pruning.json``'s rows, written before names, are TOOL:METHOD:SPARSITY)."""
+    if "name" in row:
+        return row["name"]
+    if row["method"] == "dense":
+        return "dense"
+    return f"{row['tool']}:{row['method']}:{row['sparsity']}"
+
+
+def scored(row: Record, corpus: str, which: str = "ppl") -> Any:
+    """The evaluation of ``corpus`` (``which``: ``ppl`` the compressed model, ``dense``)."""
+    found = row.get(which, {}).get(corpus)
+    if found is None and which == "ppl":  # the layouts written before the tables
+        found = row[corpus] if corpus in row else row.get("compressed", {}).get(corpus)
+    return found
+
+
+def perplexity(row: Record, corpus: str, which: str = "ppl") -> float | None:
+    found = scored(row, corpus, which)
+    return found["perplexity"] if isinstance(found, dict) else found
+
+
+def _number(value: Any, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _measured(field: str) -> Callable[[Record], Any]:
+    return lambda row: row.get(field)
+
+
+# a measured value of a row, by the key the ratio columns divide by (ratio:KEY)
+VALUES: dict[str, tuple[str, Callable[[str], Callable[[Record], Any]]]] = {
+    "ppl": ("ppl ratio ({})", lambda corpus: lambda row: perplexity(row, corpus)),
+    "wall_s": ("wall ratio", lambda _: _measured("wall_seconds")),
+    "peak_rss_mib": ("RSS ratio", lambda _: _measured("peak_rss_mb")),
+}
+
+
+def _ratio(value: Callable[[Record], Any], digits: int) -> Cell:
+    def cell(row: Record, context: Context) -> str:
+        base = context.baseline(row)
+        if base is None or value(base) is None or value(row) is None:
+            return "-"
+        return f"{value(row) / value(base):.{digits}f}"
+
+    return cell
+
+
+def _layers(row: Record, digits: int) -> str:
+    return f"{row['summary']['bytes_compressed'] / 2**20:.{digits}f}"
+
+
+def _layers_ratio(row: Record, digits: int) -> str:
+    summary = row["summary"]
+    return f"{summary['bytes_compressed'] / summary['bytes_dense']:.{digits}f}"
+
+
+def _file(row: Record, digits: int) -> str:
+    return f"{row['compressed_file_bytes'] / 2**20:.{digits}f}"
+
+
+def _field(field: str) -> Callable[[Record, int], Any]:
+    return lambda row, _digits: row.get(field, "-")
+
+
+# key -> (header, value(row, digits), default digits, shown in stage rows)
+FIXED: dict[str, tuple[str, Callable[[Record, int], Any], int, bool]] = {
+    "name": ("name", lambda row, _digits: row_name(row), 0, True),
+    "method": ("method", _field("method"), 0, False),
+    "sparsity": ("sparsity", _field("sparsity"), 0, False),
+    "tool": ("tool", _field("tool"), 0, False),
+    "wall_s": ("wall s", _field("wall_seconds"), 0, False),
+    "peak_rss_mib": ("peak RSS MiB", _field("peak_rss_mb"), 0, False),
+    "formats": ("stored format", lambda row, _digits: ", ".join(row["formats"]), 0, False),
+    "layers_mib": ("compressed layers MiB", _layers, 1, False),
+    "layers_ratio": ("÷ dense fp32", _layers_ratio, 4, False),
+    "file_mib": ("compressed.safetensors MiB", _file, 1, False),
+}
+KEYS = (*FIXED, "ppl:CORPUS", *(f"ratio:{k}" for k in VALUES if k != "ppl"), "ratio:ppl:CORPUS")
+
+
+class UnknownColumn(ValueError):
+    pass
+
+
+def column(spec: str | Mapping[str, Any]) -> Column:
+    """The column ``spec`` names (module docstring); :class:`UnknownColumn` if none."""
+    spec = {"column": spec} if isinstance(spec, str) else dict(spec)
+    key = spec.pop("column", None)
+    header, digits = spec.pop("header", None), spec.pop("digits", None)
+    if spec:
+        raise UnknownColumn(f"column {key!r}: unknown key(s) {', '.join(map(str, spec))}")
+    if not isinstance(key, str):
+        raise UnknownColumn(f"a column needs a name (column: KEY), got {key!r}")
+    kind, _, arg = key.partition(":")
+    if key in FIXED:
+        default, value, places, stages = FIXED[key]
+        places = places if digits is None else digits
+        return Column(key, header or default, lambda row, _c: value(row, places), stages)
+    if kind == "ppl" and arg:
+        places = 2 if digits is None else digits
+        cell = lambda row, _c: _number(perplexity(row, arg), places)  # noqa: E731
+        return Column(key, header or f"{arg} ppl", cell, True)
+    measured, _, corpus = arg.partition(":")
+    if kind == "ratio" and measured in VALUES and bool(corpus) == (measured == "ppl"):
+        default, value = VALUES[measured]
+        places = (3 if measured == "ppl" else 2) if digits is None else digits
+        return Column(key, header or default.format(corpus), _ratio(value(corpus), places))
+    raise UnknownColumn(f"unknown column {key!r} (known: {', '.join(KEYS)})")
+
+
+# the variables a caption may name besides the settings: (payload) -> text
+CAPTION_VARIABLES: dict[str, Callable[[Record, list[str]], str]] = {
+    # the scored tokens of each corpus, from the first row
+    "tokens": lambda payload, corpora: ", ".join(
+        f"{c} {scored(payload['results'][0], c)['tokens']}" for c in corpora
+    ),
+    # the dense model's perplexities as the first row's job scored them, 3 digits
+    "dense_ppl": lambda payload, corpora: ", ".join(
+        f"{c} {perplexity(payload['results'][0], c, 'dense'):.3f}" for c in corpora
+    ),
+}

@@ -1,0 +1,222 @@
+"""The one sweep program: every table of ``benchmarks/tables/`` (``benchmarks.table``), run,
+rerun in part, or redrawn.
+
+    python -m benchmarks.sweep magnitude                      # every row of a table
+    python -m benchmarks.sweep magnitude --only dense "magnitude 2:4" --results-dir /tmp/r
+    python -m benchmarks.sweep magnitude --set eval_tokens=4096   # a setting changed
+    python -m benchmarks.sweep --render-only                  # redraw every table's md
+
+A row is one ``compress-model`` process (``benchmarks.runner``: its wall time and peak RSS):
+``compress-model --config ROW.yaml`` (the row's recipe, written to the work directory) plus the
+table's settings as flags (:func:`job_flags`), its output's ``compression.json`` read back; an
+``eval`` row scores the checkpoint itself (``compress-model eval CHECKPOINT --json``); a
+``peer`` row prunes with llm-compressor (``benchmarks.peers.run_peer``, in its venv). With
+``score: apart`` every output is scored by ``compress-model eval OUT --json`` in a process of
+its own (and the row's wall and RSS are the compression's alone). The results are
+``benchmarks/results/NAME.{json,md}``: ``settings`` and ``results`` (one record a row,
+:func:`record_of`), drawn by :func:`render` (``benchmarks.columns``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from benchmarks.columns import CAPTION_VARIABLES, Context, row_name
+from benchmarks.harness import add_harness_args, row_table, run_table
+from benchmarks.render import markdown_table
+from benchmarks.runner import CLI, PYTHON, ROOT, STDOUT, Job, Run, run_job, slug
+from benchmarks.table import Row, Table, TableError, load_table, table_names
+
+Record = dict[str, Any]
+PEER_VENV = ROOT / ".venv-llmc"  # benchmarks/peers/setup_llmcompressor.sh makes it
+
+
+def job_flags(settings: Record, scores: bool) -> list[str]:
+    """The table's settings as ``compress-model`` flags (``scores``: the job evaluates)."""
+    flags = [str(settings.get("checkpoint", "smollm2-135m"))]
+    for key, flag in (("nsamples", "--nsamples"), ("seq_len", "--seq-len"), ("calib", "--calib"),
+                      ("seed", "--seed")):  # fmt: skip
+        if key in settings:
+            flags += [flag, str(settings[key])]
+    flags += ["--eval", *settings.get("corpora", ())] if scores else ["--eval"]
+    if scores and "eval_tokens" in settings:
+        flags += ["--eval-tokens", str(settings["eval_tokens"])]
+    if settings.get("skip_dense"):
+        flags.append("--skip-dense")
+    if settings.get("dense_copy") is False:
+        flags.append("--no-dense-copy")
+    return flags
+
+
+def score_job(name: str, path: str | Path, settings: Record) -> Job:
+    """``compress-model eval PATH --json`` on the table's corpora."""
+    command = (*CLI, "eval", str(path), "--data", *settings.get("corpora", ("wiki-test",)))
+    tokens = ("--eval-tokens", str(settings.get("eval_tokens", 32768)))
+    return Job(f"eval {name}", (*command, *tokens, "--json", "-q"), STDOUT)
+
+
+def _measured(run: Run) -> Record:
+    return {"wall_seconds": run.wall_seconds, "peak_rss_mb": run.peak_rss_mb}
+
+
+def _what(row: Row) -> Record:
+    """method / sparsity / tool of a row, as the tables show them."""
+    if row.kind == "eval":
+        return {"method": "dense", "sparsity": "-", "tool": "-"}
+    recipe = row.recipe if isinstance(row.recipe, dict) else {}
+    tool = "llm-compressor" if row.kind == "peer" else "lmcompress"
+    method = recipe.get("method") or "+".join(s["method"] for s in recipe.get("stages", []))
+    sparsity = str(recipe.get("sparsity", "-"))
+    return {"method": method or "recipe", "sparsity": sparsity, "tool": tool}
+
+
+def run_row(row: Row, settings: Record, work: Path, peer_venv: Path) -> Record:
+    """One row's record: its job, and its scoring where that is a job of its own."""
+    apart = settings.get("score", "in-job") == "apart"
+    record: Record = {"name": row.name, **_what(row)}
+    if row.kind == "eval":
+        checkpoint = settings.get("checkpoint", "smollm2-135m")
+        run = run_job(score_job(row.name, checkpoint, settings), work)
+        scored = {} if apart else _measured(run)
+        return {**record, **scored, "ppl": run.result["perplexity"]}
+    out = work / "outputs" / slug(row.name)
+    if row.kind == "peer":
+        peer = run_job(_peer_job(row, out, settings, peer_venv), work).result
+        record.update({k: round(peer[k], 1) for k in ("wall_seconds", "peak_rss_mb")})
+    else:
+        run = run_job(_compress_job(row, out, settings, work, scores=not apart), work)
+        record.update(_measured(run))
+        record.update(record_of(run.result, out))
+    if apart:
+        record["ppl"] = run_job(score_job(row.name, out, settings), work).result["perplexity"]
+    shutil.rmtree(out, ignore_errors=True)
+    return record
+
+
+def _compress_job(row: Row, out: Path, settings: Record, work: Path, scores: bool) -> Job:
+    recipe = row.recipe
+    if isinstance(recipe, dict):  # the row's recipe as a file compress-model --config reads
+        path = work / "recipes" / f"{slug(row.name)}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+        recipe = str(path)
+    command = (*CLI, "--config", recipe, *job_flags(settings, scores), "-o", str(out), "-q")
+    return Job(row.name, command, out / "compression.json")
+
+
+def _peer_job(row: Row, out: Path, settings: Record, venv: Path) -> Job:
+    recipe = row.recipe if isinstance(row.recipe, dict) else {}
+    command = [PYTHON, "-m", "benchmarks.peers.run_peer", "--method", recipe.get("method"),
+               "--sparsity", str(recipe.get("sparsity")), "--out", str(out), "--venv", str(venv),
+               "--model", settings.get("checkpoint", "smollm2-135m")]  # fmt: skip
+    for key, flag in (("nsamples", "--nsamples"), ("seq_len", "--seq-len"), ("seed", "--seed"),
+                      ("calib", "--calib")):  # fmt: skip
+        if key in settings:
+            command += [flag, str(settings[key])]
+    return Job(row.name, command, STDOUT)
+
+
+def record_of(manifest: Record, out: Path) -> Record:
+    """What a row keeps of its output's ``compression.json``: the scores (``ppl``, ``dense``),
+    the report's summary, the stored formats and bytes, and each stage's scores."""
+    results, record = manifest.get("results", {}), {}
+    if results.get("compressed"):
+        record["ppl"] = results["compressed"]
+    if results.get("dense"):
+        record["dense"] = results["dense"]
+    record["summary"] = manifest["report"]["summary"]
+    record["formats"] = sorted({e["format"] for e in manifest["compressed_layers"].values()})
+    if (out / "compressed.safetensors").is_file():
+        record["compressed_file_bytes"] = (out / "compressed.safetensors").stat().st_size
+    if results.get("stages"):
+        record["stages"] = [
+            {"method": s["method"], "ppl": s["compressed"], "seconds": round(s["seconds"], 1)}
+            for s in results["stages"]
+        ]
+    return record
+
+
+def render(table: Table, payload: Record) -> str:
+    """The md of a results file: the caption (settings of the file over the table's), then
+    one line per row (and per earlier stage, with ``stage_rows``)."""
+    results = payload["results"]
+    settings = {**table.settings, **payload.get("settings", {})}
+    corpora = list(settings.get("corpora", ()))
+    variables = {k: v for k, v in CAPTION_VARIABLES.items() if f"{{{k}" in table.caption}
+    computed = {k: v(payload, corpora) for k, v in variables.items()}
+    caption = table.caption.format(**settings, **computed)
+    context = Context({row_name(r): r for r in results}, table.baselines)
+    lines = []
+    for r in results:
+        lines.append([c.cell(r, context) for c in table.columns])
+        for index, stage in enumerate(r.get("stages", [])[:-1] if table.stage_rows else [], 1):
+            sub = {**stage, "name": f"↳ after stage {index} ({stage['method']})"}
+            lines.append([c.cell(sub, context) if c.in_stage_rows else "" for c in table.columns])
+    return caption.strip() + "\n\n" + markdown_table([c.header for c in table.columns], lines)
+
+
+def harness_table(table: Table, args: argparse.Namespace):
+    """The table as :func:`benchmarks.harness.run_table` runs it."""
+    settings = {**table.settings, **args.settings}
+    names = [r.name for r in table.rows]
+
+    def run(name: str, args: argparse.Namespace) -> Record:
+        return run_row(table.row(name), settings, args.work, args.peer_venv)
+
+    def record(_args: argparse.Namespace, rows: list[Record]) -> Record:
+        return {"settings": settings, "results": rows}
+
+    return row_table(table.name, lambda p: render(table, p), names, run, record, key=row_name)
+
+
+def _setting(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r}: KEY=VALUE expected")
+    return key, yaml.safe_load(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("tables", nargs="*", metavar="TABLE", help="benchmarks/tables/TABLE.yaml "
+                        "(--render-only: default every table)")  # fmt: skip
+    parser.add_argument("--set", type=_setting, nargs="+", default=[], metavar="KEY=VALUE",
+                        dest="settings", help="a setting of the table (a YAML value)")  # fmt: skip
+    parser.add_argument("--skip-peers", action="store_true",
+                        help="run no peer row (those of the results file are kept)")  # fmt: skip
+    parser.add_argument("--peer-venv", type=Path, default=PEER_VENV, help="llm-compressor's venv")
+    add_harness_args(parser, "rerun just these rows (names as in the table)")
+    args = parser.parse_args(argv)
+    args.settings = dict(args.settings)
+    names = args.tables or (table_names() if args.render_only else [])
+    if len(names) != 1 and not args.render_only:
+        parser.error("name one table to run (tables: " + ", ".join(table_names()) + ")")
+    status = 0
+    for name in names:
+        try:
+            table = load_table(name)
+        except TableError as err:
+            parser.error(str(err))
+        if args.skip_peers:
+            only = args.only or [r.name for r in table.rows]
+            args.only = [r.name for r in table.rows if r.kind != "peer" and r.name in only]
+            if not args.only:
+                parser.error("--skip-peers leaves no row to run")
+        status |= run_table(harness_table(table, args), args, parser)
+    return status
+
+
+def alias(module: str, table: str) -> None:
+    """``python -m benchmarks.TABLE``, the old name of ``python -m benchmarks.sweep TABLE``."""
+    if module == "__main__":
+        sys.exit(main([table, *sys.argv[1:]]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

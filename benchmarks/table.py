@@ -1,0 +1,164 @@
+"""A sweep as data: ``benchmarks/tables/NAME.yaml``, read and checked (:func:`load_table`).
+
+    settings:                 # the job every row shares (SETTINGS), as compress-model flags
+      checkpoint: smollm2-135m
+      corpora: [wiki-test, lee]
+      eval_tokens: 32768
+    rows:                     # in table order; each row one job (``--only NAME`` reruns it)
+      - {name: dense, kind: eval}
+      - name: magnitude 2:4   # kind: recipe (the default)
+        recipe: {method: magnitude, sparsity: "2:4"}
+    baseline: dense           # the row the ratio:* columns divide by (a row may name its own)
+    columns: [name, ppl:wiki-test, ppl:lee, wall_s, peak_rss_mib]     # benchmarks.columns
+    caption: SmolLM2-135M, scored tokens: {tokens}.    # settings and CAPTION_VARIABLES
+    plot: null                # one of PLOTS
+
+A row's ``recipe`` is the project's recipe format, what ``compress-model --config`` reads (a
+mapping, written to the work directory, or a path such as ``recipes/sparsegpt24-int8.yaml``);
+its ``kind`` is one of :data:`KINDS`. ``stage_rows: true`` adds, under a multi-stage recipe's
+row, one row per stage but the last with the perplexities after it. Every mistake is one line
+naming the file (:class:`TableError`): an unknown key, column, kind, setting or plot, a row
+name given twice, a baseline naming no row, a caption naming no setting.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from benchmarks.columns import CAPTION_VARIABLES, Column, UnknownColumn, column
+
+TABLES_DIR = Path(__file__).resolve().parent / "tables"
+# what a row runs: a recipe through compress-model; the checkpoint scored as it is; a peer
+# tool's pruning (llm-compressor, benchmarks/peers) scored like ours
+KINDS = ("recipe", "eval", "peer")
+# setting -> what it is (the flags it becomes: benchmarks.sweep.job_flags)
+SETTINGS = {
+    "checkpoint": "the model every row compresses (compress-model's CHECKPOINT)",
+    "corpora": "the corpora every row is scored on (--eval / --data)",
+    "eval_tokens": "tokens scored per corpus (--eval-tokens; 0: all)",
+    "seq_len": "tokens per calibration and evaluation window (--seq-len)",
+    "nsamples": "calibration windows (--nsamples)",
+    "calib": "the calibration corpus (--calib)",
+    "seed": "the seed of the calibration windows (--seed)",
+    "dense_copy": "false: the output without its dense copy (--no-dense-copy)",
+    "skip_dense": "true: the compress job does not score the dense model (--skip-dense)",
+    "score": "in-job: the compress job scores (its wall includes that); apart: "
+    "compress-model eval scores its output in a process of its own",
+}
+PLOTS: tuple[str, ...] = ()  # benchmarks.sweep.PLOTS names the drawers; none yet
+TOP = {"settings", "rows", "baseline", "columns", "caption", "plot", "stage_rows"}
+ROW = {"name", "kind", "recipe", "baseline"}
+
+
+class TableError(ValueError):
+    """A table file that cannot be run: one line, naming the file."""
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    kind: str = "recipe"
+    recipe: dict[str, Any] | str | None = None
+    baseline: str | None = None
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    settings: dict[str, Any]
+    rows: tuple[Row, ...]
+    columns: tuple[Column, ...]
+    caption: str
+    baseline: str | None = None
+    plot: str | None = None
+    stage_rows: bool = False
+
+    def row(self, name: str) -> Row:
+        return next(r for r in self.rows if r.name == name)
+
+    @property
+    def baselines(self) -> dict[str, str]:
+        """Each row's name -> its baseline's (the rows that have one)."""
+        named = {r.name: r.baseline or self.baseline for r in self.rows}
+        return {name: base for name, base in named.items() if base}
+
+
+def table_names() -> list[str]:
+    return sorted(p.stem for p in TABLES_DIR.glob("*.yaml"))
+
+
+def load_table(name: str, path: Path | None = None) -> Table:
+    """The table ``benchmarks/tables/NAME.yaml`` (or ``path``), checked; :class:`TableError`."""
+    path = path or TABLES_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise TableError(f"no table {name!r} ({path} missing; tables: {', '.join(table_names())})")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise TableError(f"{path}: not YAML: {' '.join(str(err).split())}") from None
+    try:
+        return _parse(name, data)
+    except (TableError, UnknownColumn) as err:
+        raise TableError(f"{path}: {err}") from None
+
+
+def _unknown(found: Any, known: set[str], where: str) -> None:
+    if not isinstance(found, dict):
+        raise TableError(f"{where}: a mapping expected, got {type(found).__name__}")
+    extra = sorted(set(map(str, found)) - known)
+    if extra:
+        known_keys = ", ".join(sorted(known))
+        raise TableError(f"{where}: unknown key(s) {', '.join(extra)} (known: {known_keys})")
+
+
+def _parse(name: str, data: Any) -> Table:
+    _unknown(data, TOP, "table")
+    settings = data.get("settings") or {}
+    _unknown(settings, set(SETTINGS), "settings")
+    rows = tuple(_row(i, spec) for i, spec in enumerate(data.get("rows") or []))
+    if not rows:
+        raise TableError("rows: a table needs at least one row")
+    names = [r.name for r in rows]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise TableError(f"rows: row name(s) given twice: {', '.join(twice)}")
+    baseline = data.get("baseline")
+    bases = [("baseline", baseline), *((f"row {r.name!r}: baseline", r.baseline) for r in rows)]
+    for where, base in bases:
+        if base is not None and base not in names:
+            raise TableError(f"{where}: {base!r} names no row (rows: {', '.join(names)})")
+    columns = tuple(column(spec) for spec in data.get("columns") or [])
+    if not columns:
+        raise TableError("columns: a table needs at least one column")
+    caption = str(data.get("caption") or "")
+    fields = {f for _, f, _, _ in string.Formatter().parse(caption) if f}
+    unknown = sorted(fields - set(SETTINGS) - set(CAPTION_VARIABLES))
+    if unknown:
+        known = ", ".join([*SETTINGS, *CAPTION_VARIABLES])
+        raise TableError(f"caption: unknown variable(s) {', '.join(unknown)} (known: {known})")
+    plot = data.get("plot")
+    if plot is not None and plot not in PLOTS:
+        raise TableError(f"plot: unknown plot {plot!r} (known: {', '.join(PLOTS) or 'none'})")
+    stage_rows = bool(data.get("stage_rows", False))
+    return Table(name, settings, rows, columns, caption, baseline, plot, stage_rows)
+
+
+def _row(index: int, spec: Any) -> Row:
+    where = f"rows[{index}]"
+    _unknown(spec, ROW, where)
+    name, kind, recipe = spec.get("name"), spec.get("kind", "recipe"), spec.get("recipe")
+    if not isinstance(name, str) or not name:
+        raise TableError(f"{where}: a row needs a name")
+    if kind not in KINDS:
+        raise TableError(f"row {name!r}: unknown kind {kind!r} (known: {', '.join(KINDS)})")
+    if (recipe is None) != (kind == "eval"):
+        need = "no recipe (it scores the checkpoint)" if kind == "eval" else "a recipe"
+        raise TableError(f"row {name!r}: a row of kind {kind} takes {need}")
+    if recipe is not None and not isinstance(recipe, (dict, str)):
+        raise TableError(f"row {name!r}: recipe: a mapping or a recipe file's path")
+    return Row(name, kind, recipe, spec.get("baseline"))
