@@ -5,7 +5,13 @@ A column is named by its key (``ppl:wiki-test``), or by a mapping that also give
 ``header`` or its ``digits`` (``{column: ppl:wiki-test, digits: 3}``). Keys:
 
 - ``name``, ``method``, ``sparsity``, ``tool``: what the row is;
-- ``ppl:CORPUS``: the compressed model's perplexity on CORPUS (2 digits);
+- ``ppl:CORPUS``: the compressed model's perplexity on CORPUS (2 digits); ``dense_ppl:CORPUS``
+  the dense model's as the row's job scored it;
+- ``params_kept``: of the compressed layers; ``command``: the row's command line;
+- ``runtime``, ``reload_ppl:CORPUS``, ``reload_mib``, ``reload_ratio``, ``reload_rss_mib``,
+  ``reload_process_rss_mib``: with the ``reload`` setting, a line per runtime the output is
+  reloaded in: its perplexity, the compressed layers' bytes after loading (and over their
+  dense fp16 bytes), the peak RSS right after loading and of the whole eval process;
 - ``wall_s``, ``peak_rss_mib``: of the row's compression process (``-`` where not measured);
 - ``ratio:ppl:CORPUS``, ``ratio:wall_s``, ``ratio:peak_rss_mib``: divided by the row's
   baseline (``baseline:`` of the row, else of the table; ``-`` without one);
@@ -113,6 +119,26 @@ def _file(row: Record, digits: int) -> str:
     return f"{row['compressed_file_bytes'] / 2**20:.{digits}f}"
 
 
+def _params_kept(row: Record, digits: int) -> str:
+    summary = row["summary"]
+    return f"{summary['params_kept'] / summary['params_compressed_layers']:.{digits}f}"
+
+
+def reloaded(row: Record) -> Record:
+    """The reload of the output a line of the table shows (``runtime``): ``{perplexity, load,
+    process_peak_rss_mb, wall_seconds}`` (``runtime.json``'s rows hold it under the runtime)."""
+    runtime = row["runtime"]
+    return row["reload"][runtime] if "reload" in row else row[runtime]
+
+
+def _load(field: str, scale: float = 1) -> Callable[[Record, int], Any]:
+    def value(row: Record, digits: int) -> Any:
+        found = reloaded(row)["load"][field] / scale
+        return f"{found:.{digits}f}" if digits else found
+
+    return value
+
+
 def _field(field: str) -> Callable[[Record, int], Any]:
     return lambda row, _digits: row.get(field, "-")
 
@@ -129,8 +155,35 @@ FIXED: dict[str, tuple[str, Callable[[Record, int], Any], int, bool]] = {
     "layers_mib": ("compressed layers MiB", _layers, 1, False),
     "layers_ratio": ("÷ dense fp32", _layers_ratio, 4, False),
     "file_mib": ("compressed.safetensors MiB", _file, 1, False),
+    "params_kept": ("params kept", _params_kept, 3, False),
+    "command": ("command", lambda row, _digits: f"`{row['command']}`", 0, False),
+    "runtime": ("runtime", _field("runtime"), 0, False),
+    "reload_mib": ("compressed layers MiB", _load("resident_bytes", 2**20), 1, False),
+    "reload_ratio": ("÷ dense fp16", _load("ratio_to_dense_fp16"), 4, False),
+    "reload_rss_mib": ("peak RSS after load MiB", _load("peak_rss_mib"), 0, False),
+    "reload_process_rss_mib": (
+        "eval process peak RSS MiB",
+        lambda row, _digits: reloaded(row)["process_peak_rss_mb"],
+        0,
+        False,
+    ),
 }
-KEYS = (*FIXED, "ppl:CORPUS", *(f"ratio:{k}" for k in VALUES if k != "ppl"), "ratio:ppl:CORPUS")
+# key:CORPUS -> (header, perplexity(row, corpus)): the compressed model's, the dense model's as
+# the row's job scored it, the reloaded output's
+PERPLEXITIES: dict[str, tuple[str, Callable[[Record, str], float | None]]] = {
+    "ppl": ("{} ppl", lambda row, corpus: perplexity(row, corpus)),
+    "dense_ppl": ("dense {} ppl", lambda row, corpus: perplexity(row, corpus, "dense")),
+    "reload_ppl": (
+        "{} ppl (reloaded)",
+        lambda row, corpus: perplexity(reloaded(row), corpus, "perplexity"),
+    ),
+}
+KEYS = (
+    *FIXED,
+    *(f"{k}:CORPUS" for k in PERPLEXITIES),
+    *(f"ratio:{k}" for k in VALUES if k != "ppl"),
+    "ratio:ppl:CORPUS",
+)
 
 
 class UnknownColumn(ValueError):
@@ -151,10 +204,11 @@ def column(spec: str | Mapping[str, Any]) -> Column:
         default, value, places, stages = FIXED[key]
         places = places if digits is None else digits
         return Column(key, header or default, lambda row, _c: value(row, places), stages)
-    if kind == "ppl" and arg:
+    if kind in PERPLEXITIES and arg:
+        default, value = PERPLEXITIES[kind]
         places = 2 if digits is None else digits
-        cell = lambda row, _c: _number(perplexity(row, arg), places)  # noqa: E731
-        return Column(key, header or f"{arg} ppl", cell, True)
+        cell = lambda row, _c: _number(value(row, arg), places)  # noqa: E731
+        return Column(key, header or default.format(arg), cell, kind == "ppl")
     measured, _, corpus = arg.partition(":")
     if kind == "ratio" and measured in VALUES and bool(corpus) == (measured == "ppl"):
         default, value = VALUES[measured]

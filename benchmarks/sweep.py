@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,8 @@ def job_flags(settings: Record, scores: bool) -> list[str]:
         flags.append("--skip-dense")
     if settings.get("dense_copy") is False:
         flags.append("--no-dense-copy")
+    if "save_dtype" in settings:
+        flags += ["--save-dtype", str(settings["save_dtype"])]
     return flags
 
 
@@ -77,7 +80,7 @@ def _what(row: Row) -> Record:
 
 
 def run_row(row: Row, settings: Record, work: Path, peer_venv: Path) -> Record:
-    """One row's record: its job, and its scoring where that is a job of its own."""
+    """One row's record: its job, and its scoring and reloads where those are jobs of their own."""
     apart = settings.get("score", "in-job") == "apart"
     record: Record = {"name": row.name, **_what(row)}
     if row.kind == "eval":
@@ -90,22 +93,55 @@ def run_row(row: Row, settings: Record, work: Path, peer_venv: Path) -> Record:
         peer = run_job(_peer_job(row, out, settings, peer_venv), work).result
         record.update({k: round(peer[k], 1) for k in ("wall_seconds", "peak_rss_mb")})
     else:
-        run = run_job(_compress_job(row, out, settings, work, scores=not apart), work)
+        job = (_readme_job if row.kind == "readme" else _compress_job)(row, out, settings, work)
+        run = run_job(job, work)
         record.update(_measured(run))
         record.update(record_of(run.result, out))
+        if row.kind == "readme":
+            record["command"] = "compress-model " + " ".join(_as_flags(row.recipe))
     if apart:
         record["ppl"] = run_job(score_job(row.name, out, settings), work).result["perplexity"]
+    if settings.get("reload") and row.kind == "recipe":
+        record["reload"] = {r: _reload(row, out, r, settings, work) for r in settings["reload"]}
     shutil.rmtree(out, ignore_errors=True)
     return record
 
 
-def _compress_job(row: Row, out: Path, settings: Record, work: Path, scores: bool) -> Job:
+def _reload(row: Row, out: Path, runtime: str, settings: Record, work: Path) -> Record:
+    """``compress-model eval OUT --runtime RUNTIME --json``: the output reloaded and scored."""
+    job = score_job(f"{row.name} {runtime}", out, settings)
+    run = run_job(Job(job.name, (*job.command, "--runtime", runtime), STDOUT), work)
+    return {
+        "perplexity": run.result["perplexity"],
+        "load": run.result["load"],
+        "process_peak_rss_mb": run.peak_rss_mb,
+        "wall_seconds": run.wall_seconds,
+    }
+
+
+def _as_flags(recipe: Record | str | None) -> list[str]:
+    """A one-method recipe as the flags a person types (``{method: wanda}`` -> --method wanda)."""
+    pairs = (recipe if isinstance(recipe, dict) else {}).items()
+    return [part for key, value in pairs for part in (f"--{key.replace('_', '-')}", str(value))]
+
+
+def _readme_job(row: Row, out: Path, settings: Record, _work: Path) -> Job:
+    """The recipe as flags, from an empty cache (model download or GGUF conversion and corpus
+    cleaning included), with no other setting than the table's eval_tokens."""
+    tokens = ("--eval-tokens", str(settings.get("eval_tokens", 32768)))
+    command = (*CLI, *_as_flags(row.recipe), *tokens, "-o", str(out), "-q")
+    cache = {"LMCOMPRESS_CACHE": tempfile.mkdtemp(prefix="lmcompress-cache-")}
+    return Job(row.name, command, out / "compression.json", env=cache)
+
+
+def _compress_job(row: Row, out: Path, settings: Record, work: Path) -> Job:
     recipe = row.recipe
     if isinstance(recipe, dict):  # the row's recipe as a file compress-model --config reads
         path = work / "recipes" / f"{slug(row.name)}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(recipe, sort_keys=False))
         recipe = str(path)
+    scores = settings.get("score", "in-job") != "apart"
     command = (*CLI, "--config", recipe, *job_flags(settings, scores), "-o", str(out), "-q")
     return Job(row.name, command, out / "compression.json")
 
@@ -143,8 +179,9 @@ def record_of(manifest: Record, out: Path) -> Record:
 
 
 def render(table: Table, payload: Record) -> str:
-    """The md of a results file: the caption (settings of the file over the table's), then
-    one line per row (and per earlier stage, with ``stage_rows``)."""
+    """The md of a results file: the caption (settings of the file over the table's), then a
+    line per row (per runtime it is reloaded in, with ``reload``; and per earlier stage, with
+    ``stage_rows``), then each section."""
     results = payload["results"]
     settings = {**table.settings, **payload.get("settings", {})}
     corpora = list(settings.get("corpora", ()))
@@ -152,13 +189,24 @@ def render(table: Table, payload: Record) -> str:
     computed = {k: v(payload, corpora) for k, v in variables.items()}
     caption = table.caption.format(**settings, **computed)
     context = Context({row_name(r): r for r in results}, table.baselines)
+    apart = {name for section in table.sections for name in section.rows}
     lines = []
-    for r in results:
-        lines.append([c.cell(r, context) for c in table.columns])
+    for r in (r for r in results if row_name(r) not in apart):
+        for line in (
+            [{**r, "runtime": rt} for rt in settings["reload"]] if "reload" in settings else [r]
+        ):
+            lines.append([c.cell(line, context) for c in table.columns])
         for index, stage in enumerate(r.get("stages", [])[:-1] if table.stage_rows else [], 1):
             sub = {**stage, "name": f"↳ after stage {index} ({stage['method']})"}
             lines.append([c.cell(sub, context) if c.in_stage_rows else "" for c in table.columns])
-    return caption.strip() + "\n\n" + markdown_table([c.header for c in table.columns], lines)
+    text = caption.strip() + "\n\n" + markdown_table([c.header for c in table.columns], lines)
+    for section in table.sections:
+        rows = [r for r in results if row_name(r) in section.rows]
+        if rows:
+            cells = [[c.cell(r, context) for c in section.columns] for r in rows]
+            header = [c.header for c in section.columns]
+            text += "\n" + section.caption.strip() + "\n\n" + markdown_table(header, cells)
+    return text
 
 
 def harness_table(table: Table, args: argparse.Namespace):

@@ -34,8 +34,9 @@ from benchmarks.columns import CAPTION_VARIABLES, Column, UnknownColumn, column
 
 TABLES_DIR = Path(__file__).resolve().parent / "tables"
 # what a row runs: a recipe through compress-model; the checkpoint scored as it is; a peer
-# tool's pruning (llm-compressor, benchmarks/peers) scored like ours
-KINDS = ("recipe", "eval", "peer")
+# tool's pruning (llm-compressor, benchmarks/peers) scored like ours; the recipe as the README's
+# command (its options as flags) from an empty cache, with only the table's eval_tokens
+KINDS = ("recipe", "eval", "peer", "readme")
 # setting -> what it is (the flags it becomes: benchmarks.sweep.job_flags)
 SETTINGS = {
     "checkpoint": "the model every row compresses (compress-model's CHECKPOINT)",
@@ -49,9 +50,13 @@ SETTINGS = {
     "skip_dense": "true: the compress job does not score the dense model (--skip-dense)",
     "score": "in-job: the compress job scores (its wall includes that); apart: "
     "compress-model eval scores its output in a process of its own",
+    "save_dtype": "the dtype the output is saved in (--save-dtype)",
+    "reload": "runtimes each recipe row's output is reloaded and scored in, each in a process "
+    "of its own (compress-model eval --runtime R); a line of the table each",
 }
 PLOTS: tuple[str, ...] = ()  # benchmarks.sweep.PLOTS names the drawers; none yet
-TOP = {"settings", "rows", "baseline", "columns", "caption", "plot", "stage_rows"}
+TOP = {"settings", "rows", "baseline", "columns", "caption", "plot", "stage_rows", "sections"}
+SECTION = {"caption", "rows", "columns"}
 ROW = {"name", "kind", "recipe", "baseline"}
 
 
@@ -68,6 +73,16 @@ class Row:
 
 
 @dataclass(frozen=True)
+class Section:
+    """A table of its own under the main one: some rows (no longer lines of the main table),
+    other columns, a caption (which ends in a colon, before the table)."""
+
+    caption: str
+    rows: tuple[str, ...]
+    columns: tuple[Column, ...]
+
+
+@dataclass(frozen=True)
 class Table:
     name: str
     settings: dict[str, Any]
@@ -77,6 +92,7 @@ class Table:
     baseline: str | None = None
     plot: str | None = None
     stage_rows: bool = False
+    sections: tuple[Section, ...] = ()
 
     def row(self, name: str) -> Row:
         return next(r for r in self.rows if r.name == name)
@@ -145,7 +161,21 @@ def _parse(name: str, data: Any) -> Table:
     if plot is not None and plot not in PLOTS:
         raise TableError(f"plot: unknown plot {plot!r} (known: {', '.join(PLOTS) or 'none'})")
     stage_rows = bool(data.get("stage_rows", False))
-    return Table(name, settings, rows, columns, caption, baseline, plot, stage_rows)
+    sections = tuple(_section(i, spec, names) for i, spec in enumerate(data.get("sections") or []))
+    return Table(name, settings, rows, columns, caption, baseline, plot, stage_rows, sections)
+
+
+def _section(index: int, spec: Any, names: list[str]) -> Section:
+    where = f"sections[{index}]"
+    _unknown(spec, SECTION, where)
+    rows = tuple(spec.get("rows") or [])
+    unknown = [name for name in rows if name not in names]
+    if not rows or unknown:
+        raise TableError(f"{where}: rows: {', '.join(map(repr, unknown)) or 'none'} (a row each)")
+    columns = tuple(column(c) for c in spec.get("columns") or [])
+    if not columns:
+        raise TableError(f"{where}: a section needs at least one column")
+    return Section(str(spec.get("caption", "")), rows, columns)
 
 
 def _row(index: int, spec: Any) -> Row:

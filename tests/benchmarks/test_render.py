@@ -305,3 +305,48 @@ def test_lowrank_end_to_end_rows_are_paragraphs_with_their_threads():
     assert cli.startswith(": `C`") and "gradient pass on 32 windows" in cli
     assert recipe.startswith(", 2 threads: `C`") and "distillation on 512" in recipe
     assert "23.46 / lee 39.12" in recipe and "1.0010 ×" in recipe
+
+
+def test_runtime_reloads_each_output_in_every_runtime_and_runs_the_readme_command(
+    tmp_path, monkeypatch
+):
+    """runtime: a recipe row is compressed, then reloaded by ``compress-model eval --runtime``
+    in each runtime of the ``reload`` setting (a line each); the ``readme`` row runs the
+    recipe as flags from an empty cache, and is a line of its section."""
+    shutil.copy(RESULTS_DIR / "runtime.json", tmp_path)
+    ran = []
+
+    def result(job):
+        command = [str(part) for part in job.command]
+        ran.append(job.name)
+        ppl = {"wiki-test": {"perplexity": 70.0}, "lee": {"perplexity": 140.0}}
+        if "eval" in command[3:4]:
+            load = {"resident_bytes": 2**20, "ratio_to_dense_fp16": 0.5, "peak_rss_mib": 9.0}
+            return {"perplexity": ppl, "load": load}
+        if job.name == "main job":
+            assert command[3:9] == [
+                "--method",
+                "sparsegpt",
+                "--sparsity",
+                "2:4",
+                "--nsamples",
+                "64",
+            ]
+            assert "LMCOMPRESS_CACHE" in job.env and "--config" not in command
+        else:
+            assert command[command.index("--save-dtype") + 1] == "bfloat16"
+        summary = {"params_kept": 1, "params_compressed_layers": 2}
+        results = {"compressed": ppl, "dense": {"wiki-test": {"perplexity": 18.0}}}
+        return {"results": results, "report": {"summary": summary}, "compressed_layers": {}}
+
+    monkeypatch.setattr(sweep, "run_job", _canned(result))
+    monkeypatch.setattr(harness, "machine", lambda: {"cpu_count": 0})
+    argv = ["runtime", "--only", "svd 0.8", "main job", "--results-dir", str(tmp_path)]
+    assert sweep.main([*argv, "--work", str(tmp_path / "w")]) == 0
+
+    assert ran == ["svd 0.8", "eval svd 0.8 packed", "eval svd 0.8 dense", "main job"]
+    md = (tmp_path / "runtime.md").read_text()
+    row = "| svd 0.8 | 0.500 | 12.5 | 321.0 | 70.00 | 140.00 | {} | 70.00 | 140.00 | 1.0 | 0.5000 |"
+    assert row.format("packed") in md and row.format("dense") in md
+    main = "| `compress-model --method sparsegpt --sparsity 2:4 --nsamples 64` | 18.00 | 70.00 |"
+    assert main in md and "| sparsegpt 2:4 | 0.500 | 501.7 |" in md  # a row kept
