@@ -19,14 +19,14 @@ Tables (``python -m benchmarks.NAME`` is the old name of ``python -m benchmarks.
 - ``recipes``: a two-stage recipe (SparseGPT 2:4 then int8, stored as packed 2:4 int8) beside
   each stage alone: perplexity, stored bytes, wall time and peak RSS;
 - ``runtime``: compress, then reload in the packed and the dense runtime (bytes, RSS,
-  perplexity), and the README's main job from an empty cache.
+  perplexity), and the README's main job from an empty cache;
+- ``int8``: W8A8 (dynamic, static, SmoothQuant), the 8-bit softmax and its bias correction, and
+  the compressed-tensors interop check.
 
 Programs:
 
 - ``maskllm`` (with ``maskllm_results``, ``maskllm_plot``): learned 2:4 masks;
 - ``maskllm_fsdp``: MaskLLM memory per process, data parallel vs FSDP;
-- ``int8``: W8A8 (dynamic, static, SmoothQuant), the 8-bit softmax and its bias correction, and
-  the compressed-tensors interop check;
 - ``int8_speed``: forward speed of fp32, bf16, our int8 runtime and torchao's int8 side by side,
   with a profile of ours (torchao in its own folder: ``PYTHONPATH=.venv-torchao``);
 - ``lowrank`` (with ``lowrank_plot``): SVD, ASVD, SVD-LLM, FWSVD and GFWSVD at three ratios,
@@ -71,7 +71,6 @@ BENCHMARKS = (
     "maskllm_fsdp",
     "bad_inputs",
     "int8_speed",
-    "int8",
     "lowrank",
     "subnet_digits",
     "subnet",

@@ -18,7 +18,11 @@ A column is named by its key (``ppl:wiki-test``), or by a mapping that also give
 - ``formats``: the stored formats of the compressed layers;
 - ``layers_mib``, ``layers_ratio``: the compressed layers' stored bytes (values and metadata,
   as the report counts them), and the same over their dense fp32 bytes;
-- ``file_mib``: the size of ``compressed.safetensors``.
+- ``file_mib``: the size of ``compressed.safetensors``;
+- ``vs_dense``: the perplexity's change from the dense model's (as the table's baseline row
+  scored it), per corpus; ``beta``: the 8-bit softmax's mean |β| in quantisation steps;
+- ``recovered:CORPUS``: the share of what the row's baseline lost against its own baseline
+  that the row wins back.
 
 Perplexities are read through :func:`perplexity`, which also knows the layouts of the rows
 written before the tables existed (``magnitude.json``: each corpus at the top of the row;
@@ -37,10 +41,18 @@ Record = dict[str, Any]
 
 @dataclass(frozen=True)
 class Context:
-    """What a cell sees besides its row: every row by name, and each row's baseline's name."""
+    """What a cell sees besides its row: every row by name, each row's baseline's name, the
+    table's baseline and corpora."""
 
     rows: Mapping[str, Record]
     baselines: Mapping[str, str]
+    table_baseline: str | None = None
+    corpora: tuple[str, ...] = ()
+
+    def dense(self, corpus: str) -> float | None:
+        """The dense model's perplexity as the table's baseline row scored it."""
+        base = self.rows.get(self.table_baseline or "")
+        return None if base is None else perplexity(base, corpus, "dense")
 
     def baseline(self, row: Record) -> Record | None:
         name = self.baselines.get(row_name(row))
@@ -102,6 +114,37 @@ def _ratio(value: Callable[[Record], Any], digits: int) -> Cell:
         if base is None or value(base) is None or value(row) is None:
             return "-"
         return f"{value(row) / value(base):.{digits}f}"
+
+    return cell
+
+
+def _vs_dense(row: Record, context: Context) -> str:
+    """The perplexity's change from the dense model's, per corpus (``+2.75 % / +2.84 %``)."""
+    cells = []
+    for corpus in context.corpora:
+        dense = context.dense(corpus)
+        cells.append(f"{100 * (perplexity(row, corpus) / dense - 1):+.2f} %" if dense else "-")
+    return " / ".join(cells)
+
+
+def _beta(row: Record, _context: Context) -> str:
+    """The 8-bit softmax's mean |β| in quantisation steps."""
+    bias = (row.get("softmax") or {}).get("bias")
+    return f"{bias['mean_abs'] / bias['scale']:.3f}" if bias else "-"
+
+
+def _recovered(corpus: str) -> Cell:
+    """The share of what the row's baseline lost against its own baseline that the row wins
+    back (the 8-bit softmax's loss over W8A8, won back by a correction)."""
+
+    def cell(row: Record, context: Context) -> str:
+        base = context.baseline(row)
+        first = context.baseline(base) if base else None
+        if first is None:
+            return "-"
+        lost = perplexity(base, corpus) - perplexity(first, corpus)
+        won = perplexity(base, corpus) - perplexity(row, corpus)
+        return f"{100 * won / lost:.0f} %" if lost > 0 else "-"
 
     return cell
 
@@ -178,8 +221,15 @@ PERPLEXITIES: dict[str, tuple[str, Callable[[Record, str], float | None]]] = {
         lambda row, corpus: perplexity(reloaded(row), corpus, "perplexity"),
     ),
 }
+# key -> (header, cell): the columns that read other rows or the table's corpora
+CELLS: dict[str, tuple[str, Cell]] = {
+    "vs_dense": ("vs dense", _vs_dense),
+    "beta": ("mean abs β (steps)", _beta),
+}
 KEYS = (
     *FIXED,
+    *CELLS,
+    "recovered:CORPUS",
     *(f"{k}:CORPUS" for k in PERPLEXITIES),
     *(f"ratio:{k}" for k in VALUES if k != "ppl"),
     "ratio:ppl:CORPUS",
@@ -204,6 +254,11 @@ def column(spec: str | Mapping[str, Any]) -> Column:
         default, value, places, stages = FIXED[key]
         places = places if digits is None else digits
         return Column(key, header or default, lambda row, _c: value(row, places), stages)
+    if key in CELLS:
+        default, cell = CELLS[key]
+        return Column(key, header or default, cell)
+    if kind == "recovered" and arg:
+        return Column(key, header or arg, _recovered(arg))
     if kind in PERPLEXITIES and arg:
         default, value = PERPLEXITIES[kind]
         places = 2 if digits is None else digits
@@ -215,6 +270,27 @@ def column(spec: str | Mapping[str, Any]) -> Column:
         places = (3 if measured == "ppl" else 2) if digits is None else digits
         return Column(key, header or default.format(corpus), _ratio(value(corpus), places))
     raise UnknownColumn(f"unknown column {key!r} (known: {', '.join(KEYS)})")
+
+
+def _int8_interop(rows: list[Record], corpora: list[str]) -> tuple[list[str], list[list]]:
+    """The int8_interop row, a line per corpus: plain transformers' perplexity, our simulation
+    of compressed-tensors' scheme, their relative difference, and our runtime's."""
+    interop = rows[0]
+    lines = [
+        [
+            c,
+            f"{interop['transformers'][c]:.3f}",
+            f"{interop['simulated'][c]:.3f}",
+            f"{abs(interop['transformers'][c] / interop['simulated'][c] - 1):.1e}",
+            f"{interop['runtime'][c]:.3f}",
+        ]
+        for c in corpora
+    ]
+    return ["corpus", "transformers ppl", "simulated ppl", "relative diff", "our runtime"], lines
+
+
+# sections drawn by code rather than columns: (the section's rows, corpora) -> (header, lines)
+SECTIONS = {"int8_interop": _int8_interop}
 
 
 # the variables a caption may name besides the settings: (payload) -> text

@@ -28,8 +28,9 @@ from typing import Any
 
 import yaml
 
-from benchmarks.columns import CAPTION_VARIABLES, Context, row_name
+from benchmarks.columns import CAPTION_VARIABLES, SECTIONS, Context, row_name
 from benchmarks.harness import add_harness_args, row_table, run_table
+from benchmarks.plots import PLOTS
 from benchmarks.render import markdown_table
 from benchmarks.runner import CLI, PYTHON, ROOT, STDOUT, Job, Run, run_job, slug
 from benchmarks.table import Row, Table, TableError, load_table, table_names
@@ -79,10 +80,17 @@ def _what(row: Row) -> Record:
     return {"method": method or "recipe", "sparsity": sparsity, "tool": tool}
 
 
-def run_row(row: Row, settings: Record, work: Path, peer_venv: Path) -> Record:
-    """One row's record: its job, and its scoring and reloads where those are jobs of their own."""
+def run_row(row: Row, settings: Record, work: Path, peer_venv: Path, keep: bool = False) -> Record:
+    """One row's record: its job, and its scoring and reloads where those are jobs of their own
+    (``keep``: leave its output in the work directory, for a row that reads it)."""
     apart = settings.get("score", "in-job") == "apart"
     record: Record = {"name": row.name, **_what(row)}
+    if row.kind == "int8_interop":
+        source = work / "outputs" / slug(row.source or "")
+        command = (PYTHON, "-m", "benchmarks.child.int8_interop", str(source))
+        command += (str(settings.get("eval_tokens", 32768)), *settings.get("corpora", ()))
+        run = run_job(Job(row.name, command, STDOUT), work)
+        return {"name": row.name, **run.result, "wall_seconds": run.wall_seconds}
     if row.kind == "eval":
         checkpoint = settings.get("checkpoint", "smollm2-135m")
         run = run_job(score_job(row.name, checkpoint, settings), work)
@@ -103,7 +111,8 @@ def run_row(row: Row, settings: Record, work: Path, peer_venv: Path) -> Record:
         record["ppl"] = run_job(score_job(row.name, out, settings), work).result["perplexity"]
     if settings.get("reload") and row.kind == "recipe":
         record["reload"] = {r: _reload(row, out, r, settings, work) for r in settings["reload"]}
-    shutil.rmtree(out, ignore_errors=True)
+    if not keep:
+        shutil.rmtree(out, ignore_errors=True)
     return record
 
 
@@ -167,6 +176,8 @@ def record_of(manifest: Record, out: Path) -> Record:
     if results.get("dense"):
         record["dense"] = results["dense"]
     record["summary"] = manifest["report"]["summary"]
+    if "softmax" in manifest["report"].get("extra", {}):  # int8's 8-bit softmax and its bias
+        record["softmax"] = manifest["report"]["extra"]["softmax"]
     record["formats"] = sorted({e["format"] for e in manifest["compressed_layers"].values()})
     if (out / "compressed.safetensors").is_file():
         record["compressed_file_bytes"] = (out / "compressed.safetensors").stat().st_size
@@ -180,32 +191,40 @@ def record_of(manifest: Record, out: Path) -> Record:
 
 def render(table: Table, payload: Record) -> str:
     """The md of a results file: the caption (settings of the file over the table's), then a
-    line per row (per runtime it is reloaded in, with ``reload``; and per earlier stage, with
-    ``stage_rows``), then each section."""
+    line per row (``dense_line`` first; a line per runtime it is reloaded in, with ``reload``;
+    and per earlier stage, with ``stage_rows``), then each section."""
     results = payload["results"]
     settings = {**table.settings, **payload.get("settings", {})}
     corpora = list(settings.get("corpora", ()))
     variables = {k: v for k, v in CAPTION_VARIABLES.items() if f"{{{k}" in table.caption}
     computed = {k: v(payload, corpora) for k, v in variables.items()}
     caption = table.caption.format(**settings, **computed)
-    context = Context({row_name(r): r for r in results}, table.baselines)
-    apart = {name for section in table.sections for name in section.rows}
-    lines = []
-    for r in (r for r in results if row_name(r) not in apart):
-        for line in (
-            [{**r, "runtime": rt} for rt in settings["reload"]] if "reload" in settings else [r]
-        ):
-            lines.append([c.cell(line, context) for c in table.columns])
+    rows = {row_name(r): r for r in results}
+    context = Context(rows, table.baselines, table.baseline, tuple(corpora))
+    lines, columns = [], table.columns
+    dense = rows.get(table.baseline or "", {}).get("dense")
+    if table.dense_line and dense:
+        line = {"name": table.dense_line, "ppl": dense}
+        lines.append([c.cell(line, context) if c.in_stage_rows else "-" for c in columns])
+    hidden = {r.name for r in table.rows if not r.line}
+    for r in (r for r in results if row_name(r) not in hidden):
+        runtimes = settings.get("reload")
+        for line in [{**r, "runtime": rt} for rt in runtimes] if runtimes else [r]:
+            lines.append([c.cell(line, context) for c in columns])
         for index, stage in enumerate(r.get("stages", [])[:-1] if table.stage_rows else [], 1):
             sub = {**stage, "name": f"↳ after stage {index} ({stage['method']})"}
-            lines.append([c.cell(sub, context) if c.in_stage_rows else "" for c in table.columns])
-    text = caption.strip() + "\n\n" + markdown_table([c.header for c in table.columns], lines)
+            lines.append([c.cell(sub, context) if c.in_stage_rows else "" for c in columns])
+    text = caption.strip() + "\n\n" + markdown_table([c.header for c in columns], lines)
     for section in table.sections:
-        rows = [r for r in results if row_name(r) in section.rows]
-        if rows:
-            cells = [[c.cell(r, context) for c in section.columns] for r in rows]
+        found = [r for r in results if row_name(r) in section.rows]
+        if not found:
+            continue
+        if section.render:
+            header, cells = SECTIONS[section.render](found, corpora)
+        else:
             header = [c.header for c in section.columns]
-            text += "\n" + section.caption.strip() + "\n\n" + markdown_table(header, cells)
+            cells = [[c.cell(r, context) for c in section.columns] for r in found]
+        text += "\n" + section.caption.strip() + "\n\n" + markdown_table(header, cells)
     return text
 
 
@@ -214,13 +233,22 @@ def harness_table(table: Table, args: argparse.Namespace):
     settings = {**table.settings, **args.settings}
     names = [r.name for r in table.rows]
 
+    sources = {r.source for r in table.rows}
+
     def run(name: str, args: argparse.Namespace) -> Record:
-        return run_row(table.row(name), settings, args.work, args.peer_venv)
+        row = table.row(name)
+        keep = name in sources  # a later row reads its output
+        return run_row(row, {**settings, **row.settings}, args.work, args.peer_venv, keep)
 
     def record(_args: argparse.Namespace, rows: list[Record]) -> Record:
         return {"settings": settings, "results": rows}
 
-    return row_table(table.name, lambda p: render(table, p), names, run, record, key=row_name)
+    corpora = list(settings.get("corpora", ()))
+    plot = None
+    if table.plot:
+        plot = lambda p, results_dir, path: PLOTS[table.plot](p, results_dir, path, corpora)  # noqa: E731
+    draw = lambda p: render(table, p)  # noqa: E731
+    return row_table(table.name, draw, names, run, record, plot=plot, key=row_name)
 
 
 def _setting(text: str) -> tuple[str, Any]:

@@ -24,19 +24,22 @@ name given twice, a baseline naming no row, a caption naming no setting.
 from __future__ import annotations
 
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from benchmarks.columns import CAPTION_VARIABLES, Column, UnknownColumn, column
+from benchmarks.columns import CAPTION_VARIABLES, SECTIONS, Column, UnknownColumn, column
+from benchmarks.plots import PLOTS
 
 TABLES_DIR = Path(__file__).resolve().parent / "tables"
 # what a row runs: a recipe through compress-model; the checkpoint scored as it is; a peer
 # tool's pruning (llm-compressor, benchmarks/peers) scored like ours; the recipe as the README's
-# command (its options as flags) from an empty cache, with only the table's eval_tokens
-KINDS = ("recipe", "eval", "peer", "readme")
+# command (its options as flags) from an empty cache, with only the table's eval_tokens; the
+# source row's int8 output loaded by plain transformers (benchmarks.child.int8_interop)
+KINDS = ("recipe", "eval", "peer", "readme", "int8_interop")
+NO_RECIPE = ("eval", "int8_interop")
 # setting -> what it is (the flags it becomes: benchmarks.sweep.job_flags)
 SETTINGS = {
     "checkpoint": "the model every row compresses (compress-model's CHECKPOINT)",
@@ -54,10 +57,10 @@ SETTINGS = {
     "reload": "runtimes each recipe row's output is reloaded and scored in, each in a process "
     "of its own (compress-model eval --runtime R); a line of the table each",
 }
-PLOTS: tuple[str, ...] = ()  # benchmarks.sweep.PLOTS names the drawers; none yet
 TOP = {"settings", "rows", "baseline", "columns", "caption", "plot", "stage_rows", "sections"}
-SECTION = {"caption", "rows", "columns"}
-ROW = {"name", "kind", "recipe", "baseline"}
+TOP |= {"dense_line"}
+SECTION = {"caption", "rows", "columns", "render"}
+ROW = {"name", "kind", "recipe", "baseline", "settings", "source", "line"}
 
 
 class TableError(ValueError):
@@ -70,6 +73,9 @@ class Row:
     kind: str = "recipe"
     recipe: dict[str, Any] | str | None = None
     baseline: str | None = None
+    settings: dict[str, Any] = field(default_factory=dict)  # over the table's, for this row
+    source: str | None = None  # the row whose output this one reads (int8_interop)
+    line: bool = True  # a line of the main table (else only of a section)
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,8 @@ class Section:
 
     caption: str
     rows: tuple[str, ...]
-    columns: tuple[Column, ...]
+    columns: tuple[Column, ...] = ()
+    render: str | None = None  # instead of columns: one of benchmarks.columns.SECTIONS
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,7 @@ class Table:
     plot: str | None = None
     stage_rows: bool = False
     sections: tuple[Section, ...] = ()
+    dense_line: str | None = None  # a first line: the baseline row's dense scores, so named
 
     def row(self, name: str) -> Row:
         return next(r for r in self.rows if r.name == name)
@@ -145,6 +153,7 @@ def _parse(name: str, data: Any) -> Table:
         raise TableError(f"rows: row name(s) given twice: {', '.join(twice)}")
     baseline = data.get("baseline")
     bases = [("baseline", baseline), *((f"row {r.name!r}: baseline", r.baseline) for r in rows)]
+    bases += [(f"row {r.name!r}: source", r.source) for r in rows]
     for where, base in bases:
         if base is not None and base not in names:
             raise TableError(f"{where}: {base!r} names no row (rows: {', '.join(names)})")
@@ -162,7 +171,10 @@ def _parse(name: str, data: Any) -> Table:
         raise TableError(f"plot: unknown plot {plot!r} (known: {', '.join(PLOTS) or 'none'})")
     stage_rows = bool(data.get("stage_rows", False))
     sections = tuple(_section(i, spec, names) for i, spec in enumerate(data.get("sections") or []))
-    return Table(name, settings, rows, columns, caption, baseline, plot, stage_rows, sections)
+    dense_line = data.get("dense_line")
+    return Table(
+        name, settings, rows, columns, caption, baseline, plot, stage_rows, sections, dense_line
+    )
 
 
 def _section(index: int, spec: Any, names: list[str]) -> Section:
@@ -172,10 +184,12 @@ def _section(index: int, spec: Any, names: list[str]) -> Section:
     unknown = [name for name in rows if name not in names]
     if not rows or unknown:
         raise TableError(f"{where}: rows: {', '.join(map(repr, unknown)) or 'none'} (a row each)")
-    columns = tuple(column(c) for c in spec.get("columns") or [])
-    if not columns:
-        raise TableError(f"{where}: a section needs at least one column")
-    return Section(str(spec.get("caption", "")), rows, columns)
+    columns, render = tuple(column(c) for c in spec.get("columns") or []), spec.get("render")
+    if render is not None and render not in SECTIONS:
+        raise TableError(f"{where}: unknown render {render!r} (known: {', '.join(SECTIONS)})")
+    if not columns and not render:
+        raise TableError(f"{where}: a section needs columns (or a render)")
+    return Section(str(spec.get("caption", "")), rows, columns, render)
 
 
 def _row(index: int, spec: Any) -> Row:
@@ -186,9 +200,16 @@ def _row(index: int, spec: Any) -> Row:
         raise TableError(f"{where}: a row needs a name")
     if kind not in KINDS:
         raise TableError(f"row {name!r}: unknown kind {kind!r} (known: {', '.join(KINDS)})")
-    if (recipe is None) != (kind == "eval"):
-        need = "no recipe (it scores the checkpoint)" if kind == "eval" else "a recipe"
+    if (recipe is None) != (kind in NO_RECIPE):
+        need = "no recipe" if kind in NO_RECIPE else "a recipe"
         raise TableError(f"row {name!r}: a row of kind {kind} takes {need}")
     if recipe is not None and not isinstance(recipe, (dict, str)):
         raise TableError(f"row {name!r}: recipe: a mapping or a recipe file's path")
-    return Row(name, kind, recipe, spec.get("baseline"))
+    if (spec.get("source") is None) == (kind == "int8_interop"):
+        raise TableError(
+            f"row {name!r}: a source (the row whose output it reads) is for int8_interop"
+        )
+    settings = spec.get("settings") or {}
+    _unknown(settings, set(SETTINGS), f"row {name!r}: settings")
+    line = bool(spec.get("line", True))
+    return Row(name, kind, recipe, spec.get("baseline"), settings, spec.get("source"), line)

@@ -22,8 +22,8 @@ MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 80
 OPTIONAL = ("matplotlib", "triton", "torchao", "sklearn", "lm_eval")
 LAZY = {  # (module, import) -> why it is inside a function
-    ("benchmarks.int8", "torch"): "the bias heatmap takes tensors: only the PNG needs torch",
-    ("benchmarks.int8", "lmcompress.methods.int8.bias_plot"): "the PNG (matplotlib)",
+    ("benchmarks.plots", "torch"): "int8's bias heatmap takes tensors: only the PNG needs torch",
+    ("benchmarks.plots", "lmcompress.methods.int8.bias_plot"): "the PNG (matplotlib)",
     ("benchmarks.kernels", "lmcompress.kernels"): "Triton: once TRITON_INTERPRET is set",
     ("benchmarks.kernels", "benchmarks.kernels_sweep"): "imports Triton (the library), likewise",
     ("benchmarks.kernels_sweep", "lmcompress.kernels.nm_linear_triton"): "Triton, likewise",

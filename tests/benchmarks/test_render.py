@@ -350,3 +350,36 @@ def test_runtime_reloads_each_output_in_every_runtime_and_runs_the_readme_comman
     assert row.format("packed") in md and row.format("dense") in md
     main = "| `compress-model --method sparsegpt --sparsity 2:4 --nsamples 64` | 18.00 | 70.00 |"
     assert main in md and "| sparsegpt 2:4 | 0.500 | 501.7 |" in md  # a row kept
+
+
+def test_int8_row_settings_and_the_interop_row_reading_its_source(tmp_path, monkeypatch):
+    """int8: the first row scores the dense model too (its own settings); the interop row
+    reads that row's output, which is kept for it."""
+    shutil.copy(RESULTS_DIR / "int8.json", tmp_path)
+    outputs = []
+
+    def result(job):
+        command = [str(part) for part in job.command]
+        if job.name == "interop":
+            assert command[1:3] == ["-m", "benchmarks.child.int8_interop"]
+            assert Path(command[3]) == outputs[0] and command[4:] == ["32768", "wiki-test", "lee"]
+            ppl = {"wiki-test": 20.0, "lee": 30.0}
+            return {"transformers": ppl, "simulated": ppl, "runtime": ppl}
+        assert "--skip-dense" not in command  # the table's skip_dense, overridden by the row's
+        outputs.append(Path(command[command.index("-o") + 1]))
+        outputs[0].mkdir(parents=True)
+        ppl = {"wiki-test": {"perplexity": 19.0}, "lee": {"perplexity": 31.0}}
+        results = {"compressed": ppl, "dense": ppl}
+        report = {"summary": {}, "extra": {"softmax": None}}
+        return {"results": results, "report": report, "compressed_layers": {}}
+
+    monkeypatch.setattr(sweep, "run_job", _canned(result))
+    monkeypatch.setattr(harness, "machine", lambda: {"cpu_count": 0})
+    argv = ["int8", "--only", "W8A8 dynamic", "interop", "--results-dir", str(tmp_path)]
+    assert sweep.main([*argv, "--work", str(tmp_path / "w")]) == 0
+
+    assert outputs[0].is_dir()  # kept for the interop row
+    md = (tmp_path / "int8.md").read_text()
+    assert "| fp32 (dense) | - | - | 19.000 | 31.000 | - | - |" in md
+    assert "| W8A8 dynamic | 12.5 | 321.0 | 19.000 | 31.000 | +0.00 % / +0.00 % | - |" in md
+    assert "| wiki-test | 20.000 | 20.000 | 0.0e+00 | 20.000 |" in md

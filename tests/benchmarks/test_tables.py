@@ -62,6 +62,13 @@ def test_a_good_table_loads_with_its_baselines(tmp_path):
         ({"rows": GOOD["rows"] * 2}, "row name(s) given twice: dense, magnitude 2:4"),
         ({"caption": "{sequence_length}"}, "caption: unknown variable(s) sequence_length"),
         ({"plot": "curves"}, "plot: unknown plot 'curves'"),
+        ({"rows": [{"name": "a", "kind": "int8_interop"}]}, "row 'a': a source"),
+        (
+            {"rows": [{"name": "a", "kind": "eval", "settings": {"nsample": 1}}], "baseline": None},
+            "row 'a': settings: unknown key(s) nsample",
+        ),
+        ({"sections": [{"rows": ["dense"], "render": "x"}]}, "unknown render 'x'"),
+        ({"sections": [{"rows": ["dnese"], "columns": ["name"]}]}, "sections[0]: rows: 'dnese'"),
     ],
 )
 def test_a_mistake_is_one_line_naming_the_file(tmp_path, changes, message):
