@@ -21,7 +21,9 @@ Tables (``python -m benchmarks.NAME`` is the old name of ``python -m benchmarks.
 - ``runtime``: compress, then reload in the packed and the dense runtime (bytes, RSS,
   perplexity), and the README's main job from an empty cache;
 - ``int8``: W8A8 (dynamic, static, SmoothQuant), the 8-bit softmax and its bias correction, and
-  the compressed-tensors interop check.
+  the compressed-tensors interop check;
+- ``memory_estimate``: the memory estimate every job is admitted with against its measured peak
+  RSS, for every method on SmolLM2-135M and the tiny families (the stated factor: 1.5).
 
 Programs:
 
@@ -48,8 +50,6 @@ Programs:
   modes and output sizes).
 - ``load_checks``: what verifying an export at load costs, for every compressed format and both
   loaders (checks against no-ops, interleaved).
-- ``memory_estimate``: the memory estimate every job is admitted with against its measured peak
-  RSS, for every method on SmolLM2-135M and the tiny families (the stated factor: 1.5).
 - ``learned`` (recipes in ``learned_configs``): learned-mask recipes of one or more stages on
   SmolLM2, each divided by SparseGPT measured in the same file (same machine and threads), with
   training tokens, tokens/s, wall and peak RSS;
@@ -77,7 +77,6 @@ BENCHMARKS = (
     "streaming",
     "layer_speed",
     "speed",
-    "memory_estimate",
     "load_checks",
     "learned",
     "learned_speed",

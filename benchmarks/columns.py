@@ -33,7 +33,7 @@ unchanged and a rerun row sits beside them.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 Record = dict[str, Any]
@@ -48,6 +48,7 @@ class Context:
     baselines: Mapping[str, str]
     table_baseline: str | None = None
     corpora: tuple[str, ...] = ()
+    settings: Mapping[str, Any] = field(default_factory=dict)
 
     def dense(self, corpus: str) -> float | None:
         """The dense model's perplexity as the table's baseline row scored it."""
@@ -177,36 +178,82 @@ def reloaded(row: Record) -> Record:
 def _load(field: str, scale: float = 1) -> Callable[[Record, int], Any]:
     def value(row: Record, digits: int) -> Any:
         found = reloaded(row)["load"][field] / scale
-        return f"{found:.{digits}f}" if digits else found
+        return found if digits is None else f"{found:.{digits}f}"
 
     return value
 
 
-def _field(field: str) -> Callable[[Record, int], Any]:
-    return lambda row, _digits: row.get(field, "-")
+def counts_text(row: Record) -> bool:
+    """Whether the row's memory estimate has the corpora's tokenizing in it (every row of a job
+    that reads a corpus, since the estimate counts it)."""
+    return any("token" in part for part in row["estimate_parts"])
+
+
+def _estimate(row: Record, digits: int | None) -> str:
+    """The memory estimate the job was admitted with, MiB († where it predates counting text)."""
+    return f"{row['estimate_bytes'] / 2**20:.{digits or 0}f}" + ("" if counts_text(row) else " †")
+
+
+def _parts(parts: dict[str, int]) -> str:
+    top = sorted(parts.items(), key=lambda item: -item[1])[:3]
+    return ", ".join(f"{name} {n / 2**20:.0f}" for name, n in top)
+
+
+def estimate_ratio(row: Record) -> float:
+    """The memory estimate over the peak RSS (as stored, rounded, in the rows that stored it)."""
+    if "estimate_over_peak" in row:
+        return row["estimate_over_peak"]
+    return row["estimate_bytes"] / (row["peak_rss_mb"] * 2**20)
+
+
+def within(row: Record, factor: float) -> bool:
+    """Whether the estimate lies within ``factor`` of the peak, either way."""
+    if "within_factor" in row:
+        return row["within_factor"]
+    return 1 / factor <= estimate_ratio(row) <= factor
+
+
+def _field(field: str) -> Callable[[Record, int | None], Any]:
+    """A field of the row as stored, or with ``digits`` (``-`` where the row has none)."""
+
+    def value(row: Record, digits: int | None) -> Any:
+        found = row.get(field)
+        if found is None:
+            return "-"
+        return found if digits is None else f"{found:.{digits}f}"
+
+    return value
 
 
 # key -> (header, value(row, digits), default digits, shown in stage rows)
-FIXED: dict[str, tuple[str, Callable[[Record, int], Any], int, bool]] = {
-    "name": ("name", lambda row, _digits: row_name(row), 0, True),
-    "method": ("method", _field("method"), 0, False),
-    "sparsity": ("sparsity", _field("sparsity"), 0, False),
-    "tool": ("tool", _field("tool"), 0, False),
-    "wall_s": ("wall s", _field("wall_seconds"), 0, False),
-    "peak_rss_mib": ("peak RSS MiB", _field("peak_rss_mb"), 0, False),
-    "formats": ("stored format", lambda row, _digits: ", ".join(row["formats"]), 0, False),
+FIXED: dict[str, tuple[str, Callable[[Record, int | None], Any], int | None, bool]] = {
+    "name": ("name", lambda row, _digits: row_name(row), None, True),
+    "method": ("method", _field("method"), None, False),
+    "sparsity": ("sparsity", _field("sparsity"), None, False),
+    "tool": ("tool", _field("tool"), None, False),
+    "wall_s": ("wall s", _field("wall_seconds"), None, False),
+    "peak_rss_mib": ("peak RSS MiB", _field("peak_rss_mb"), None, False),
+    "formats": ("stored format", lambda row, _digits: ", ".join(row["formats"]), None, False),
     "layers_mib": ("compressed layers MiB", _layers, 1, False),
     "layers_ratio": ("÷ dense fp32", _layers_ratio, 4, False),
     "file_mib": ("compressed.safetensors MiB", _file, 1, False),
     "params_kept": ("params kept", _params_kept, 3, False),
-    "command": ("command", lambda row, _digits: f"`{row['command']}`", 0, False),
-    "runtime": ("runtime", _field("runtime"), 0, False),
+    "command": ("command", lambda row, _digits: f"`{row['command']}`", None, False),
+    "runtime": ("runtime", _field("runtime"), None, False),
     "reload_mib": ("compressed layers MiB", _load("resident_bytes", 2**20), 1, False),
     "reload_ratio": ("÷ dense fp16", _load("ratio_to_dense_fp16"), 4, False),
-    "reload_rss_mib": ("peak RSS after load MiB", _load("peak_rss_mib"), 0, False),
+    "reload_rss_mib": ("peak RSS after load MiB", _load("peak_rss_mib"), None, False),
     "reload_process_rss_mib": (
         "eval process peak RSS MiB",
         lambda row, _digits: reloaded(row)["process_peak_rss_mb"],
+        None,
+        False,
+    ),
+    "group_name": ("job", lambda row, _digits: row_name(row).partition(": ")[2], None, False),
+    "estimate_mib": ("estimate", _estimate, 0, False),
+    "estimate_parts": (
+        "largest parts",
+        lambda row, _digits: _parts(row["estimate_parts"]),
         0,
         False,
     ),
@@ -225,6 +272,11 @@ PERPLEXITIES: dict[str, tuple[str, Callable[[Record, str], float | None]]] = {
 CELLS: dict[str, tuple[str, Cell]] = {
     "vs_dense": ("vs dense", _vs_dense),
     "beta": ("mean abs β (steps)", _beta),
+    "estimate_ratio": ("estimate / peak", lambda row, _c: f"{estimate_ratio(row):.2f}"),
+    "within": (
+        "within",
+        lambda row, c: "yes" if within(row, c.settings.get("factor", 1.5)) else "**no**",
+    ),
 }
 KEYS = (
     *FIXED,
@@ -272,35 +324,41 @@ def column(spec: str | Mapping[str, Any]) -> Column:
     raise UnknownColumn(f"unknown column {key!r} (known: {', '.join(KEYS)})")
 
 
-def _int8_interop(rows: list[Record], corpora: list[str]) -> tuple[list[str], list[list]]:
-    """The int8_interop row, a line per corpus: plain transformers' perplexity, our simulation
-    of compressed-tensors' scheme, their relative difference, and our runtime's."""
-    interop = rows[0]
-    lines = [
-        [
-            c,
-            f"{interop['transformers'][c]:.3f}",
-            f"{interop['simulated'][c]:.3f}",
-            f"{abs(interop['transformers'][c] / interop['simulated'][c] - 1):.1e}",
-            f"{interop['runtime'][c]:.3f}",
-        ]
-        for c in corpora
-    ]
-    return ["corpus", "transformers ppl", "simulated ppl", "relative diff", "our runtime"], lines
+def flags(settings: Mapping[str, Any]) -> str:
+    """The settings a job's flags show (``--seq-len 512 --nsamples 16 --eval wiki-test ...``)."""
+    shown = [("seq_len", "--seq-len"), ("nsamples", "--nsamples"), ("corpora", "--eval")]
+    parts = []
+    for key, flag in [*shown, ("eval_tokens", "--eval-tokens")]:
+        value = settings.get(key)
+        if value is not None:
+            parts += [flag, *(map(str, value) if isinstance(value, list) else [str(value)])]
+    return " ".join(parts)
 
 
-# sections drawn by code rather than columns: (the section's rows, corpora) -> (header, lines)
-SECTIONS = {"int8_interop": _int8_interop}
+def _host(payload: Record) -> str:
+    host = payload.get("machine", {})
+    return (
+        f"{host.get('cpu_model')} ({', '.join(host.get('isa') or [])}), "
+        f"{host.get('torch_threads')} torch threads, torch {host.get('torch')}, "
+        f"transformers {host.get('transformers')}"
+    )
 
 
-# the variables a caption may name besides the settings: (payload) -> text
-CAPTION_VARIABLES: dict[str, Callable[[Record, list[str]], str]] = {
+# the variables a caption may name besides the settings: (payload, settings) -> text; a
+# section's caption sees its first row's settings
+CAPTION_VARIABLES: dict[str, Callable[[Record, Mapping[str, Any]], str]] = {
+    # the host the file's numbers were measured on
+    "host": lambda payload, _settings: _host(payload),
+    # the settings as the flags of a job
+    "flags": lambda _payload, settings: flags(settings),
+    # the lower end of the memory estimate's factor
+    "factor_low": lambda _payload, settings: f"{1 / settings['factor']:.2f}",
     # the scored tokens of each corpus, from the first row
-    "tokens": lambda payload, corpora: ", ".join(
-        f"{c} {scored(payload['results'][0], c)['tokens']}" for c in corpora
+    "tokens": lambda payload, settings: ", ".join(
+        f"{c} {scored(payload['results'][0], c)['tokens']}" for c in settings["corpora"]
     ),
     # the dense model's perplexities as the first row's job scored them, 3 digits
-    "dense_ppl": lambda payload, corpora: ", ".join(
-        f"{c} {perplexity(payload['results'][0], c, 'dense'):.3f}" for c in corpora
+    "dense_ppl": lambda payload, settings: ", ".join(
+        f"{c} {perplexity(payload['results'][0], c, 'dense'):.3f}" for c in settings["corpora"]
     ),
 }

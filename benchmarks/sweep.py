@@ -20,6 +20,7 @@ its own (and the row's wall and RSS are the compression's alone). The results ar
 from __future__ import annotations
 
 import argparse
+import functools
 import shutil
 import sys
 import tempfile
@@ -28,15 +29,33 @@ from typing import Any
 
 import yaml
 
-from benchmarks.columns import CAPTION_VARIABLES, SECTIONS, Context, row_name
+from benchmarks.columns import CAPTION_VARIABLES, Context, row_name
 from benchmarks.harness import add_harness_args, row_table, run_table
 from benchmarks.plots import PLOTS
 from benchmarks.render import markdown_table
 from benchmarks.runner import CLI, PYTHON, ROOT, STDOUT, Job, Run, run_job, slug
+from benchmarks.sections import SECTIONS
 from benchmarks.table import Row, Table, TableError, load_table, table_names
 
 Record = dict[str, Any]
 PEER_VENV = ROOT / ".venv-llmc"  # benchmarks/peers/setup_llmcompressor.sh makes it
+
+
+def resolve_checkpoint(name: str, work: Path) -> str:
+    """A checkpoint setting as compress-model takes it: ``tiny:FAMILY`` is a random tiny
+    checkpoint of that family and ``cached:smollm2`` SmolLM2's directory in the cache (both
+    from ``benchmarks.child.memory_estimate``, once per work directory); else as written."""
+    source, _, rest = name.partition(":")
+    if source not in ("tiny", "cached"):
+        return name
+    made = _tiny_checkpoints(work)
+    return str(work / "tiny" / rest) if source == "tiny" else made[rest]
+
+
+@functools.cache
+def _tiny_checkpoints(work: Path) -> Record:
+    command = (PYTHON, "-m", "benchmarks.child.memory_estimate", str(work / "tiny"))
+    return run_job(Job("tiny checkpoints", command, STDOUT), work).result
 
 
 def job_flags(settings: Record, scores: bool) -> list[str]:
@@ -46,6 +65,8 @@ def job_flags(settings: Record, scores: bool) -> list[str]:
                       ("seed", "--seed")):  # fmt: skip
         if key in settings:
             flags += [flag, str(settings[key])]
+    if settings.get("streaming"):  # a streamed job evaluates nothing (--eval is refused)
+        return [*flags, "--streaming"]
     flags += ["--eval", *settings.get("corpora", ())] if scores else ["--eval"]
     if scores and "eval_tokens" in settings:
         flags += ["--eval-tokens", str(settings["eval_tokens"])]
@@ -84,6 +105,8 @@ def run_row(row: Row, settings: Record, work: Path, peer_venv: Path, keep: bool 
     """One row's record: its job, and its scoring and reloads where those are jobs of their own
     (``keep``: leave its output in the work directory, for a row that reads it)."""
     apart = settings.get("score", "in-job") == "apart"
+    if "checkpoint" in settings:
+        settings = {**settings, "checkpoint": resolve_checkpoint(str(settings["checkpoint"]), work)}
     record: Record = {"name": row.name, **_what(row)}
     if row.kind == "int8_interop":
         source = work / "outputs" / slug(row.source or "")
@@ -181,6 +204,9 @@ def record_of(manifest: Record, out: Path) -> Record:
     record["formats"] = sorted({e["format"] for e in manifest["compressed_layers"].values()})
     if (out / "compressed.safetensors").is_file():
         record["compressed_file_bytes"] = (out / "compressed.safetensors").stat().st_size
+    if "memory_estimate" in results:  # what the job was admitted with
+        record["estimate_bytes"] = results["memory_estimate"]["total"]
+        record["estimate_parts"] = results["memory_estimate"]["parts"]
     if results.get("stages"):
         record["stages"] = [
             {"method": s["method"], "ppl": s["compressed"], "seconds": round(s["seconds"], 1)}
@@ -189,18 +215,21 @@ def record_of(manifest: Record, out: Path) -> Record:
     return record
 
 
+def _caption(text: str, settings: Record, payload: Record) -> str:
+    """``text`` filled from ``settings`` and the :data:`CAPTION_VARIABLES` it names."""
+    named = {k: v(payload, settings) for k, v in CAPTION_VARIABLES.items() if f"{{{k}" in text}
+    return text.format(**settings, **named).strip()
+
+
 def render(table: Table, payload: Record) -> str:
     """The md of a results file: the caption (settings of the file over the table's), then a
     line per row (``dense_line`` first; a line per runtime it is reloaded in, with ``reload``;
     and per earlier stage, with ``stage_rows``), then each section."""
     results = payload["results"]
     settings = {**table.settings, **payload.get("settings", {})}
-    corpora = list(settings.get("corpora", ()))
-    variables = {k: v for k, v in CAPTION_VARIABLES.items() if f"{{{k}" in table.caption}
-    computed = {k: v(payload, corpora) for k, v in variables.items()}
-    caption = table.caption.format(**settings, **computed)
     rows = {row_name(r): r for r in results}
-    context = Context(rows, table.baselines, table.baseline, tuple(corpora))
+    corpora = tuple(settings.get("corpora", ()))
+    context = Context(rows, table.baselines, table.baseline, corpora, settings)
     lines, columns = [], table.columns
     dense = rows.get(table.baseline or "", {}).get("dense")
     if table.dense_line and dense:
@@ -214,17 +243,21 @@ def render(table: Table, payload: Record) -> str:
         for index, stage in enumerate(r.get("stages", [])[:-1] if table.stage_rows else [], 1):
             sub = {**stage, "name": f"↳ after stage {index} ({stage['method']})"}
             lines.append([c.cell(sub, context) if c.in_stage_rows else "" for c in columns])
-    text = caption.strip() + "\n\n" + markdown_table([c.header for c in columns], lines)
+    text = _caption(table.caption, settings, payload) + "\n\n"
+    text += markdown_table([c.header for c in columns], lines)
     for section in table.sections:
         found = [r for r in results if row_name(r) in section.rows]
         if not found:
             continue
+        after = ""
         if section.render:
-            header, cells = SECTIONS[section.render](found, corpora)
+            header, cells, after = SECTIONS[section.render](found, context)
         else:
             header = [c.header for c in section.columns]
             cells = [[c.cell(r, context) for c in section.columns] for r in found]
-        text += "\n" + section.caption.strip() + "\n\n" + markdown_table(header, cells)
+        first = {**settings, **table.row(section.rows[0]).settings}
+        text += "\n" + _caption(section.caption, first, payload) + "\n\n"
+        text += markdown_table(header, cells) + after
     return text
 
 

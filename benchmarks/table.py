@@ -23,6 +23,7 @@ name given twice, a baseline naming no row, a caption naming no setting.
 
 from __future__ import annotations
 
+import fnmatch
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +31,9 @@ from typing import Any
 
 import yaml
 
-from benchmarks.columns import CAPTION_VARIABLES, SECTIONS, Column, UnknownColumn, column
+from benchmarks.columns import CAPTION_VARIABLES, Column, UnknownColumn, column
 from benchmarks.plots import PLOTS
+from benchmarks.sections import SECTIONS
 
 TABLES_DIR = Path(__file__).resolve().parent / "tables"
 # what a row runs: a recipe through compress-model; the checkpoint scored as it is; a peer
@@ -56,6 +58,9 @@ SETTINGS = {
     "save_dtype": "the dtype the output is saved in (--save-dtype)",
     "reload": "runtimes each recipe row's output is reloaded and scored in, each in a process "
     "of its own (compress-model eval --runtime R); a line of the table each",
+    "streaming": "true: --streaming (one block in memory at a time; no evaluation)",
+    "factor": "the factor the memory estimate aims to lie within of the peak RSS, either way "
+    "(tests keep it the library's ESTIMATE_FACTOR)",
 }
 TOP = {"settings", "rows", "baseline", "columns", "caption", "plot", "stage_rows", "sections"}
 TOP |= {"dense_line"}
@@ -86,7 +91,7 @@ class Section:
     caption: str
     rows: tuple[str, ...]
     columns: tuple[Column, ...] = ()
-    render: str | None = None  # instead of columns: one of benchmarks.columns.SECTIONS
+    render: str | None = None  # instead of columns: one of benchmarks.sections.SECTIONS
 
 
 @dataclass(frozen=True)
@@ -161,7 +166,11 @@ def _parse(name: str, data: Any) -> Table:
     if not columns:
         raise TableError("columns: a table needs at least one column")
     caption = str(data.get("caption") or "")
-    fields = {f for _, f, _, _ in string.Formatter().parse(caption) if f}
+    captions = [
+        caption,
+        *(str(s.get("caption", "")) for s in data.get("sections") or [] if isinstance(s, dict)),
+    ]
+    fields = {f for text in captions for _, f, _, _ in string.Formatter().parse(text) if f}
     unknown = sorted(fields - set(SETTINGS) - set(CAPTION_VARIABLES))
     if unknown:
         known = ", ".join([*SETTINGS, *CAPTION_VARIABLES])
@@ -180,10 +189,11 @@ def _parse(name: str, data: Any) -> Table:
 def _section(index: int, spec: Any, names: list[str]) -> Section:
     where = f"sections[{index}]"
     _unknown(spec, SECTION, where)
-    rows = tuple(spec.get("rows") or [])
-    unknown = [name for name in rows if name not in names]
-    if not rows or unknown:
+    patterns = list(spec.get("rows") or [])  # names, or glob patterns ("tiny *")
+    unknown = [p for p in patterns if not fnmatch.filter(names, p)]
+    if not patterns or unknown:
         raise TableError(f"{where}: rows: {', '.join(map(repr, unknown)) or 'none'} (a row each)")
+    rows = tuple(n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns))
     columns, render = tuple(column(c) for c in spec.get("columns") or []), spec.get("render")
     if render is not None and render not in SECTIONS:
         raise TableError(f"{where}: unknown render {render!r} (known: {', '.join(SECTIONS)})")

@@ -383,3 +383,49 @@ def test_int8_row_settings_and_the_interop_row_reading_its_source(tmp_path, monk
     assert "| fp32 (dense) | - | - | 19.000 | 31.000 | - | - |" in md
     assert "| W8A8 dynamic | 12.5 | 321.0 | 19.000 | 31.000 | +0.00 % / +0.00 % | - |" in md
     assert "| wiki-test | 20.000 | 20.000 | 0.0e+00 | 20.000 |" in md
+
+
+def test_memory_estimate_rows_on_made_checkpoints_record_the_estimate(tmp_path, monkeypatch):
+    """tiny:FAMILY and cached:smollm2 checkpoints come from one run of the child; a streamed
+    row evaluates nothing; each row records the estimate its job was admitted with."""
+    shutil.copy(RESULTS_DIR / "memory_estimate.json", tmp_path)
+    ran = []
+
+    def result(job):
+        command = [str(part) for part in job.command]
+        ran.append(job.name)
+        if job.name == "tiny checkpoints":
+            assert command[1:3] == ["-m", "benchmarks.child.memory_estimate"]
+            return {"families": ["llama"], "smollm2": "/cache/smollm2-135m", "factor": 1.5}
+        tail = command[command.index("--config") + 2 :]
+        if job.name.startswith("tiny"):
+            assert tail[0] == str(tmp_path / "w" / "tiny" / "llama")
+            assert tail[1:5] == ["--nsamples", "8", "--seq-len", "64"]
+            assert tail[5:9] == ["--eval", "wiki-test", "--eval-tokens", "512"]
+        else:
+            assert tail[:6] == ["/cache/smollm2-135m", "--nsamples", "16", "--seq-len", "512",
+                                "--streaming"]  # fmt: skip
+            assert "--eval" not in command
+        parts = {"model weights": 3 * 2**20, "tokenizing a corpus": 2**20}
+        estimate = {"total": 4 * 2**20 * 321, "parts": parts}
+        results = {"memory_estimate": estimate}
+        return {"results": results, "report": {"summary": {}}, "compressed_layers": {}}
+
+    monkeypatch.setattr(sweep, "run_job", _canned(result))
+    monkeypatch.setattr(harness, "machine", lambda: {"cpu_count": 0})
+    rows = ["tiny llama: magnitude", "smollm2-135m: sparsegpt --streaming"]
+    argv = ["memory_estimate", "--only", *rows, "--results-dir", str(tmp_path)]
+    assert sweep.main([*argv, "--work", str(tmp_path / "w")]) == 0
+
+    assert ran.count("tiny checkpoints") == 1 and len(ran) == 3
+    md = (tmp_path / "memory_estimate.md").read_text()
+    line = "| sparsegpt --streaming | 1284 | 321 | 4.00 | **no** | model weights 3, tokenizing a "
+    assert line + "corpus 1 | 12 |" in md
+    assert "| magnitude | 4.00 ✗ |" in md  # the tiny llama's cell of the grid
+    assert "Outside the factor: smollm2-135m: sparsegpt --streaming, tiny llama: magnitude." in md
+
+
+def test_the_memory_estimate_table_states_the_library_factor():
+    from lmcompress.compressor.model.budget import ESTIMATE_FACTOR
+
+    assert load_table("memory_estimate").settings["factor"] == ESTIMATE_FACTOR
