@@ -35,7 +35,7 @@ from benchmarks.plots import PLOTS
 from benchmarks.render import markdown_table
 from benchmarks.runner import CLI, PYTHON, ROOT, STDOUT, Job, Run, run_job, slug
 from benchmarks.sections import SECTIONS
-from benchmarks.table import Row, Table, TableError, load_table, table_names
+from benchmarks.table import SETTINGS, Row, Table, TableError, load_table, table_names
 
 Record = dict[str, Any]
 PEER_VENV = ROOT / ".venv-llmc"  # benchmarks/peers/setup_llmcompressor.sh makes it
@@ -262,26 +262,29 @@ def render(table: Table, payload: Record) -> str:
 
 
 def harness_table(table: Table, args: argparse.Namespace):
-    """The table as :func:`benchmarks.harness.run_table` runs it."""
+    """The table as :func:`benchmarks.harness.run_table` runs it: each row with the table's
+    settings, then its own, then those of ``--set`` (which the results file records)."""
     settings = {**table.settings, **args.settings}
     names = [r.name for r in table.rows]
-
     sources = {r.source for r in table.rows}
 
     def run(name: str, args: argparse.Namespace) -> Record:
         row = table.row(name)
         keep = name in sources  # a later row reads its output
-        return run_row(row, {**settings, **row.settings}, args.work, args.peer_venv, keep)
+        ours = {**settings, **row.settings, **args.settings}
+        return run_row(row, ours, args.work, args.peer_venv, keep)
 
     def record(_args: argparse.Namespace, rows: list[Record]) -> Record:
         return {"settings": settings, "results": rows}
 
-    corpora = list(settings.get("corpora", ()))
-    plot = None
-    if table.plot:
-        plot = lambda p, results_dir, path: PLOTS[table.plot](p, results_dir, path, corpora)  # noqa: E731
-    draw = lambda p: render(table, p)  # noqa: E731
-    return row_table(table.name, draw, names, run, record, plot=plot, key=row_name)
+    def draw(payload: Record) -> str:
+        return render(table, payload)
+
+    def plot(payload: Record, results_dir: Path, path: Path) -> None:
+        PLOTS[table.plot or ""](payload, results_dir, path, list(settings.get("corpora", ())))
+
+    drawn = plot if table.plot else None
+    return row_table(table.name, draw, names, run, record, plot=drawn, key=row_name)
 
 
 def _setting(text: str) -> tuple[str, Any]:
@@ -303,6 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     add_harness_args(parser, "rerun just these rows (names as in the table)")
     args = parser.parse_args(argv)
     args.settings = dict(args.settings)
+    unknown = sorted(set(args.settings) - set(SETTINGS))
+    if unknown:
+        parser.error(
+            f"--set: unknown setting(s) {', '.join(unknown)} (known: {', '.join(SETTINGS)})"
+        )
     names = args.tables or (table_names() if args.render_only else [])
     if len(names) != 1 and not args.render_only:
         parser.error("name one table to run (tables: " + ", ".join(table_names()) + ")")

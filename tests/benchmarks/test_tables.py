@@ -97,3 +97,9 @@ def test_running_needs_one_table_named(capsys):
     with pytest.raises(SystemExit):
         sweep.main([])
     assert "name one table to run" in capsys.readouterr().err
+
+
+def test_set_names_a_known_setting(capsys):
+    with pytest.raises(SystemExit):
+        sweep.main(["magnitude", "--set", "eval_token=64"])
+    assert "--set: unknown setting(s) eval_token" in capsys.readouterr().err
