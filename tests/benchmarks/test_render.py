@@ -429,3 +429,34 @@ def test_the_memory_estimate_table_states_the_library_factor():
     from lmcompress.compressor.model.budget import ESTIMATE_FACTOR
 
     assert load_table("memory_estimate").settings["factor"] == ESTIMATE_FACTOR
+
+
+def test_a_peer_row_runs_run_peer_in_its_venv_and_scores_its_output(tmp_path, monkeypatch):
+    shutil.copy(RESULTS_DIR / "pruning.json", tmp_path)
+    ran = []
+
+    def result(job):
+        command = [str(part) for part in job.command]
+        ran.append(job.name)
+        if job.name.startswith("eval "):
+            ppl = {"perplexity": 70.0, "tokens": 32704}
+            return {"perplexity": {"wiki-test": ppl, "lee": ppl}}
+        assert command[1:3] == ["-m", "benchmarks.peers.run_peer"]
+        options = dict(zip(command[3::2], command[4::2], strict=True))
+        assert options == {
+            "--method": "sparsegpt", "--sparsity": "2:4", "--out": options["--out"],
+            "--venv": str(tmp_path / "venv"), "--model": "smollm2-135m", "--nsamples": "128",
+            "--seq-len": "512", "--seed": "0", "--calib": "wiki-calib",
+        }  # fmt: skip
+        return {"wall_seconds": 100.04, "peak_rss_mb": 2000.06}
+
+    monkeypatch.setattr(sweep, "run_job", _canned(result))
+    monkeypatch.setattr(harness, "machine", lambda: {"cpu_count": 0})
+    argv = ["pruning", "--only", "llm-compressor:sparsegpt:2:4", "--results-dir", str(tmp_path)]
+    argv += ["--peer-venv", str(tmp_path / "venv"), "--work", str(tmp_path / "w")]
+    assert sweep.main(argv) == 0
+
+    assert ran == ["llm-compressor:sparsegpt:2:4", "eval llm-compressor:sparsegpt:2:4"]
+    md = (tmp_path / "pruning.md").read_text()
+    assert "| sparsegpt | 2:4 | llm-compressor | 70.00 | 70.00 | 100.0 | 2000.1 | - | - | - |" in md
+    assert "| sparsegpt | 2:4 | lmcompress | 65.76 | 131.29 | 321.9 | 1667.1 | 0.939 |" in md
