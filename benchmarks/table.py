@@ -15,10 +15,15 @@
 
 A row's ``recipe`` is the project's recipe format, what ``compress-model --config`` reads (a
 mapping, written to the work directory, or a path such as ``recipes/sparsegpt24-int8.yaml``);
-its ``kind`` is one of :data:`KINDS`. ``stage_rows: true`` adds, under a multi-stage recipe's
-row, one row per stage but the last with the perplexities after it. Every mistake is one line
-naming the file (:class:`TableError`): an unknown key, column, kind, setting or plot, a row
-name given twice, a baseline naming no row, a caption naming no setting.
+its ``kind`` is one of :data:`KINDS`. A row may also give its own ``settings`` (over the
+table's), a ``baseline``, a ``source`` (the row whose output it reads), and ``line: false`` (a
+line of a section only). ``stage_rows: true`` adds, under a multi-stage recipe's row, one line
+per stage but the last with the perplexities after it; ``dense_line: NAME`` a first line with
+the baseline row's dense scores; ``sections`` are tables of their own under the main one
+(``caption``, ``rows``: names or globs, and ``columns`` or a ``render`` from
+:data:`benchmarks.sections.SECTIONS`). Every mistake is one line naming the file
+(:class:`TableError`): an unknown key, column, kind, setting, plot or render, a row name given
+twice, a baseline or source naming no row, a caption naming no setting.
 """
 
 from __future__ import annotations
