@@ -5,6 +5,7 @@ rerun in part, or redrawn.
     python -m benchmarks.sweep magnitude --only dense "magnitude 2:4" --results-dir /tmp/r
     python -m benchmarks.sweep magnitude --set eval_tokens=4096   # a setting changed
     python -m benchmarks.sweep --render-only                  # redraw every table's md
+    python -m benchmarks.sweep lowrank --merge /tmp/a /tmp/b  # rows run side by side, merged
 
 A row is one ``compress-model`` process (``benchmarks.runner``: its wall time and peak RSS):
 ``compress-model --config ROW.yaml`` (the row's recipe, written to the work directory) plus the
@@ -30,9 +31,15 @@ from typing import Any
 import yaml
 
 from benchmarks.columns import CAPTION_VARIABLES, Context, row_name
-from benchmarks.harness import add_harness_args, row_table, run_table
+from benchmarks.harness import (
+    add_harness_args,
+    add_merge_arg,
+    merge_results,
+    row_table,
+    run_table,
+)
 from benchmarks.plots import PLOTS
-from benchmarks.render import markdown_table
+from benchmarks.render import RESULTS_DIR, markdown_table
 from benchmarks.runner import CLI, PYTHON, ROOT, STDOUT, Job, Run, run_job, slug
 from benchmarks.sections import SECTIONS
 from benchmarks.table import SETTINGS, Row, Table, TableError, load_table, table_names
@@ -304,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="run no peer row (those of the results file are kept)")  # fmt: skip
     parser.add_argument("--peer-venv", type=Path, default=PEER_VENV, help="llm-compressor's venv")
     add_harness_args(parser, "rerun just these rows (names as in the table)")
+    add_merge_arg(parser)
     args = parser.parse_args(argv)
     args.settings = dict(args.settings)
     unknown = sorted(set(args.settings) - set(SETTINGS))
@@ -313,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     names = args.tables or (table_names() if args.render_only else [])
     if len(names) != 1 and not args.render_only:
-        parser.error("name one table to run (tables: " + ", ".join(table_names()) + ")")
+        parser.error("name one table to run or merge (tables: " + ", ".join(table_names()) + ")")
     status = 0
     for name in names:
         try:
@@ -325,7 +333,17 @@ def main(argv: list[str] | None = None) -> int:
             args.only = [r.name for r in table.rows if r.kind != "peer" and r.name in only]
             if not args.only:
                 parser.error("--skip-peers leaves no row to run")
-        status |= run_table(harness_table(table, args), args, parser)
+        ran = harness_table(table, args)
+        if args.merge:
+            merged = args.results_dir or RESULTS_DIR
+            rows = [r.name for r in table.rows]
+
+            def empty(_dir: Path, table: Table = table) -> Record:
+                return {"settings": {**table.settings, **args.settings}, "results": []}
+
+            merge_results(merged, args.merge, table.name, rows, empty, ran.render, ran.plot)
+            continue
+        status |= run_table(ran, args, parser)
     return status
 
 

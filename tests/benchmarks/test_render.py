@@ -460,3 +460,16 @@ def test_a_peer_row_runs_run_peer_in_its_venv_and_scores_its_output(tmp_path, mo
     md = (tmp_path / "pruning.md").read_text()
     assert "| sparsegpt | 2:4 | llm-compressor | 70.00 | 70.00 | 100.0 | 2000.1 | - | - | - |" in md
     assert "| sparsegpt | 2:4 | lmcompress | 65.76 | 131.29 | 321.9 | 1667.1 | 0.939 |" in md
+
+
+def test_merge_joins_rows_run_side_by_side_into_the_results_file(tmp_path):
+    shutil.copy(RESULTS_DIR / "magnitude.json", tmp_path)
+    side = tmp_path / "side"
+    side.mkdir()
+    ppl = {"perplexity": 7.0, "tokens": 64}
+    row = {"name": "magnitude 4:8", "ppl": {"wiki-test": ppl, "lee": ppl}, "wall_seconds": 1.0}
+    (side / "magnitude.json").write_text(json.dumps({"machine": {"x": 1}, "results": [row]}))
+    assert sweep.main(["magnitude", "--merge", str(side), "--results-dir", str(tmp_path)]) == 0
+    names = [r["name"] for r in json.loads((tmp_path / "magnitude.json").read_text())["results"]]
+    assert names == ["dense", "magnitude 2:4", "magnitude 4:8", "magnitude 50%"]
+    assert "| magnitude 4:8 | 7.00 | 7.00 | 1.0 | - |" in (tmp_path / "magnitude.md").read_text()
