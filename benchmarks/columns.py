@@ -22,12 +22,17 @@ A column is named by its key (``ppl:wiki-test``), or by a mapping that also give
 - ``vs_dense``: the perplexity's change from the dense model's (as the table's baseline row
   scored it), per corpus; ``beta``: the 8-bit softmax's mean |β| in quantisation steps;
 - ``recovered:CORPUS``: the share of what the row's baseline lost against its own baseline
-  that the row wins back.
+  that the row wins back;
+- ``group_name`` (a row name's part after ``GROUP: ``), ``estimate_mib``, ``estimate_ratio``
+  (over the peak RSS), ``within`` (the ``factor`` setting), ``estimate_parts`` (the largest
+  three): the memory estimate the row's job was admitted with.
 
-Perplexities are read through :func:`perplexity`, which also knows the layouts of the rows
-written before the tables existed (``magnitude.json``: each corpus at the top of the row;
-``recipes.json``: ``compressed`` and ``dense`` as bare numbers), so the committed files render
-unchanged and a rerun row sits beside them.
+Rows are read through :func:`perplexity`, :func:`row_name`, :func:`reloaded` and
+:func:`estimate_ratio`, which also know the layouts of the rows written before the tables
+(``magnitude.json``: each corpus at the top of the row; ``recipes.json``, ``runtime.json``,
+``int8.json``: ``compressed`` and ``dense`` as bare numbers, a reload under its runtime's name;
+``pruning.json``: no names; ``memory_estimate.json``: the ratio rounded as stored), so the
+committed files render unchanged and a rerun row sits beside them.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ Record = dict[str, Any]
 @dataclass(frozen=True)
 class Context:
     """What a cell sees besides its row: every row by name, each row's baseline's name, the
-    table's baseline and corpora."""
+    table's baseline, corpora and settings."""
 
     rows: Mapping[str, Record]
     baselines: Mapping[str, str]
@@ -97,8 +102,8 @@ def _number(value: Any, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def _measured(field: str) -> Callable[[Record], Any]:
-    return lambda row: row.get(field)
+def _measured(key: str) -> Callable[[Record], Any]:
+    return lambda row: row.get(key)
 
 
 # a measured value of a row, by the key the ratio columns divide by (ratio:KEY)
@@ -175,9 +180,9 @@ def reloaded(row: Record) -> Record:
     return row["reload"][runtime] if "reload" in row else row[runtime]
 
 
-def _load(field: str, scale: float = 1) -> Callable[[Record, int], Any]:
-    def value(row: Record, digits: int) -> Any:
-        found = reloaded(row)["load"][field] / scale
+def _load(key: str, scale: float = 1) -> Callable[[Record, int | None], Any]:
+    def value(row: Record, digits: int | None) -> Any:
+        found = reloaded(row)["load"][key] / scale
         return found if digits is None else f"{found:.{digits}f}"
 
     return value
@@ -213,11 +218,11 @@ def within(row: Record, factor: float) -> bool:
     return 1 / factor <= estimate_ratio(row) <= factor
 
 
-def _field(field: str) -> Callable[[Record, int | None], Any]:
+def _field(key: str) -> Callable[[Record, int | None], Any]:
     """A field of the row as stored, or with ``digits`` (``-`` where the row has none)."""
 
     def value(row: Record, digits: int | None) -> Any:
-        found = row.get(field)
+        found = row.get(key)
         if found is None:
             return "-"
         return found if digits is None else f"{found:.{digits}f}"
