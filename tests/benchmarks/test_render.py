@@ -473,3 +473,32 @@ def test_merge_joins_rows_run_side_by_side_into_the_results_file(tmp_path):
     names = [r["name"] for r in json.loads((tmp_path / "magnitude.json").read_text())["results"]]
     assert names == ["dense", "magnitude 2:4", "magnitude 4:8", "magnitude 50%"]
     assert "| magnitude 4:8 | 7.00 | 7.00 | 1.0 | - |" in (tmp_path / "magnitude.md").read_text()
+
+
+def test_a_recipe_row_of_stages_records_and_draws_each_stage(tmp_path):
+    """record_of keeps each stage's scores; stage_rows draws every stage but the last."""
+    ppl = {"wiki-test": {"perplexity": 70.0}, "lee": {"perplexity": 140.0}}
+    after = {"wiki-test": {"perplexity": 68.0}, "lee": {"perplexity": 139.0}}
+    manifest = {
+        "results": {
+            "compressed": ppl,
+            "dense": {"wiki-test": {"perplexity": 18.0}, "lee": {"perplexity": 29.0}},
+            "stages": [
+                {"method": "sparsegpt", "compressed": after, "seconds": 3.14},
+                {"method": "int8", "compressed": ppl, "seconds": 1.0},
+            ],
+        },
+        "report": {"summary": {"bytes_compressed": 2**20, "bytes_dense": 2**22}},
+        "compressed_layers": {"a": {"format": "nm_packed_int8"}},
+    }
+    (tmp_path / "compressed.safetensors").write_bytes(b"x" * 2**19)
+    row = {"name": "two stages", "wall_seconds": 5.0, "peak_rss_mb": 6.0}
+    row.update(sweep.record_of(manifest, tmp_path))
+    assert row["stages"][0] == {"method": "sparsegpt", "ppl": after, "seconds": 3.1}
+    payload = {"settings": {"eval_tokens": 64}, "results": [row]}
+    md = sweep.render(load_table("recipes"), payload)
+    assert "(dense: wiki-test 18.000, lee 29.000)" in md
+    assert (
+        "| two stages | nm_packed_int8 | 70.000 | 140.000 | 1.0 | 0.2500 | 0.5 | 5.0 | 6.0 |" in md
+    )
+    assert "| ↳ after stage 1 (sparsegpt) |  | 68.000 | 139.000 |  |  |  |  |  |" in md
