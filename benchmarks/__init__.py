@@ -1,22 +1,34 @@
 """The scripts behind every number the README quotes, and their results (``results/``).
 
-Run each as a module from the repository root (``python -m benchmarks.pruning``). They share
+The sweeps are tables (``tables/NAME.yaml``: settings, rows as recipes, baseline, columns,
+caption; ``table.py``) run by one program, ``python -m benchmarks.sweep NAME`` (``sweep.py``; its
+columns in ``columns.py``); the bespoke measurements are programs, each run as a module from the
+repository root (``python -m benchmarks.int8``). They share
 one loop (``harness.py``: ``run_table`` runs the jobs, ``--only`` some of them merged into the
 results file, writes the JSON after each with the host it ran on, and draws the md and PNG; or
 ``--render-only``), one job runner (``runner.py``: a process per job, its wall time, peak RSS
 and JSON result) and one renderer (``render.py``: the results JSON is the record, the md and PNG
-are drawn from it). Each benchmark module holds its job table, what one job does and
+are drawn from it). Each benchmark program holds its job table, what one job does and
 ``render(payload)``; what a job runs in its own process (the model work, with torch and the
 library) is in ``child/``, so a driver's ``--help`` stays cheap:
 
+Tables (``python -m benchmarks.NAME`` is the old name of ``python -m benchmarks.sweep NAME``):
+
 - ``magnitude``: dense vs magnitude pruning;
 - ``pruning``: magnitude / Wanda / SparseGPT, ours next to llm-compressor (``peers/``);
-- ``maskllm`` (with ``maskllm_results``, ``maskllm_plot``): learned 2:4 masks;
-- ``maskllm_fsdp``: MaskLLM memory per process, data parallel vs FSDP;
+- ``recipes``: a two-stage recipe (SparseGPT 2:4 then int8, stored as packed 2:4 int8) beside
+  each stage alone: perplexity, stored bytes, wall time and peak RSS;
 - ``runtime``: compress, then reload in the packed and the dense runtime (bytes, RSS,
   perplexity), and the README's main job from an empty cache;
 - ``int8``: W8A8 (dynamic, static, SmoothQuant), the 8-bit softmax and its bias correction, and
   the compressed-tensors interop check;
+- ``memory_estimate``: the memory estimate every job is admitted with against its measured peak
+  RSS, for every method on SmolLM2-135M and the tiny families (the stated factor: 1.5).
+
+Programs:
+
+- ``maskllm`` (with ``maskllm_results``, ``maskllm_plot``): learned 2:4 masks;
+- ``maskllm_fsdp``: MaskLLM memory per process, data parallel vs FSDP;
 - ``int8_speed``: forward speed of fp32, bf16, our int8 runtime and torchao's int8 side by side,
   with a profile of ours (torchao in its own folder: ``PYTHONPATH=.venv-torchao``);
 - ``lowrank`` (with ``lowrank_plot``): SVD, ASVD, SVD-LLM, FWSVD and GFWSVD at three ratios,
@@ -25,8 +37,6 @@ library) is in ``child/``, so a driver's ``--help`` stays cheap:
   random subnetworks vs the trained network, with and without rescaling, 3 seeds);
 - ``subnet``: subnetwork extraction on SmolLM2 at 50 % and 2:4 next to SparseGPT, Wanda and
   MaskLLM;
-- ``recipes``: a two-stage recipe (SparseGPT 2:4 then int8, stored as packed 2:4 int8) beside
-  each stage alone: perplexity, stored bytes, wall time and peak RSS;
 - ``streaming``: SparseGPT 2:4 on a random 6.6 GB Llama, streamed block by block against in
   memory: peak RSS over the weight bytes, wall time, bit-for-bit equality of the outputs;
 - ``speed``: prefill and batch-1 decode tokens/s of every compressed runtime against the dense
@@ -40,8 +50,6 @@ library) is in ``child/``, so a driver's ``--help`` stays cheap:
   modes and output sizes).
 - ``load_checks``: what verifying an export at load costs, for every compressed format and both
   loaders (checks against no-ops, interleaved).
-- ``memory_estimate``: the memory estimate every job is admitted with against its measured peak
-  RSS, for every method on SmolLM2-135M and the tiny families (the stated factor: 1.5).
 - ``learned`` (recipes in ``learned_configs``): learned-mask recipes of one or more stages on
   SmolLM2, each divided by SparseGPT measured in the same file (same machine and threads), with
   training tokens, tokens/s, wall and peak RSS;
@@ -57,23 +65,18 @@ temporary directory (a smoke run never writes into ``results/``).
 file.
 """
 
+# the programs (the tables: benchmarks.table.table_names())
 BENCHMARKS = (
-    "magnitude",
-    "pruning",
     "maskllm",
     "maskllm_fsdp",
-    "runtime",
     "bad_inputs",
     "int8_speed",
-    "int8",
     "lowrank",
     "subnet_digits",
     "subnet",
-    "recipes",
     "streaming",
     "layer_speed",
     "speed",
-    "memory_estimate",
     "load_checks",
     "learned",
     "learned_speed",

@@ -136,7 +136,8 @@ def load_baselines(results_dir: Path, corpus: str = "wiki-test") -> list[dict]:
             found = next((r for r in magnitude.get("results", []) if r.get("name") == name), None)
             if found is None:
                 continue
-            ppl = _get(found, corpus, "perplexity")
+            # a row the sweep (re)ran keeps its scores under "ppl"
+            ppl = _get(found, corpus, "perplexity") or _get(found, "ppl", corpus, "perplexity")
             source = "magnitude.json"
         one_shot = method in ("wanda", "sparsegpt") and None not in calib
         rows.append(

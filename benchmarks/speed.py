@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import Table, add_harness_args, run_table
-from benchmarks.runner import CLI, STDOUT, Job, run_job
+from benchmarks.runner import CLI, STDOUT, Job, run_job, slug
 from lmcompress.compressor.io.speed_report import plot_speed, speed_table
 
 NAME = "speed"
@@ -78,9 +78,7 @@ def measure(args: argparse.Namespace, _names: list[str], _previous: dict) -> Any
     outputs = args.work / "outputs"
     exports = []
     for name, flags in EXPORTS:
-        out = outputs / name.replace(",", "").replace(" ", "_").replace(":", "of").replace(
-            "+", "and"
-        )
+        out = outputs / slug(name)
         run_job(export_job(name, flags, out, args.checkpoint), args.work)
         exports.append((name, out))
     command = [*CLI, "bench", args.checkpoint, *(str(out) for _, out in exports)]

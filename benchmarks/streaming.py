@@ -28,7 +28,7 @@ from typing import Any
 
 from benchmarks.harness import Table, add_harness_args, run_table
 from benchmarks.render import markdown_table
-from benchmarks.runner import CLI, PYTHON, STDOUT, Job, run_job
+from benchmarks.runner import CLI, PYTHON, STDOUT, Job, run_job, slug
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def run_all(args: argparse.Namespace, _names: list[str], _previous: dict) -> Ite
     paths = {"streaming": ("--streaming",), "in memory": ()}
     jobs = []
     for name, extra in paths.items():
-        out = outputs / name.replace(" ", "-")
+        out = outputs / slug(name)
         command = (*CLI, str(checkpoint), *FLAGS, "--eval", *extra, "-o", str(out), "-q")
         jobs.append(Job(name, command, out / "compression.json", env=THREADS))
     with ThreadPoolExecutor(len(jobs)) as pool:

@@ -1,4 +1,4 @@
-"""The tiny checkpoints of ``benchmarks.memory_estimate``, in their own process.
+"""The tiny checkpoints of the ``memory_estimate`` table (``tiny:FAMILY``), in their own process.
 
     python -m benchmarks.child.memory_estimate DIR   # DIR/FAMILY for every family
 

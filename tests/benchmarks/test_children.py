@@ -2,15 +2,13 @@
 models: they score through the library's evaluate step and report what their drivers read."""
 
 import dataclasses
-import json
-import math
 
 import pytest
 import torch
 from conftest import make_tiny_model
 from safetensors.torch import save_file
 
-from benchmarks.child import int8_interop, lowrank, magnitude, streaming
+from benchmarks.child import int8_interop, lowrank, streaming
 from lmcompress.jobs.evaluate import JobText
 from lmcompress.jobs.options import RunOptions
 from lmcompress.jobs.run import run
@@ -24,17 +22,6 @@ def corpus(tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_text(TEXT)
     return str(path)
-
-
-@pytest.mark.parametrize("method", [None, "magnitude"])
-def test_magnitude_row_scores_every_corpus(tiny_checkpoint, corpus, method):
-    job = {"name": "row", "method": method, "sparsity": "2:4", "checkpoint": str(tiny_checkpoint)}
-    job.update(corpora=[corpus], seq_len=32, eval_tokens=0)
-    row = magnitude.run(job)
-    assert row["name"] == "row" and row[corpus]["tokens"] > 0
-    assert math.isfinite(row[corpus]["perplexity"]) and row["seconds"] >= 0
-    assert ("summary" in row) == (method is not None)
-    json.dumps(row)  # what the child prints
 
 
 def test_int8_interop_scores_transformers_beside_ours(tiny_checkpoint, corpus, tmp_path):

@@ -14,6 +14,7 @@ import pytest
 
 import benchmarks
 from benchmarks import BENCHMARKS
+from benchmarks.table import table_names
 
 ROOT = Path(benchmarks.__file__).resolve().parent
 FILES = sorted(ROOT.rglob("*.py"))
@@ -21,8 +22,8 @@ MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 80
 OPTIONAL = ("matplotlib", "triton", "torchao", "sklearn", "lm_eval")
 LAZY = {  # (module, import) -> why it is inside a function
-    ("benchmarks.int8", "torch"): "the bias heatmap takes tensors: only the PNG needs torch",
-    ("benchmarks.int8", "lmcompress.methods.int8.bias_plot"): "the PNG (matplotlib)",
+    ("benchmarks.plots", "torch"): "int8's bias heatmap takes tensors: only the PNG needs torch",
+    ("benchmarks.plots", "lmcompress.methods.int8.bias_plot"): "the PNG (matplotlib)",
     ("benchmarks.kernels", "lmcompress.kernels"): "Triton: once TRITON_INTERPRET is set",
     ("benchmarks.kernels", "benchmarks.kernels_sweep"): "imports Triton (the library), likewise",
     ("benchmarks.kernels_sweep", "lmcompress.kernels.nm_linear_triton"): "Triton, likewise",
@@ -34,7 +35,6 @@ TORCH_AT_THE_TOP = {
     "load_checks": "measured in the driver's own process",
     "learned_speed": "measured in the driver's own process",
     "kernels": "measured in the driver's own process",
-    "pruning": "benchmarks.peers.run_peer, which prepares llm-compressor's calibration data",
 }
 
 
@@ -78,6 +78,7 @@ def test_imports_inside_functions_only_where_listed():
 
 def test_drivers_import_no_torch():
     drivers = [f"benchmarks.{name}" for name in BENCHMARKS if name not in TORCH_AT_THE_TOP]
+    drivers += ["benchmarks.sweep", *(f"benchmarks.{name}" for name in table_names())]
     code = f"import sys; import {', '.join(drivers)}; print(sorted(m for m in sys.modules if "
     code += "m == 'torch' or m == 'transformers'))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

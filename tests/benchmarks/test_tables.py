@@ -1,0 +1,105 @@
+"""The table schema (benchmarks/table.py): every committed table loads, and each mistake in a
+table file is one line that names the file and what is wrong."""
+
+import pytest
+import yaml
+
+from benchmarks import sweep
+from benchmarks.table import TableError, load_table, table_names
+
+GOOD = {
+    "settings": {"checkpoint": "smollm2-135m", "corpora": ["wiki-test"]},
+    "rows": [
+        {"name": "dense", "kind": "eval"},
+        {"name": "magnitude 2:4", "recipe": {"method": "magnitude", "sparsity": "2:4"}},
+    ],
+    "baseline": "dense",
+    "columns": ["name", "ppl:wiki-test", "ratio:ppl:wiki-test"],
+    "caption": "seq-len {seq_len}, scored tokens: {tokens}",
+}
+
+
+def _load(tmp_path, **changes):
+    table = {**GOOD, **changes}
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(table, sort_keys=False))
+    return load_table("t", path)
+
+
+@pytest.mark.parametrize("name", table_names())
+def test_every_committed_table_loads(name):
+    table = load_table(name)
+    assert table.rows and table.columns and table.name == name
+
+
+def test_a_good_table_loads_with_its_baselines(tmp_path):
+    table = _load(tmp_path)
+    assert [r.kind for r in table.rows] == ["eval", "recipe"]
+    assert table.baselines == {"dense": "dense", "magnitude 2:4": "dense"}
+    assert [c.header for c in table.columns] == ["name", "wiki-test ppl", "ppl ratio (wiki-test)"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"columns": ["name", "ppl:wiki-test", "perplexity"]}, "unknown column 'perplexity'"),
+        ({"columns": ["ratio:wall"]}, "unknown column 'ratio:wall'"),
+        ({"columns": [{"column": "wall_s", "width": 3}]}, "column 'wall_s': unknown key(s) width"),
+        ({"colums": ["name"]}, "table: unknown key(s) colums"),
+        ({"rows": [{"name": "dense", "kind": "eval", "recipie": {}}]}, "unknown key(s) recipie"),
+        ({"settings": {"threads": 2}}, "settings: unknown key(s) threads"),
+        ({"baseline": "dnese"}, "baseline: 'dnese' names no row"),
+        (
+            {
+                "rows": [{"name": "a", "recipe": {"method": "wanda"}, "baseline": "b"}],
+                "baseline": None,
+            },
+            "row 'a': baseline: 'b' names no row",
+        ),
+        ({"rows": [{"name": "a", "kind": "evil"}]}, "row 'a': unknown kind 'evil'"),
+        ({"rows": [{"name": "a", "kind": "eval", "recipe": {}}]}, "takes no recipe"),
+        ({"rows": [{"name": "a"}]}, "row 'a': a row of kind recipe takes a recipe"),
+        ({"rows": GOOD["rows"] * 2}, "row name(s) given twice: dense, magnitude 2:4"),
+        ({"caption": "{sequence_length}"}, "caption: unknown variable(s) sequence_length"),
+        ({"plot": "curves"}, "plot: unknown plot 'curves'"),
+        ({"rows": [{"name": "a", "kind": "int8_interop"}]}, "row 'a': a source"),
+        (
+            {"rows": [{"name": "a", "kind": "eval", "settings": {"nsample": 1}}], "baseline": None},
+            "row 'a': settings: unknown key(s) nsample",
+        ),
+        ({"sections": [{"rows": ["dense"], "render": "x"}]}, "unknown render 'x'"),
+        ({"sections": [{"rows": ["dnese"], "columns": ["name"]}]}, "sections[0]: rows: 'dnese'"),
+    ],
+)
+def test_a_mistake_is_one_line_naming_the_file(tmp_path, changes, message):
+    with pytest.raises(TableError) as caught:
+        _load(tmp_path, **changes)
+    text = str(caught.value)
+    assert message in text and "\n" not in text
+    assert text.startswith(str(tmp_path / "t.yaml"))
+
+
+def test_not_yaml_is_one_line(tmp_path):
+    (tmp_path / "t.yaml").write_text("rows: [\n")
+    with pytest.raises(TableError, match="not YAML") as caught:
+        load_table("t", tmp_path / "t.yaml")
+    assert "\n" not in str(caught.value)
+
+
+def test_the_sweep_reports_a_bad_table_as_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as caught:
+        sweep.main(["no-such-table", "--render-only"])
+    assert caught.value.code == 2
+    assert "no table 'no-such-table'" in capsys.readouterr().err
+
+
+def test_running_needs_one_table_named(capsys):
+    with pytest.raises(SystemExit):
+        sweep.main([])
+    assert "name one table to run" in capsys.readouterr().err
+
+
+def test_set_names_a_known_setting(capsys):
+    with pytest.raises(SystemExit):
+        sweep.main(["magnitude", "--set", "eval_token=64"])
+    assert "--set: unknown setting(s) eval_token" in capsys.readouterr().err
