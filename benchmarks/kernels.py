@@ -88,7 +88,14 @@ def measure(args: argparse.Namespace, names: list[str], previous: dict) -> Itera
     start = time.monotonic()
     settings = {"smoke": args.smoke, "dtypes": args.dtypes, "budget_minutes": args.budget_minutes}
     payload: dict[str, Any] = {"settings": settings, "machine": gpu_info(device)}
-    rows = kernel_sweep(args, names, device, timer(device), start + 60 * args.budget_minutes)
+    plan = {
+        "shapes": SMOKE_SHAPES if args.smoke else SHAPES,
+        "tokens": SMOKE_TOKENS if args.smoke else TOKENS,
+        "dtypes": DTYPES,
+        "bf16_models": BF16_MODELS,
+    }
+    deadline = start + 60 * args.budget_minutes
+    rows = kernel_sweep(args, names, device, timer(device), deadline, plan)
     rerun = {(r["dtype"], r["model"]) for r in rows}
     kept = [r for r in previous.get("rows", []) if (r["dtype"], r["model"]) not in rerun]
     order = [*DTYPES], [*SHAPES, *SMOKE_SHAPES]  # the table's; a stable sort keeps the rest's
@@ -97,7 +104,7 @@ def measure(args: argparse.Namespace, names: list[str], previous: dict) -> Itera
     )
     yield payload  # kill-safe before the e2e
     if not args.no_e2e and "e2e" in names:
-        payload["end_to_end"] = end_to_end(args, device)
+        payload["end_to_end"] = end_to_end(args, device, SMOKE_E2E if args.smoke else E2E)
     elif "end_to_end" in previous:
         payload["end_to_end"] = previous["end_to_end"]
     payload["seconds"] = round(time.monotonic() - start, 1)

@@ -3,7 +3,9 @@ cuSPARSELt at every shape and token count (:func:`kernel_sweep`), and greedy dec
 Llama, dense against the packed runtime (:func:`end_to_end`). See ``benchmarks/kernels.py``.
 
 The library's imports here bring Triton in: ``benchmarks.kernels`` imports this module only
-once ``TRITON_INTERPRET`` is settled (``--smoke`` on a CPU)."""
+once ``TRITON_INTERPRET`` is settled (``--smoke`` on a CPU). What to measure (shapes, token
+counts, dtypes, the end-to-end model) is ``benchmarks.kernels``'s table, passed in: this module
+imports nothing of it."""
 
 from __future__ import annotations
 
@@ -18,16 +20,6 @@ import torch
 import transformers
 from torch.sparse import to_sparse_semi_structured
 
-from benchmarks.kernels import (
-    BF16_MODELS,
-    DTYPES,
-    E2E,
-    SHAPES,
-    SMOKE_E2E,
-    SMOKE_SHAPES,
-    SMOKE_TOKENS,
-    TOKENS,
-)
 from lmcompress.api import compress
 from lmcompress.compressor.io.load import load_compressed
 from lmcompress.compressor.io.save import save_compressed
@@ -125,13 +117,16 @@ def measure_shape(
     return rows
 
 
-def kernel_sweep(args, models: list[str], device, bench, deadline: float) -> list[dict[str, Any]]:
-    shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    tokens = list(SMOKE_TOKENS if args.smoke else TOKENS)
+def kernel_sweep(
+    args, models: list[str], device, bench, deadline: float, plan: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Every (dtype, model, projection) of ``plan`` (``shapes``, ``tokens``, ``dtypes``: name ->
+    torch dtype, ``bf16_models``: the models timed in bf16 outside a smoke run)."""
+    shapes, tokens, dtypes = plan["shapes"], list(plan["tokens"]), plan["dtypes"]
     rows = []
     for dtype_name in args.dtypes:
         for model, projections in shapes.items():
-            if dtype_name == "bf16" and not args.smoke and model not in BF16_MODELS:
+            if dtype_name == "bf16" and not args.smoke and model not in plan["bf16_models"]:
                 continue
             if model not in models:
                 continue
@@ -145,7 +140,7 @@ def kernel_sweep(args, models: list[str], device, bench, deadline: float) -> lis
                     "%s %s %s (%d, %d)", dtype_name, model, projection, out_features, in_features
                 )
                 for row in measure_shape(
-                    out_features, in_features, DTYPES[dtype_name], tokens, device, bench
+                    out_features, in_features, dtypes[dtype_name], tokens, device, bench
                 ):
                     rows.append({**label, **row})
                 if device.type == "cuda":
@@ -182,9 +177,8 @@ def decode_speed(model, prompt: torch.Tensor, new_tokens: int, device) -> dict[s
     }
 
 
-def end_to_end(args, device) -> dict[str, Any]:
-    """Dense vs packed-runtime decode of a random Llama (module doc)."""
-    shape = SMOKE_E2E if args.smoke else E2E
+def end_to_end(args, device, shape: dict[str, int]) -> dict[str, Any]:
+    """Dense vs packed-runtime decode of a random Llama of ``shape`` (LlamaConfig keys)."""
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     config = transformers.LlamaConfig(**shape, max_position_embeddings=512)
     torch.manual_seed(0)

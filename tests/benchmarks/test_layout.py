@@ -83,3 +83,44 @@ def test_drivers_import_no_torch():
     code += "m == 'torch' or m == 'transformers'))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def _imports_of_ours(path: Path) -> set[str]:
+    """The ``benchmarks`` modules ``path`` imports, at the top or inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        found |= {name for name in names if name in MODULES}
+    return found - {_module(path)}
+
+
+MODULES = {_module(path).removesuffix(".__init__") for path in FILES}
+
+
+def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:
+    seen, todo = set(), [start]
+    while todo:
+        node = todo.pop()
+        if node == goal:
+            return True
+        if node not in seen:
+            seen.add(node)
+            todo += graph.get(node, ())
+    return False
+
+
+def test_no_import_cycle_between_benchmark_modules():
+    """(kernels and kernels_sweep imported each other: the sweep now takes its plan.)"""
+    graph = {_module(path).removesuffix(".__init__"): _imports_of_ours(path) for path in FILES}
+    cycles = sorted(
+        (module, other)
+        for module, targets in graph.items()
+        for other in targets
+        if _reaches(graph, other, module)
+    )
+    assert not cycles, cycles
+    assert _reaches({"a": {"b"}, "b": {"a"}}, "b", "a")  # the walk itself sees a cycle
