@@ -78,6 +78,9 @@ class CompressedLinear(nn.Module):
     # The other tools' layout the dense copy is written in when every compressed layer of a
     # model names the same one (``"compressed-tensors"`` for int8); None: plain dense weights.
     interop: ClassVar[str | None] = None
+    # What it stores (:class:`~lmcompress.compressor.formats.schema.Schema`): its meta fields
+    # and tensors, dtypes, shapes and value ranges; ``from_state`` checks against it.
+    schema: ClassVar[Any] = None
 
     def __init__(self, in_features: int, out_features: int, conv1d: bool = False) -> None:
         super().__init__()

@@ -24,14 +24,69 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from lmcompress.compressor.formats import quant
-from lmcompress.compressor.formats.base import CompressedLinear, check_finite
+from lmcompress.compressor.formats.base import CompressedLinear
 from lmcompress.compressor.formats.registry import register_format
+from lmcompress.compressor.formats.schema import (
+    EXACT,
+    FLOAT_NAMES,
+    LINEAR_META,
+    Meta,
+    MetaField,
+    Schema,
+    StoredTensor,
+    bias_tensor,
+)
 from lmcompress.compressor.model.surgery import weight_matrix
-from lmcompress.errors import ConfigError, LmcompressError, ModelLoadError
+from lmcompress.errors import ConfigError
 from lmcompress.kernels import cpu_kernels, int8_ops, ops
 
 ACTIVATIONS = ("dynamic", "static")
 PATHS = ("int", "simulated")
+
+
+def groups(meta: Meta) -> int:
+    """Scales per row: 1 per channel, ``in / group_size`` per group."""
+    size = meta.get("group_size")
+    return 1 if size is None else meta["in_features"] // size
+
+
+def group_rule(meta: Meta) -> str | None:
+    size = meta.get("group_size")
+    if size is not None and meta["in_features"] % size:
+        return f"group_size {size} does not divide in_features={meta['in_features']}"
+    return None
+
+
+def static(meta: Meta) -> bool:
+    return meta.get("activations", "dynamic") == "static"
+
+
+# The int8 fields, scales and bias every int8-coded format stores beside its codes:
+# weight_scale float32 (out, groups) > 0, input_scale float32 (1,) > 0 for static activations.
+INT8_META = {
+    **LINEAR_META,
+    "bits": MetaField((int,), required=False, choices=(8,)),
+    "group_size": MetaField((int, type(None)), required=False, minimum=1),
+    "activations": MetaField((str,), required=False, choices=ACTIVATIONS),
+    "dtype": MetaField((str,), required=False, choices=FLOAT_NAMES),
+}
+INT8_SCALES = {
+    "weight_scale": StoredTensor(
+        EXACT, lambda meta: (meta["out_features"], groups(meta)), positive=True
+    ),
+    "input_scale": StoredTensor(EXACT, lambda _meta: (1,), present=static, positive=True),
+    "bias": bias_tensor(),
+}
+INT8 = Schema(
+    meta=INT8_META,
+    tensors={
+        "weight_q": StoredTensor(
+            torch.int8, lambda meta: (meta["out_features"], meta["in_features"])
+        ),
+        **INT8_SCALES,
+    },
+    rules=(group_rule,),
+)
 
 
 def int8_forward(
@@ -158,61 +213,23 @@ class Int8CodedLinear(CompressedLinear):
             "dtype": str(self.dtype).removeprefix("torch."),
         }
 
-    @staticmethod
-    def checked_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    @classmethod
+    def checked_state(
+        cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+    ) -> dict[str, Any]:
         """The arguments of :class:`QuantLinear` (``weight_q``, scales, bias, ``conv1d``,
-        ``dtype``) from stored ``tensors`` and ``meta``, their dtypes, shapes and scales checked
-        against the metadata (a mismatched file is a :class:`ModelLoadError`). A format that
-        stores its codes otherwise passes a stand-in ``weight_q`` of their unpacked shape."""
-        try:
-            in_features, out_features = int(meta["in_features"]), int(meta["out_features"])
-            bits, activations = int(meta.get("bits", 8)), meta.get("activations", "dynamic")
-            group_size = meta.get("group_size")
-            weight_q, weight_scale = tensors["weight_q"], tensors["weight_scale"]
-            input_scale = tensors.get("input_scale") if activations == "static" else None
-            if activations == "static" and input_scale is None:
-                raise KeyError("input_scale")
-            dtype = getattr(torch, str(meta.get("dtype", "float32")))
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise ModelLoadError(f"int8 layer is missing or has a bad {err}") from None
-        if bits != 8 or activations not in ACTIVATIONS or not isinstance(dtype, torch.dtype):
-            raise ModelLoadError(
-                f"int8 layer: unsupported bits={bits}, activations={activations!r}, "
-                f"dtype={meta.get('dtype')!r}"
-            )
-        groups = 1
-        if group_size is not None:
-            if not isinstance(group_size, int) or group_size <= 0 or in_features % group_size:
-                raise ModelLoadError(
-                    f"int8 layer: group_size {group_size!r} for in_features={in_features}"
-                )
-            groups = in_features // group_size
-        bias = tensors.get("bias")
-        expected = {
-            "weight_q": ((out_features, in_features), weight_q.shape),
-            "weight_scale": ((out_features, groups), weight_scale.shape),
-            "input_scale": ((1,), (1,) if input_scale is None else input_scale.shape),
-            "bias": ((out_features,), (out_features,) if bias is None else bias.shape),
-        }
-        for key, (want, got) in expected.items():
-            if tuple(got) != want:
-                raise ModelLoadError(f"int8 {key} has shape {list(got)}, expected {list(want)}")
-        if weight_q.dtype != torch.int8:
-            raise ModelLoadError(f"int8 weight_q is {weight_q.dtype}, expected int8")
-        check_finite("int8", {"bias": bias})
-        try:
-            for name, scale in (("weight_scale", weight_scale), ("input_scale", input_scale)):
-                if scale is not None and not scale.is_meta:  # meta: a skeleton, checked once loaded
-                    quant.check_scale(scale, f"int8 {name}")
-        except LmcompressError as err:
-            raise ModelLoadError(str(err)) from None
+        ``dtype``) from stored ``tensors`` and ``meta``, checked against the format's schema
+        (:data:`INT8`: fields, dtypes, shapes, positive finite scales; a mismatched file is a
+        :class:`ModelLoadError`). A format that stores its codes otherwise checks them in its
+        schema and passes none here: ``weight_q`` is then ``None``."""
+        cls.schema.check(cls.format, tensors, meta)
         return {
-            "weight_q": weight_q,
-            "weight_scale": weight_scale,
-            "input_scale": input_scale,
-            "bias": bias,
+            "weight_q": tensors.get("weight_q"),
+            "weight_scale": tensors["weight_scale"],
+            "input_scale": tensors.get("input_scale"),
+            "bias": tensors.get("bias"),
             "conv1d": bool(meta.get("conv1d", False)),
-            "dtype": dtype,
+            "dtype": getattr(torch, meta.get("dtype", "float32")),
         }
 
     def _apply(self, fn, recurse=True):
@@ -244,6 +261,7 @@ class QuantLinear(Int8CodedLinear):
     """
 
     format = "int8"
+    schema = INT8
     interop = "compressed-tensors"  # the dense copy: int-quantized, as llm-compressor writes
 
     def __init__(

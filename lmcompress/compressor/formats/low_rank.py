@@ -16,10 +16,19 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from lmcompress.compressor.formats.base import CompressedLinear, check_finite
+from lmcompress.compressor.formats.base import CompressedLinear
 from lmcompress.compressor.formats.registry import register_format
+from lmcompress.compressor.formats.schema import (
+    FLOAT,
+    LINEAR_META,
+    MetaField,
+    Schema,
+    StoredTensor,
+    bias_tensor,
+    positive_int,
+)
 from lmcompress.compressor.model.surgery import weight_matrix
-from lmcompress.errors import ConfigError, ModelLoadError
+from lmcompress.errors import ConfigError
 from lmcompress.kernels import ops
 
 
@@ -47,6 +56,17 @@ def truncated_svd(W: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tenso
     return A.to(W.dtype).contiguous(), B.to(W.dtype).contiguous()
 
 
+# A (r, in) and B (out, r) in the export's dtype; bias (out,) exactly when meta says so
+LOW_RANK = Schema(
+    meta={**LINEAR_META, "rank": positive_int(), "bias": MetaField((bool,), required=False)},
+    tensors={
+        "A": StoredTensor(FLOAT, lambda meta: (meta["rank"], meta["in_features"])),
+        "B": StoredTensor(FLOAT, lambda meta: (meta["out_features"], meta["rank"])),
+        "bias": bias_tensor(present=lambda meta: bool(meta.get("bias"))),
+    },
+)
+
+
 @register_format
 class LowRankLinear(CompressedLinear):
     """``y = (x Aᵀ) Bᵀ + b``: a rank-r stand-in for an ``nn.Linear`` or GPT-2 ``Conv1D``.
@@ -56,6 +76,7 @@ class LowRankLinear(CompressedLinear):
     """
 
     format = "low_rank"
+    schema = LOW_RANK
 
     def __init__(
         self,
@@ -104,20 +125,10 @@ class LowRankLinear(CompressedLinear):
 
     @classmethod
     def from_state(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> LowRankLinear:
-        rank, in_features, out_features = meta["rank"], meta["in_features"], meta["out_features"]
-        expected = {"A": (rank, in_features), "B": (out_features, rank)}
-        if meta.get("bias"):
-            expected["bias"] = (out_features,)
-        if set(tensors) != set(expected):
-            raise ModelLoadError(
-                f"low_rank layer needs tensors {sorted(expected)}, got {sorted(tensors)}"
-            )
-        for key, shape in expected.items():
-            got = tuple(tensors[key].shape)
-            if got != shape:
-                raise ModelLoadError(f"low_rank tensor {key} has shape {got}, expected {shape}")
-        check_finite("low_rank", tensors)
-        return cls(tensors["A"], tensors["B"], tensors.get("bias"), conv1d=bool(meta["conv1d"]))
+        """Rebuild from :meth:`state_tensors` and :meth:`meta`, checked against
+        :data:`LOW_RANK`."""
+        cls.schema.check("low_rank", tensors, meta)
+        return cls(tensors["A"], tensors["B"], tensors.get("bias"), conv1d=bool(meta.get("conv1d")))
 
     @torch.no_grad()
     def dense_weight(self) -> torch.Tensor:

@@ -18,12 +18,46 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from lmcompress.compressor.formats.base import CompressedLinear, check_finite
+from lmcompress.compressor.formats.base import CompressedLinear
 from lmcompress.compressor.formats.registry import register_format
+from lmcompress.compressor.formats.schema import (
+    FLOAT,
+    LINEAR_META,
+    NM_META,
+    Meta,
+    Schema,
+    StoredTensor,
+    bias_tensor,
+    nm_rule,
+)
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.errors import ModelLoadError
 from lmcompress.kernels import ops  # registers torch.ops.lmcompress.nm_linear
 from lmcompress.kernels.reference import index_bits, pack_nm
+
+
+def kept(meta: Meta) -> int:
+    """Weights kept per row of an N:M layer: ``in · n / m``."""
+    return meta["in_features"] // meta["m"] * meta["n"]
+
+
+def index_bytes(meta: Meta) -> int:
+    """Bytes of packed positions per row (``index_bits(m)`` bits per kept weight)."""
+    return -(-kept(meta) * index_bits(meta["m"]) // 8)
+
+
+# values (out, in·n/m) in the export's dtype, positions uint8 (out, index bytes), bias (out,)
+NM_PACKED = Schema(
+    meta={**LINEAR_META, **NM_META},
+    tensors={
+        "values": StoredTensor(FLOAT, lambda meta: (meta["out_features"], kept(meta))),
+        "indices": StoredTensor(
+            torch.uint8, lambda meta: (meta["out_features"], index_bytes(meta))
+        ),
+        "bias": bias_tensor(),
+    },
+    rules=(nm_rule,),
+)
 
 
 @register_format
@@ -36,6 +70,7 @@ class PackedNMLinear(CompressedLinear):
     """
 
     format = "nm_packed"
+    schema = NM_PACKED
 
     def __init__(
         self,
@@ -74,34 +109,13 @@ class PackedNMLinear(CompressedLinear):
 
     @classmethod
     def from_state(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> PackedNMLinear:
-        """Rebuild from :meth:`state_tensors` and :meth:`meta`, checking every shape against the
-        metadata (a truncated or mismatched file is a :class:`ModelLoadError`, not a crash in
-        the first forward)."""
-        try:
-            n, m = int(meta["n"]), int(meta["m"])
-            in_features, out_features = int(meta["in_features"]), int(meta["out_features"])
-            values, indices = tensors["values"], tensors["indices"]
-        except (KeyError, TypeError, ValueError) as err:
-            raise ModelLoadError(f"nm_packed layer is missing {err}") from None
-        if not 0 < n < m or in_features % m:
-            raise ModelLoadError(f"nm_packed layer: invalid {n}:{m} for in_features={in_features}")
-        kept = in_features // m * n
-        index_bytes = -(-kept * index_bits(m) // 8)
-        bias = tensors.get("bias")
-        expected = {
-            "values": ((out_features, kept), values.shape),
-            "indices": ((out_features, index_bytes), indices.shape),
-            "bias": ((out_features,), bias.shape if bias is not None else (out_features,)),
-        }
-        for key, (want, got) in expected.items():
-            if tuple(got) != want:
-                raise ModelLoadError(
-                    f"nm_packed {key} has shape {list(got)}, expected {list(want)}"
-                )
-        if indices.dtype != torch.uint8:
-            raise ModelLoadError(f"nm_packed indices are {indices.dtype}, expected uint8")
-        check_finite("nm_packed", {"values": values, "bias": bias})
-        if not indices.is_meta and (why := ops.bad_positions(indices, n, m, kept)):
+        """Rebuild from :meth:`state_tensors` and :meth:`meta`, checked against
+        :data:`NM_PACKED` (a truncated, retyped or mismatched file is a
+        :class:`ModelLoadError`, not a crash or a wrong number in the first forward)."""
+        cls.schema.check("nm_packed", tensors, meta)
+        n, m, in_features = meta["n"], meta["m"], meta["in_features"]
+        values, indices, bias = tensors["values"], tensors["indices"], tensors.get("bias")
+        if not indices.is_meta and (why := ops.bad_positions(indices, n, m, values.shape[1])):
             raise ModelLoadError(f"nm_packed indices: {why}")
         return cls(
             values, indices, n, m, in_features, bias=bias, conv1d=bool(meta.get("conv1d", False))

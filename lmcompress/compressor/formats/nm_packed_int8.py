@@ -21,14 +21,30 @@ import torch
 from torch import nn
 
 from lmcompress.compressor.formats.int8 import (
+    INT8_META,
+    INT8_SCALES,
     Int8CodedLinear,
     QuantLinear,
+    group_rule,
     quantize_activations,
 )
+from lmcompress.compressor.formats.nm_packed import NM_PACKED, kept
 from lmcompress.compressor.formats.registry import register_format
+from lmcompress.compressor.formats.schema import NM_META, Schema, StoredTensor, nm_rule
 from lmcompress.errors import ModelLoadError
 from lmcompress.kernels import cpu_kernels, int8_ops, ops
-from lmcompress.kernels.reference import index_bits, pack_nm
+from lmcompress.kernels.reference import pack_nm
+
+# The nm_packed codes, int8 (out, in·n/m) and their uint8 positions, then the int8 scales
+NM_PACKED_INT8 = Schema(
+    meta={**INT8_META, **NM_META},
+    tensors={
+        "values": StoredTensor(torch.int8, lambda meta: (meta["out_features"], kept(meta))),
+        "indices": NM_PACKED.tensors["indices"],
+        **INT8_SCALES,
+    },
+    rules=(nm_rule, group_rule),
+)
 
 
 @register_format
@@ -41,6 +57,7 @@ class PackedNMInt8Linear(Int8CodedLinear):
     """
 
     format = "nm_packed_int8"
+    schema = NM_PACKED_INT8
 
     def __init__(
         self,
@@ -143,45 +160,20 @@ class PackedNMInt8Linear(Int8CodedLinear):
     def from_state(
         cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
     ) -> PackedNMInt8Linear:
-        """Rebuild from :meth:`state_tensors` and :meth:`meta`. The int8 half is checked by
-        :meth:`~Int8CodedLinear.checked_state` on a stand-in of the unpacked codes' shape, the
-        packed half here (a mismatched file is a :class:`ModelLoadError`)."""
-        try:
-            n, m = int(meta["n"]), int(meta["m"])
-            in_features, out_features = int(meta["in_features"]), int(meta["out_features"])
-            values, indices = tensors["values"], tensors["indices"]
-        except (KeyError, TypeError, ValueError) as err:
-            raise ModelLoadError(f"nm_packed_int8 layer is missing {err}") from None
-        if not 0 < n < m or in_features % m:
-            raise ModelLoadError(
-                f"nm_packed_int8 layer: invalid {n}:{m} for in_features={in_features}"
-            )
-        kept = in_features // m * n
-        expected = {
-            "values": ((out_features, kept), values.shape),
-            "indices": ((out_features, -(-kept * index_bits(m) // 8)), indices.shape),
-        }
-        for key, (want, got) in expected.items():
-            if tuple(got) != want:
-                raise ModelLoadError(
-                    f"nm_packed_int8 {key} has shape {list(got)}, expected {list(want)}"
-                )
-        if values.dtype != torch.int8 or indices.dtype != torch.uint8:
-            raise ModelLoadError(
-                f"nm_packed_int8: values {values.dtype} / indices {indices.dtype}, expected "
-                "int8 / uint8"
-            )
-        if not indices.is_meta and (why := ops.bad_positions(indices, n, m, kept)):
+        """Rebuild from :meth:`state_tensors` and :meth:`meta`, checked against
+        :data:`NM_PACKED_INT8` (the packed codes, then the int8 scales and fields), then the
+        positions (a mismatched file is a :class:`ModelLoadError`)."""
+        checked = cls.checked_state(tensors, meta)
+        values, indices = tensors["values"], tensors["indices"]
+        n, m = meta["n"], meta["m"]
+        if not indices.is_meta and (why := ops.bad_positions(indices, n, m, values.shape[1])):
             raise ModelLoadError(f"nm_packed_int8 indices: {why}")
-        codes = torch.empty(out_features, in_features, dtype=torch.int8, device="meta")
-        quant_meta = {k: v for k, v in meta.items() if k not in ("n", "m")}
-        checked = cls.checked_state({**tensors, "weight_q": codes}, quant_meta)
         return cls(
             values,
             indices,
             n,
             m,
-            in_features,
+            meta["in_features"],
             checked["weight_scale"],
             checked["input_scale"],
             checked["bias"],

@@ -244,7 +244,7 @@ def test_bad_primitive_arguments_and_bad_state():
         )
         with pytest.raises(ModelLoadError, match=message):
             QuantLinear.from_state(broken, meta)
-    with pytest.raises(ModelLoadError, match="bits=4"):
+    with pytest.raises(ModelLoadError, match="meta field bits is 4"):
         QuantLinear.from_state(tensors, {**meta, "bits": 4})
 
 

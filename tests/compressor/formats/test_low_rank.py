@@ -123,7 +123,7 @@ def test_state_round_trip_is_exact(make):
 def test_from_state_refuses_wrong_tensors():
     module = LowRankLinear.from_linear(_linear(48, 32), rank=8)
     tensors, meta = module.state_tensors(), module.meta()
-    with pytest.raises(ModelLoadError, match="needs tensors"):
+    with pytest.raises(ModelLoadError, match="missing tensor bias"):
         LowRankLinear.from_state({"A": tensors["A"], "B": tensors["B"]}, meta)  # bias missing
     with pytest.raises(ModelLoadError, match="shape"):
         LowRankLinear.from_state({**tensors, "A": tensors["A"][:4]}, meta)

@@ -256,7 +256,7 @@ TAMPERED = {  # config, tensor edited, edit, message
     "inf in an nm_packed_int8 weight scale": (
         (MagnitudeConfig(sparsity="2:4"), Int8Config()),
         lambda t: t[f"{LAYER}.weight_scale"].view(-1)[0].fill_(float("inf")),
-        "int8 weight_scale",
+        "nm_packed_int8 weight_scale must be finite and > 0",
     ),
 }
 
