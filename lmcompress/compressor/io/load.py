@@ -26,21 +26,30 @@ import transformers
 from safetensors import SafetensorError
 from torch import nn
 
-from lmcompress.compressor.formats.base import CompressedLinear
+from lmcompress.compressor.formats.base import CompressedLinear, check_finite
 from lmcompress.compressor.formats.catalog import transform_class
+from lmcompress.compressor.formats.schema import FLOAT_NAMES
 from lmcompress.compressor.io.layout import (
     COMPRESSED_TENSORS,
     MANIFEST,
+    QUANT_METHOD,
     READABLE_VERSIONS,
     TRANSFORMS_PREFIX,
 )
-from lmcompress.compressor.io.replay import check_layers, replay_layer
+from lmcompress.compressor.io.replay import (
+    check_layers,
+    check_transforms,
+    check_unlisted,
+    compare_manifests,
+    replay_layer,
+    stored_keys,
+)
 from lmcompress.compressor.io.shards import TensorFiles, open_safetensors
 from lmcompress.compressor.model.checkpoint import check_local_dir
 from lmcompress.compressor.model.loading import load_tokenizer, resolve_dtype
 from lmcompress.compressor.model.surgery import in_out_features, replace_modules
 from lmcompress.compressor.report import CompressionReport
-from lmcompress.errors import ConfigError, ModelLoadError, first_line
+from lmcompress.errors import ConfigError, ModelLoadError, first_line, shown
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +80,33 @@ def read_manifest(out_dir: str | Path) -> dict[str, Any]:
     manifest["compressed_layers"] = check_layers(
         manifest.get("compressed_layers", {}), version, str(path)
     )
+    check_manifest(manifest, Path(out_dir), str(path))
     return manifest
+
+
+def check_manifest(manifest: dict[str, Any], out_dir: Path, where: str) -> None:
+    """The fields of ``compression.json`` a loader reads, each of its type: ``dtype``, the
+    transforms, the report; and ``config.json``'s copy of the loading entry (a compact
+    export's ``quantization_config``, which ``from_pretrained`` reads) equal to it."""
+    if manifest.get("dtype") not in FLOAT_NAMES:
+        raise ModelLoadError(f"{where}: dtype is {shown(manifest.get('dtype'))}")
+    transforms = check_transforms(manifest.setdefault("transforms", []), where)
+    report = manifest.get("report")
+    try:
+        if not (isinstance(report, dict) and isinstance(report.get("layers", []), list)):
+            raise TypeError("not an object with a list of layers")
+        CompressionReport.from_dict(report)
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        raise ModelLoadError(f"{where}: malformed report ({first_line(err)})") from None
+    try:
+        config = json.loads((out_dir / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return  # check_local_dir says what is wrong with it
+    copy = config.get("quantization_config") if isinstance(config, dict) else None
+    ours = isinstance(copy, dict) and copy.get("quant_method") == QUANT_METHOD
+    compact = manifest.get("dense_copy") is False
+    if ours or compact and stored_keys(manifest["compressed_layers"], transforms):
+        compare_manifests(copy if ours else None, manifest["compressed_layers"], transforms, where)
 
 
 def load_compressed(
@@ -116,7 +151,7 @@ def load_compressed(
                     ) from None
                 transform_class(entry["kind"]).from_state(tensors, entry["meta"]).install(model)
     tokenizer = load_tokenizer(str(out_dir), False, {"trust_remote_code": False})
-    return model, tokenizer, CompressionReport.from_dict(manifest["report"])
+    return model, tokenizer, CompressionReport.from_dict(manifest["report"])  # checked
 
 
 def expand(model: nn.Module, names: list[str]) -> None:
@@ -152,28 +187,17 @@ def build_model(
         del config.quantization_config
     dtype = resolve_dtype(manifest["dtype"])
     # Parameters on meta; buffers computed at init (rotary inv_freq, causal masks) stay real.
-    with accelerate.init_empty_weights(include_buffers=False):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:
+        with accelerate.init_empty_weights(include_buffers=False):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (ValueError, TypeError, RuntimeError) as err:
+        raise ModelLoadError(f"{out_dir}: config.json builds no model: {first_line(err)}") from None
     dense = TensorFiles.of_checkpoint(out_dir, device, key_renaming(model))
-    layers = manifest["compressed_layers"]
-    for name in layers:
-        try:
-            model.get_submodule(name)
-        except AttributeError:
-            raise ModelLoadError(
-                f"{out_dir}: compressed layer {name} is not in the {config.model_type} model"
-            ) from None
-    if layers:
-        with open_safetensors(out_dir / COMPRESSED_TENSORS, device) as packed:
-            replace_modules(
-                model,
-                layers,
-                lambda name, old: replay_layer(name, old, layers[name], packed, dense),
-            )
+    skeleton = set(model.state_dict())
+    replay_layers(model, out_dir, manifest, dense, device)
     # Every parameter and persistent buffer not under a replaced layer, and only those keys.
-    skip = tuple(f"{name}." for name in layers)
-    wanted = [key for key in model.state_dict(keep_vars=True) if not key.startswith(skip)]
-    model.load_state_dict(dense.read(wanted), strict=False, assign=True)
+    stored = read_dense(model, out_dir, manifest, dense, skeleton)
+    model.load_state_dict(stored, strict=False, assign=True)
     model.tie_weights()  # SmolLM2's head shares the embeddings, which the file holds once
     leftover = [
         name
@@ -189,6 +213,73 @@ def build_model(
     except OSError:
         pass  # no generation_config.json: keep the one derived from config.json
     return model.to(device).eval()
+
+
+def replay_layers(
+    model: nn.Module,
+    out_dir: Path,
+    manifest: dict[str, Any],
+    dense: TensorFiles,
+    device: torch.device,
+) -> None:
+    """Replace every layer the manifest names by its compressed module, from
+    ``compressed.safetensors``, which must hold the listed tensors and no other."""
+    layers, dtype = manifest["compressed_layers"], resolve_dtype(manifest["dtype"])
+    for name in layers:
+        try:
+            model.get_submodule(name)
+        except AttributeError:
+            raise ModelLoadError(
+                f"{out_dir}: compressed layer {name} is not in the {model.config.model_type} model"
+            ) from None
+    listed = stored_keys(layers, manifest["transforms"])
+    path = out_dir / COMPRESSED_TENSORS
+    if not listed and not path.exists():
+        return
+    with open_safetensors(path, device) as packed:
+        check_unlisted(set(packed.keys()), listed, str(path))
+        replace_modules(
+            model,
+            layers,
+            lambda name, old: replay_layer(name, old, layers[name], packed, dense, dtype),
+        )
+
+
+def read_dense(
+    model: nn.Module,
+    out_dir: Path,
+    manifest: dict[str, Any],
+    dense: TensorFiles,
+    skeleton: set[str],
+) -> dict[str, torch.Tensor]:
+    """The dense part: every tensor of ``model`` not under a replaced layer, checked as the
+    compressed ones are: the shape ``config.json`` builds, floating ones in the export's dtype
+    and finite, and no stored tensor that the skeleton (keys ``skeleton``) does not have."""
+    if extra := sorted(set(dense.files) - skeleton):
+        raise ModelLoadError(
+            f"{out_dir}: the dense weights hold {len(extra)} tensor(s) the "
+            f"{model.config.model_type} model of config.json does not have, e.g. {extra[0]}"
+        )
+    skip = tuple(f"{name}." for name in manifest["compressed_layers"])
+    expected = {k: t for k, t in model.state_dict(keep_vars=True).items() if not k.startswith(skip)}
+    tensors = dense.read(expected)
+    dtype = resolve_dtype(manifest["dtype"])
+    for key, tensor in tensors.items():
+        if tensor.shape != expected[key].shape:
+            raise ModelLoadError(
+                f"{out_dir}: {key} is {list(tensor.shape)} in the dense weights but "
+                f"{list(expected[key].shape)} by config.json"
+            )
+        if expected[key].is_floating_point() and tensor.dtype != dtype:
+            raise ModelLoadError(
+                f"{out_dir}: dense {key} is {str(tensor.dtype).removeprefix('torch.')}, but "
+                f"the export's dtype is {manifest['dtype']}"
+            )
+    try:
+        check_finite("dense", {k: t for k, t in tensors.items() if t.is_floating_point()})
+    except ModelLoadError as err:
+        raise ModelLoadError(f"{out_dir}: {err}") from None
+    return tensors
 
 
 def key_renaming(model: nn.Module) -> Callable[[str], str]:
