@@ -255,12 +255,13 @@ def read_dense(
     """The dense part: every tensor of ``model`` not under a replaced layer, checked as the
     compressed ones are: the shape ``config.json`` builds, floating ones in the export's dtype
     and finite, and no stored tensor that the skeleton (keys ``skeleton``) does not have."""
-    if extra := sorted(set(dense.files) - skeleton):
+    skip = tuple(f"{name}." for name in manifest["compressed_layers"])
+    # a replaced layer's dense form (compressed-tensors: codes and scales) is another tool's
+    if extra := sorted(k for k in set(dense.files) - skeleton if not k.startswith(skip)):
         raise ModelLoadError(
             f"{out_dir}: the dense weights hold {len(extra)} tensor(s) the "
             f"{model.config.model_type} model of config.json does not have, e.g. {extra[0]}"
         )
-    skip = tuple(f"{name}." for name in manifest["compressed_layers"])
     expected = {k: t for k, t in model.state_dict(keep_vars=True).items() if not k.startswith(skip)}
     tensors = dense.read(expected)
     dtype = resolve_dtype(manifest["dtype"])
