@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmcompress.compressor.formats.base import ModelTransform
+from lmcompress.compressor.formats.base import ModelTransform, check_finite
 from lmcompress.compressor.formats.registry import register_transform
 from lmcompress.compressor.model.attention import (
     AttentionHook,
@@ -51,7 +51,7 @@ from lmcompress.compressor.model.attention import (
     close_hook,
     open_hook,
 )
-from lmcompress.errors import ConfigError
+from lmcompress.errors import ConfigError, ModelLoadError, shown
 from lmcompress.kernels.int8_softmax import int8_softmax
 
 QMAX = 255  # unsigned 8 bits
@@ -215,7 +215,19 @@ class Int8Softmax(ModelTransform):
 
     @classmethod
     def from_state(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Int8Softmax:
-        quantizer = SoftmaxQuantizer(float(meta["scale"]), dict(tensors))
+        """Rebuild from :meth:`state_tensors` and :meth:`meta`, checked: a scale in (0, 1], a
+        float32 zero-point per module, () or (H,), finite (else a :class:`ModelLoadError`)."""
+        scale = meta.get("scale") if isinstance(meta, dict) else None
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1:
+            raise ModelLoadError(f"int8_softmax: meta field scale is {shown(scale)}, not in (0, 1]")
+        for key, zero_point in tensors.items():
+            if zero_point.dtype != torch.float32 or zero_point.dim() > 1:
+                raise ModelLoadError(
+                    f"int8_softmax zero-point {key} is {zero_point.dtype} "
+                    f"{list(zero_point.shape)}, expected float32 () or (heads,)"
+                )
+        check_finite("int8_softmax", tensors)
+        quantizer = SoftmaxQuantizer(float(scale), dict(tensors))
         return cls(quantizer, meta.get("bias_correction", "none"))
 
     def _install(self, model: nn.Module) -> None:

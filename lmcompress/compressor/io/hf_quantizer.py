@@ -28,7 +28,9 @@ imports it.
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,12 +43,13 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 # modules is half imported (lmcompress.compressor.util.optional lists this deferral).
 from lmcompress.compressor.io.layout import (
     FORMAT_VERSION,
+    MANIFEST,
     QUANT_METHOD,
     READABLE_VERSIONS,
     TRANSFORMS_PREFIX,
 )
 from lmcompress.compressor.io.shards import TensorFiles  # torch and safetensors only
-from lmcompress.errors import ModelLoadError
+from lmcompress.errors import ModelLoadError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +67,7 @@ class LmcompressConfig(QuantizationConfigMixin):
         quant_method: str = QUANT_METHOD,
         **unknown: Any,
     ) -> None:
-        from lmcompress.compressor.io.replay import check_layers
+        from lmcompress.compressor.io.replay import check_layers, check_transforms
 
         where = f"quantization_config ({QUANT_METHOD})"
         format_version = FORMAT_VERSION if format_version is None else format_version
@@ -77,12 +80,10 @@ class LmcompressConfig(QuantizationConfigMixin):
                 f"{where}: unsupported format_version {format_version!r} (this lmcompress "
                 f"reads {', '.join(map(str, READABLE_VERSIONS))})"
             )
-        if not isinstance(transforms or [], list):
-            raise ModelLoadError(f"{where}: transforms must be a list")
         self.quant_method = quant_method
         self.format_version = format_version
         self.compressed_layers = check_layers(compressed_layers or {}, format_version, where)
-        self.transforms = list(transforms or [])
+        self.transforms = check_transforms(list(transforms or []), where)
 
 
 class LmcompressHfQuantizer(HfQuantizer):
@@ -98,13 +99,19 @@ class LmcompressHfQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **_):
         """Replace every compressed layer of the meta skeleton by its runtime module."""
-        from lmcompress.compressor.io.replay import replay_layer
+        from lmcompress.compressor.io.replay import check_unlisted, replay_layer, stored_keys
         from lmcompress.compressor.model.surgery import replace_modules
 
         if not checkpoint_files:
             raise ModelLoadError(f"{QUANT_METHOD}: transformers named no checkpoint files")
         self.stored = TensorFiles.of_files(checkpoint_files)
         layers = self.quantization_config.compressed_layers
+        transforms = self.quantization_config.transforms
+        self.compare_manifest(Path(checkpoint_files[0]).parent)
+        # a stored tensor under a compressed layer or a transform must be one the config lists
+        prefixes = (TRANSFORMS_PREFIX, *(f"{name}." for name in layers))
+        found = {key for key in self.stored.files if key.startswith(prefixes)}
+        check_unlisted(found, stored_keys(layers, transforms), f"{QUANT_METHOD} checkpoint")
         for name in layers:
             try:
                 model.get_submodule(name)
@@ -125,6 +132,32 @@ class LmcompressHfQuantizer(HfQuantizer):
         ignored = set(model._keys_to_ignore_on_load_unexpected or ())
         model._keys_to_ignore_on_load_unexpected = ignored | {rf"^{TRANSFORMS_PREFIX}"}
         return model
+
+    def compare_manifest(self, directory: Path) -> None:
+        """``compression.json`` beside the weights, if any, says what the config says (the
+        other loaders read it: both must build the same model)."""
+        from lmcompress.compressor.io.replay import (
+            check_layers,
+            check_transforms,
+            compare_manifests,
+        )
+
+        path = directory / MANIFEST
+        if not path.is_file():
+            return
+        try:
+            manifest = json.loads(path.read_text())
+            version = manifest["format_version"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ModelLoadError(f"{path}: unreadable manifest ({first_line(err)})") from None
+        where = str(path)
+        layers = check_layers(manifest.get("compressed_layers", {}), version, where)
+        transforms = check_transforms(manifest.get("transforms", []), where)
+        config = {
+            "compressed_layers": self.quantization_config.compressed_layers,
+            "transforms": self.quantization_config.transforms,
+        }  # checked and upgraded already: today's format version
+        compare_manifests(config, layers, transforms, where)
 
     def _process_model_after_weight_loading(self, model, **_):
         """Check the loaded values as ``from_state`` does; install the transforms."""

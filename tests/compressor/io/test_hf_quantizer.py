@@ -24,6 +24,7 @@ from lmcompress.compressor.io import hf_registration
 from lmcompress.compressor.io.layout import (
     COMPRESSED_TENSORS,
     DENSE_TENSORS,
+    MANIFEST,
     QUANT_METHOD,
     WEIGHTS_INDEX,
 )
@@ -161,6 +162,7 @@ def _extra_tensor(qc):
 def test_a_config_that_does_not_match_the_files_is_a_clear_error(tmp_path, edit, message):
     _, _, out = _export(tmp_path, MagnitudeConfig(sparsity="2:4"))
     _edit_quantization_config(out, edit)
+    (out / MANIFEST).unlink()  # the files transformers reads, copied alone (from the Hub)
     with pytest.raises(ModelLoadError, match=message):
         transformers.AutoModelForCausalLM.from_pretrained(out)
 
