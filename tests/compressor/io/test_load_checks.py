@@ -6,6 +6,7 @@ checked as the compressed one. Each tampering is refused in one line by ``load_c
 from __future__ import annotations
 
 import json
+import re
 import struct
 
 import pytest
@@ -253,7 +254,7 @@ def test_tampered_export_is_exit_2_from_compress_model_eval(tmp_path, case, caps
     assert main(["eval", str(out), "--data", str(corpus), "--seq-len", "16", "-q"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err
-    assert __import__("re").search(message, err), err
+    assert re.search(message, err), err
 
 
 COMPACT = {  # edit of config.json's quantization_config, message
@@ -308,3 +309,17 @@ def test_from_pretrained_refuses_retyped_compressed_tensors(tmp_path, case):
     edit(out)
     with pytest.raises(ModelLoadError, match=message):
         transformers.AutoModelForCausalLM.from_pretrained(out)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["2:4 values cast to int32", "2:4 values relabelled I32", "int8 weight_scale relabelled I32"],
+)
+def test_bench_refuses_what_it_once_timed_silently(tmp_path, tiny_checkpoint, case, capsys):
+    out, message = _tampered(tmp_path, case)
+    capsys.readouterr()
+    argv = ["bench", str(tiny_checkpoint), str(out), "--prefill", "2x16", "--decode", "2"]
+    argv += ["--prompt", "4", "--repeats", "1", "--warmup", "0", "-o", str(tmp_path / "s"), "-q"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(message, err), err
