@@ -119,6 +119,7 @@ class LmcompressHfQuantizer(HfQuantizer):
                 raise ModelLoadError(
                     f"compressed layer {name} is not in the {model.config.model_type} model"
                 ) from None
+        self.check_dense_keys(model, layers)
         skeleton = _MetaTensors(self.stored, layers, model.dtype)
         replace_modules(
             model, layers, lambda name, old: replay_layer(name, old, layers[name], skeleton, None)
@@ -132,6 +133,27 @@ class LmcompressHfQuantizer(HfQuantizer):
         ignored = set(model._keys_to_ignore_on_load_unexpected or ())
         model._keys_to_ignore_on_load_unexpected = ignored | {rf"^{TRANSFORMS_PREFIX}"}
         return model
+
+    def check_dense_keys(self, model, layers: dict[str, Any]) -> None:
+        """Every tensor of the skeleton outside the compressed layers is stored (or tied to
+        one that is): transformers would initialise a missing one at random and only say so
+        in its load report."""
+        from lmcompress.compressor.io.load import key_renaming
+
+        rename = key_renaming(model)
+        present = {rename(key) for key in self.stored.files}
+        tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+        skip = tuple(f"{name}." for name in layers)
+        missing = sorted(
+            key
+            for key in model.state_dict()
+            if key not in present and key not in tied and not key.startswith(skip)
+        )
+        if missing:
+            raise ModelLoadError(
+                f"{QUANT_METHOD} checkpoint: {len(missing)} tensor(s) of the "
+                f"{model.config.model_type} model are stored nowhere, e.g. {missing[0]}"
+            )
 
     def compare_manifest(self, directory: Path) -> None:
         """``compression.json`` beside the weights, if any, says what the config says (the
@@ -161,8 +183,12 @@ class LmcompressHfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **_):
         """Check the loaded values as ``from_state`` does; install the transforms."""
+        from lmcompress.compressor.formats.base import check_finite
         from lmcompress.compressor.formats.catalog import format_class, transform_class
 
+        skip = tuple(f"{name}." for name in self.quantization_config.compressed_layers)
+        dense = {k: p for k, p in model.named_parameters() if not k.startswith(skip)}
+        check_finite("dense", {k: p for k, p in dense.items() if p.is_floating_point()})
         for name, entry in self.quantization_config.compressed_layers.items():
             module = model.get_submodule(name)
             meta = {"conv1d": module.conv1d, **entry["meta"]}

@@ -323,3 +323,17 @@ def test_bench_refuses_what_it_once_timed_silently(tmp_path, tiny_checkpoint, ca
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and re.search(message, err), err
+
+
+@pytest.mark.parametrize(
+    "case", ["a dense weight missing", "num_hidden_layers 3", "a dense weight NaN"]
+)
+def test_from_pretrained_refuses_a_dense_part_it_would_initialise_at_random(tmp_path, case):
+    import transformers
+
+    kind, edit, _ = TAMPERED[case]
+    out = _export(tmp_path, kind, dense_copy=False)
+    edit(out)
+    message = "dense tensor model.norm.weight holds 1" if "NaN" in case else "stored nowhere"
+    with pytest.raises(ModelLoadError, match=message):
+        transformers.AutoModelForCausalLM.from_pretrained(out)
