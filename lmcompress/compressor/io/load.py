@@ -133,7 +133,12 @@ def load_compressed(
     manifest = read_manifest(out_dir)
     model = build_model(out_dir, manifest, device)
     if runtime == "dense":
-        replace_modules(model, manifest["compressed_layers"], lambda _, module: module.to_dense())
+        # in the export's dtype: an int8 layer dequantizes to its meta ``dtype``, that of the
+        # model it was compressed from, which a save in another dtype does not change
+        dtype = resolve_dtype(manifest["dtype"])
+        replace_modules(
+            model, manifest["compressed_layers"], lambda _, module: module.to_dense().to(dtype)
+        )
     elif runtime == "expanded":
         expand(model, list(manifest["compressed_layers"]))
     transforms = manifest.get("transforms", [])  # e.g. an 8-bit softmax

@@ -337,3 +337,23 @@ def test_from_pretrained_refuses_a_dense_part_it_would_initialise_at_random(tmp_
     message = "dense tensor model.norm.weight holds 1" if "NaN" in case else "stored nowhere"
     with pytest.raises(ModelLoadError, match=message):
         transformers.AutoModelForCausalLM.from_pretrained(out)
+
+
+@pytest.mark.parametrize("edit_meta", [False, True])
+def test_int8_dense_runtime_computes_in_the_exports_dtype(tmp_path, edit_meta):
+    """An int8 layer's meta ``dtype`` is the dtype it was compressed at: a float32 model saved
+    in bfloat16 (or an edited meta dtype) once gave a dense runtime that failed in its first
+    forward (float32 weights, bfloat16 activations)."""
+    model = make_tiny_model("llama")
+    report = compress(model, Int8Config())
+    out = save_compressed(
+        model, tmp_path / "out", report, tokenizer=make_tiny_tokenizer(), dtype=torch.bfloat16
+    )
+    if edit_meta:
+        _meta(lambda meta: meta.update(dtype="float16"))(out)
+    ids = torch.randint(0, 256, (1, 8))
+    packed = load_compressed(out, runtime="packed")[0]
+    dense = load_compressed(out, runtime="dense")[0]
+    assert dense.get_submodule(LAYER).weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        torch.testing.assert_close(dense(ids).logits, packed(ids).logits, rtol=0.05, atol=0.05)
