@@ -151,9 +151,10 @@ def replay_layer(
             cls.schema.check_stored_dtypes(cls.format, tensors, dtype)
     except ModelLoadError as err:
         raise ModelLoadError(f"compressed layer {name}: {err}") from None
-    if (new.in_features, new.out_features) != in_out_features(old):
+    in_features, out_features = in_out_features(old)
+    if (new.in_features, new.out_features) != (in_features, out_features):
         raise ModelLoadError(
-            f"compressed layer {name} is {new.out_features}x{new.in_features}, the model's "
-            f"{in_out_features(old)[::-1]}"
+            f"compressed layer {name} is {new.out_features}x{new.in_features}, but "
+            f"{out_features}x{in_features} in the model config.json builds"
         )
     return new

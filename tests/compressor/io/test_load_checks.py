@@ -184,7 +184,7 @@ TAMPERED = {  # export, edit, message
     "hidden_size 640": (
         "2:4",
         _json("config.json", lambda c: _set(c, hidden_size=640)),
-        "q_proj is 32x32, the model.s \\(32, 640\\)",
+        "q_proj is 32x32, but 32x640 in the model config.json builds",
     ),
     "vocab_size + 1": (
         "2:4",
