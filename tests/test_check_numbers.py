@@ -47,9 +47,7 @@ def test_a_number_from_another_results_file_is_flagged(check_numbers, results, t
         "From `benchmarks/results/lowrank.md`: 23.65 / 39.59, against SparseGPT's 67.10.\n\n"
         "SparseGPT 2:4 scores 67.10 ([runtime](../benchmarks/results/runtime.md)).\n"
     )
-    assert _untraced(check_numbers, results, tmp_path, text) == [
-        "67.10 (looked in lowrank.md)"
-    ]
+    assert _untraced(check_numbers, results, tmp_path, text) == ["67.10 (looked in lowrank.md)"]
 
 
 def test_the_sentence_then_the_section_then_the_page_decides(check_numbers, results, tmp_path):

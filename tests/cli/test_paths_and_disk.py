@@ -20,7 +20,7 @@ import torch
 
 import lmcompress.jobs.run as pipeline
 from lmcompress.cli.main import main
-from lmcompress.compressor.util.fsutil import lock_path
+from lmcompress.compressor.util.locks import lock_path
 
 TEXT = "\n\n".join(f"Document {i}. The quick brown fox jumps over the lazy dog." for i in range(60))
 
@@ -217,7 +217,7 @@ def test_lock_of_a_killed_writer_does_not_block_the_next(tmp_path, tiny_checkpoi
         [
             sys.executable,
             "-c",
-            "import sys; from lmcompress.compressor.util.fsutil import output_lock\n"
+            "import sys; from lmcompress.compressor.util.locks import output_lock\n"
             f"with output_lock({str(out)!r}):\n    print('held', flush=True); sys.stdin.read()",
         ],
         stdin=subprocess.PIPE,

@@ -9,10 +9,14 @@ steps of a job hold it (the lock, the preflight of every stage, the save):
 - :meth:`OutputDir.check`: and replacing it destroys no input (an output equal to an input,
   inside one or containing one is refused, even with ``overwrite``), it is empty unless
   ``overwrite``; the debris of a killed run beside it is removed;
-- :meth:`OutputDir.lock`: a second job naming the same output is refused while this one runs;
+- :meth:`OutputDir.lock`: a second job naming the same output, one inside it or one around it,
+  is refused while this one runs (:mod:`~lmcompress.compressor.util.locks`);
 - :meth:`OutputDir.guarded`: a full disk while writing it is one line (once, however nested);
 - :meth:`OutputDir.build`: its files are written into a temporary sibling renamed into place at
-  the end, so a failed or killed write leaves the old output (or none), never half of one.
+  the end, so a failed or killed write leaves the old output (or none), never half of one;
+  and if anything in the output changed since :meth:`OutputDir.check` looked (someone wrote
+  into it while the job ran), it is not replaced: the job's result is kept beside it and the
+  job fails in one line naming both (:class:`~lmcompress.compressor.util.fsutil.OutputChanged`).
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ from pathlib import Path
 from lmcompress.compressor.util.fsutil import (
     atomic_dir,
     disk_full_as_error,
-    output_lock,
     sweep_stale,
+    tree_change,
+    tree_state,
 )
+from lmcompress.compressor.util.locks import output_lock
 from lmcompress.compressor.util.paths import check_writable
 from lmcompress.errors import ConfigError, LmcompressError
 
@@ -43,6 +49,7 @@ class OutputDir:
         self._checked = False
         self._inputs: set[Path] = set()  # the inputs already checked against it
         self._guarded = False
+        self._before: frozenset[tuple] | None = None  # what was in it when check() looked
 
     @classmethod
     def of(cls, out: str | os.PathLike | OutputDir, overwrite: bool = False) -> OutputDir:
@@ -72,6 +79,7 @@ class OutputDir:
             return self
         if out.exists() and any(out.iterdir()) and not self.overwrite:
             raise LmcompressError(f"output directory {self.given} is not empty (use --overwrite)")
+        self._before = tree_state(out)
         if out.parent.is_dir():
             sweep_stale(out)
         self._checked = True
@@ -118,5 +126,6 @@ class OutputDir:
         at the end (replacing the old one), or is removed on an error. Checks the output
         first if nothing did."""
         self.check()
-        with self.guarded(), atomic_dir(self.path) as tmp:
+        changed = lambda old: tree_change(self._before, tree_state(old))  # noqa: E731
+        with self.guarded(), atomic_dir(self.path, changed=changed) as tmp:
             yield tmp
