@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+import lmcompress.jobs.run as pipeline
+from lmcompress.cli.main import main
 from lmcompress.compressor.util.locks import lock_path
 
 TEXT = "\n\n".join(f"Document {i}. The quick brown fox jumps over the lazy dog." for i in range(60))
@@ -110,3 +112,37 @@ def test_nested_outputs_of_running_jobs_are_refused(tmp_path, tiny_checkpoint, c
         code, err = _finish(job)
     assert code == 0, err[-3000:]
     assert (inner / "config.json").is_file() and not lock_path(inner).exists()
+
+
+# --- the inputs, whatever option names them -----------------------------------------------------
+
+
+def _no_loading(*_args, **_kwargs):
+    raise AssertionError("the model was loaded before the error")
+
+
+@pytest.mark.parametrize("flag", ["--eval", "--calib", "--config", "--prior-from"])
+def test_an_input_inside_the_output_is_refused_even_with_overwrite(
+    tmp_path, tiny_checkpoint, monkeypatch, capsys, flag
+):
+    """Each input lies in ``-o``, which ``--overwrite`` would replace: one line, exit 2,
+    before the model loads, and the input is still there."""
+    monkeypatch.setattr(pipeline, "load_model", _no_loading)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "corpus.txt").write_text(TEXT)
+    (out / "recipe.yaml").write_text("method: maskllm\n")
+    (out / "prior").mkdir()
+    given = {"--config": out / "recipe.yaml", "--prior-from": out / "prior"}
+    argv = [str(tiny_checkpoint), "--method", "maskllm", "--seq-len", "32", "--nsamples", "4"]
+    argv += ["--eval", str(tmp_path / "corpus.txt"), "--calib", str(tmp_path / "corpus.txt")]
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    argv += [flag, str(given.get(flag, out / "corpus.txt")), "-o", str(out), "--overwrite"]
+    if flag == "--config":
+        argv.remove("--method"), argv.remove("maskllm")
+    capsys.readouterr()
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err, err
+    assert f"output {out} contains the input" in err and "even with --overwrite" in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["corpus.txt", "prior", "recipe.yaml"]

@@ -41,8 +41,12 @@ from lmcompress.errors import ConfigError, LmcompressError
 class OutputDir:
     """An output directory: ``path`` as given, and whether an existing one may be replaced."""
 
-    def __init__(self, path: str | os.PathLike, overwrite: bool = False) -> None:
+    def __init__(
+        self, path: str | os.PathLike, overwrite: bool = False, reads: Iterable[Path] = ()
+    ) -> None:
+        """``reads``: paths the job read before it started (a recipe), checked as inputs."""
         self.given = path
+        self.reads = tuple(reads)
         self.path = Path(path)
         self.overwrite = overwrite
         self._resolved: Path | None = None  # set once writable() has passed
@@ -70,7 +74,7 @@ class OutputDir:
         """Every rule that needs no writing (module doc); ``inputs``: the local paths the job
         reads, each compared once. Returns ``self``."""
         out = self.writable()
-        for path in inputs:
+        for path in (*self.reads, *inputs):
             source = Path(path).expanduser().resolve()
             if source not in self._inputs:
                 self._refuse_input(out, source, path)
