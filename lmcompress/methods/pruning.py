@@ -99,6 +99,10 @@ class PruningMethod(Method):
     """Validation shared by every pruner: shapes fit each layer's N:M pattern; a per-layer
     override that matches no selected layer (a typo, most likely) is warned about."""
 
+    def stored_format(self, layer: str) -> str | None:
+        """N:M-pruned layers are stored packed; unstructured zeros stay in the dense weight."""
+        return "nm_packed" if self.config.sparsity_of(layer).is_nm else None
+
     def validate(self, model: nn.Module) -> dict[str, nn.Module]:
         layers = super().validate(model)
         for name, module in layers.items():

@@ -8,6 +8,7 @@ waits for a line on stdin, so the parent acts while the job is between its check
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -146,3 +147,20 @@ def test_an_input_inside_the_output_is_refused_even_with_overwrite(
     assert code == 2 and "\n" not in err, err
     assert f"output {out} contains the input" in err and "even with --overwrite" in err, err
     assert sorted(p.name for p in out.iterdir()) == ["corpus.txt", "prior", "recipe.yaml"]
+
+
+def test_an_output_path_that_is_not_utf8_is_refused_before_any_work(
+    tmp_path, tiny_checkpoint, monkeypatch, capsys
+):
+    """Undecodable bytes in argv (``-o $'out\\xff'``) arrive as surrogates: refused with the
+    bytes shown, before the model loads, instead of failing at the save."""
+    monkeypatch.setattr(pipeline, "load_model", _no_loading)
+    out = os.fsdecode(os.fsencode(tmp_path) + b"/out\xff")
+    capsys.readouterr()
+    assert main([str(tiny_checkpoint), "-o", out, "--skip-dense"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(
+        "out\\xff is not valid UTF-8: the export records its path in text files; "
+        "choose a UTF-8 name"
+    ), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama"]
