@@ -263,10 +263,16 @@ def test_sparsity_and_ratio_helps_say_which_is_removed_and_which_kept():
         (["--config", "x.yaml", "--config", "y.yaml"], "--config is given twice"),
     ],
 )
-def test_a_flag_given_twice_is_refused_in_one_line(argv, message, capsys):
+def test_a_flag_given_twice_is_refused_in_one_line(argv, message, capsys, monkeypatch):
     """argparse keeps the last value silently; a recipe refuses a key given twice, and the
     command line does too, whatever the spelling (issue 39, item 7)."""
+    import lmcompress.jobs.run as pipeline
     from lmcompress.cli.main import main
+
+    def never(*_args, **_kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(pipeline, "load_model", never)
 
     assert main(["smollm2-135m", *argv]) == 2
     err = capsys.readouterr().err.strip()

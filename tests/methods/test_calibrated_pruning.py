@@ -171,12 +171,14 @@ def test_a_sparsity_that_removes_no_weight_is_refused(method):
     from conftest import make_tiny_model
 
     model = make_tiny_model("llama")
+    extra = {"blocksize": 8} if method == "sparsegpt" else {}  # blocks narrower than a layer
     with pytest.raises(ConfigError, match="removes no weight of any selected layer") as caught:
-        compress(model, CONFIGS[method](sparsity=1e-300), _data())
+        compress(model, CONFIGS[method](sparsity=1e-300, **extra), _data())
     largest = int(str(caught.value).split("at least 1/")[1].split(" ")[0])
     before = _weights(model)
-    report = compress(model, CONFIGS[method](sparsity=1.0001 / largest), _data())
+    report = compress(model, CONFIGS[method](sparsity=1.0001 / largest, **extra), _data())
     removed = sum(int((W != 0).sum() - (_weights(model)[n] != 0).sum()) for n, W in before.items())
     assert removed >= 1 and any(layer.sparsity > 0 for layer in report.layers)
     with pytest.raises(ConfigError, match="removes no weight"):
-        compress(make_tiny_model("llama"), CONFIGS[method](sparsity=0.9999 / largest), _data())
+        tiny = make_tiny_model("llama")
+        compress(tiny, CONFIGS[method](sparsity=0.9999 / largest, **extra), _data())
