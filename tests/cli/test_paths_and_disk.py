@@ -39,7 +39,9 @@ def corpus(tmp_path):
 def _job(checkpoint, corpus, *extra: str) -> list[str]:
     evals = [] if "--streaming" in extra else ["--eval", str(corpus)]  # streamed: no scores
     common = [*evals, "--calib", str(corpus), "--seq-len", "32"]
-    return [str(checkpoint), *common, "--nsamples", "4", "--eval-tokens", "256", *extra]
+    if "--nsamples" not in extra:  # a flag given twice is refused
+        common += ["--nsamples", "4"]
+    return [str(checkpoint), *common, "--eval-tokens", "256", *extra]
 
 
 def _one_line_error(argv, capsys) -> str:

@@ -42,7 +42,13 @@ def registry() -> Path:
     override = os.environ.get("LMCOMPRESS_LOCKS")
     name = f"lmcompress-locks-{os.getuid()}"
     path = Path(override).expanduser() if override else Path(tempfile.gettempdir()) / name
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(
+            f"cannot make the lock directory {path} ({err.strerror or err}): set "
+            "$LMCOMPRESS_LOCKS to a directory this user can write"
+        ) from None
     if path.stat().st_uid != os.getuid():
         raise ConfigError(f"the lock directory {path} belongs to another user; remove it")
     return path

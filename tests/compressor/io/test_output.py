@@ -172,3 +172,11 @@ def test_a_file_rewritten_meanwhile_is_kept_and_an_untouched_output_is_replaced(
     with untouched.check().build() as tmp:
         (tmp / "config.json").write_text("{}")
     assert sorted(p.name for p in (tmp_path / "other").iterdir()) == ["config.json"]
+
+
+def test_a_lock_directory_that_cannot_be_made_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("LMCOMPRESS_LOCKS", str(tmp_path / "file" / "locks"))
+    with pytest.raises(ConfigError, match="cannot make the lock directory .*LMCOMPRESS_LOCKS"):
+        with OutputDir(tmp_path / "out").lock():
+            pass
