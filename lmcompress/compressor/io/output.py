@@ -105,8 +105,9 @@ class OutputDir:
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[OutputDir]:
-        """Hold the output's lock (:func:`~lmcompress.compressor.util.fsutil.output_lock`)
-        for the ``with`` block, the path checked writable first."""
+        """Hold the output's lock (:func:`~lmcompress.compressor.util.locks.output_lock`: no
+        other job writes it, inside it or around it) for the ``with`` block, the path checked
+        writable first."""
         with output_lock(self.writable()):
             yield self
 
@@ -130,6 +131,10 @@ class OutputDir:
         at the end (replacing the old one), or is removed on an error. Checks the output
         first if nothing did."""
         self.check()
-        changed = lambda old: tree_change(self._before, tree_state(old))  # noqa: E731
-        with self.guarded(), atomic_dir(self.path, changed=changed) as tmp:
+        with self.guarded(), atomic_dir(self.path, changed=self.changed) as tmp:
             yield tmp
+
+    def changed(self, old: Path) -> str | None:
+        """What differs in ``old`` (the output, moved aside at the rename) from what
+        :meth:`check` saw when the job started; ``None``: nothing, it may be replaced."""
+        return tree_change(self._before, tree_state(old))
