@@ -136,8 +136,9 @@ def test_an_input_inside_the_output_is_refused_even_with_overwrite(
     (out / "prior").mkdir()
     given = {"--config": out / "recipe.yaml", "--prior-from": out / "prior"}
     argv = [str(tiny_checkpoint), "--method", "maskllm", "--seq-len", "32", "--nsamples", "4"]
-    argv += ["--eval", str(tmp_path / "corpus.txt"), "--calib", str(tmp_path / "corpus.txt")]
     (tmp_path / "corpus.txt").write_text(TEXT)
+    for corpus in sorted({"--eval", "--calib"} - {flag}):
+        argv += [corpus, str(tmp_path / "corpus.txt")]
     argv += [flag, str(given.get(flag, out / "corpus.txt")), "-o", str(out), "--overwrite"]
     if flag == "--config":
         argv.remove("--method"), argv.remove("maskllm")

@@ -37,11 +37,15 @@ def corpus(tmp_path):
 
 
 def _job(checkpoint, corpus, *extra: str) -> list[str]:
-    evals = [] if "--streaming" in extra else ["--eval", str(corpus)]  # streamed: no scores
-    common = [*evals, "--calib", str(corpus), "--seq-len", "32"]
-    if "--nsamples" not in extra:  # a flag given twice is refused
-        common += ["--nsamples", "4"]
-    return [str(checkpoint), *common, "--eval-tokens", "256", *extra]
+    """The job's argv: these defaults, less those ``extra`` gives (a flag given twice is
+    refused), then ``extra``."""
+    defaults = {"--eval": str(corpus), "--calib": str(corpus), "--seq-len": "32"}
+    defaults.update({"--nsamples": "4", "--eval-tokens": "256"})
+    if "--streaming" in extra:  # streamed: no scores
+        del defaults["--eval"]
+    given = {arg.split("=")[0] for arg in extra}
+    common = [x for flag, value in defaults.items() if flag not in given for x in (flag, value)]
+    return [str(checkpoint), *common, *extra]
 
 
 def _one_line_error(argv, capsys) -> str:

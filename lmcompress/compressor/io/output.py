@@ -29,6 +29,7 @@ from pathlib import Path
 from lmcompress.compressor.util.fsutil import (
     atomic_dir,
     disk_full_as_error,
+    made_dirs,
     sweep_stale,
     tree_change,
     tree_state,
@@ -108,7 +109,8 @@ class OutputDir:
         """Hold the output's lock (:func:`~lmcompress.compressor.util.locks.output_lock`: no
         other job writes it, inside it or around it) for the ``with`` block, the path checked
         writable first."""
-        with output_lock(self.writable()):
+        out = self.writable()
+        with made_dirs(out.parent), output_lock(out):  # parents it made go if left empty
             yield self
 
     @contextlib.contextmanager
