@@ -39,6 +39,7 @@ from benchmarks.render import markdown_table
 from benchmarks.runner import CLI
 from lmcompress.cache import cache_dir
 from lmcompress.compressor.io.layout import COMPRESSED_TENSORS
+from lmcompress.compressor.util.locks import lock_path
 
 NAME = "bad_inputs"
 # the probe table, the set-ups' fixtures and the tampering edits
@@ -257,7 +258,7 @@ def run_writers(work: Path) -> dict[str, Any]:
     )
     try:
         deadline = time.monotonic() + 120
-        while not (work / ".out.lock").exists():
+        while not lock_path(work / "out").exists():
             if first.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the first run took no lock")
             time.sleep(0.05)

@@ -166,6 +166,41 @@ PROBES: dict[str, Probe] = {
         ("--config", "r.yaml", "-o", "out"),
         {"r.yaml": "stages:\n  - {method: sparsegpt}\n  - {method: sparsegpt}\n"},
     ),
+    # --- issue 39: inputs inside the output, stages that do not compose, flags ---
+    "--overwrite with --eval inside -o": Probe(
+        ("--eval", "out/t.txt", "--overwrite", "-o", "out"), {"out/t.txt": TEXT}
+    ),
+    "--overwrite with --calib inside -o": Probe(
+        ("--method", "wanda", "--calib", "out/t.txt", "--overwrite", "-o", "out"),
+        {"out/t.txt": TEXT},
+    ),
+    "--overwrite with --config inside -o": Probe(
+        ("--config", "out/r.yaml", "--overwrite", "-o", "out"),
+        {"out/r.yaml": "method: magnitude\n"},
+    ),
+    "recipe svd then int8": Probe(
+        ("--config", "r.yaml", "-o", "out"),
+        {"r.yaml": "stages:\n  - {method: gfwsvd}\n  - {method: int8}\n"},
+    ),
+    "recipe magnitude 0.5 then int8 twice": Probe(
+        ("--config", "r.yaml", "-o", "out"),
+        {
+            "r.yaml": "stages:\n  - {method: magnitude, sparsity: 0.5}\n  - {method: int8}\n"
+            "  - {method: int8}\n"
+        },
+    ),
+    "-o not UTF-8": Probe(
+        (
+            "import subprocess, sys\n"
+            "cli = [sys.executable, '-m', 'lmcompress.cli.main', '-o', b'out\\xff']\n"
+            "sys.exit(subprocess.run(cli).returncode)\n",
+        ),
+        python=True,
+    ),
+    "--sparsity given twice": Probe(("--sparsity", "0.5", "--sparsity", "0.6", "-o", "out")),
+    "--sparsity 1e-300": Probe(("--sparsity", "1e-300", "-o", "out")),
+    "bench --threads 0": Probe(("bench", "{cache}", "--threads", "0")),
+    "bench --threads -1": Probe(("bench", "{cache}", "--threads", "-1")),
 }
 # --- issue 23: tampered exports, each through compress-model eval and from_pretrained ---
 TAMPERED = {  # name -> (fixture export, tensor, edit)

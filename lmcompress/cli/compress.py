@@ -31,6 +31,7 @@ class JobFlags:
 
     recipe: dict[str, Any]
     method_class: type[Method]
+    recipe_path: str | None = None  # read before the job: protected as its inputs are
 
 
 def add_job_arguments(
@@ -79,7 +80,7 @@ def add_job_arguments(
     add_dataclass_flags(run_group, RunOptions, skip=("checkpoint",), aliases={"output": "-o"})
     method_group = parser.add_argument_group(f"{method_name} options")
     add_dataclass_flags(method_group, method_class.config_class)
-    return JobFlags(recipe, method_class)
+    return JobFlags(recipe, method_class, known.config)
 
 
 def run_job(args: dict[str, Any], flags: JobFlags) -> int:
@@ -90,7 +91,8 @@ def run_job(args: dict[str, Any], flags: JobFlags) -> int:
     given.pop("config", None)
     stages = is_multi_stage(flags.recipe)
     options, configs = job_from(flags.recipe, given, flags.method_class)
-    results = run(options, configs, stages=stages)
+    reads = [flags.recipe_path] if flags.recipe_path else []
+    results = run(options, configs, stages=stages, reads=reads)
     if distributed.is_main_process():  # one summary, not one per process
         (print_stages_summary if stages else print_summary)(results)
     return 0

@@ -26,10 +26,38 @@ def raise_terminated(signum: int, _frame: Any) -> NoReturn:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line (exit 2) instead of usage + message."""
+    """argparse that reports a usage error as one line (exit 2) instead of usage + message,
+    and refuses an option given twice (argparse keeps the last silently; a recipe refuses a
+    key given twice, and so does the command line), under any of its spellings (``-o`` and
+    ``--output``, ``--dense-copy`` and ``--no-dense-copy``, an abbreviation)."""
 
     def error(self, message: str) -> NoReturn:
         raise ConfigError(message)
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        self.refuse_repeats(args)
+        return super().parse_known_args(args, namespace)
+
+    def refuse_repeats(self, args: Sequence[str]) -> None:
+        """A one-line :class:`ConfigError` if two of ``args`` set the same option."""
+        flags = self._option_string_actions  # argparse's map of every spelling to its action
+        seen: dict[str, str] = {}
+        for token in args:
+            if token == "--":
+                break
+            name = token.split("=", 1)[0] if token.startswith("--") else token[:2]
+            if name not in flags and name.startswith("--") and self.allow_abbrev:
+                matches = {flags[f].dest for f in flags if f.startswith(name)}
+                name = next(f for f in flags if f.startswith(name)) if len(matches) == 1 else name
+            action = flags.get(name)
+            if action is None or action.dest == "help":
+                continue
+            if action.dest in seen:
+                first = seen[action.dest]
+                also = "" if first == name else f" (as {first} and {name})"
+                raise ConfigError(f"{name} is given twice{also}: give it once")
+            seen[action.dest] = name
 
 
 def setup_logging(quiet: bool) -> None:

@@ -100,6 +100,12 @@ class Method:
     def name(self) -> str:
         return self.config.method
 
+    def stored_format(self, layer: str) -> str | None:  # noqa: ARG002
+        """The format this method stores ``layer`` in once it compressed it (``None``:
+        unstructured zeros in the dense weight): what a later recipe stage composes after
+        (``composes_after``), known before any stage runs. Default: ``None``."""
+        return None
+
     def select(self, model: nn.Module) -> dict[str, nn.Module]:
         return LayerSelection(self.config.include, self.config.exclude).select(model)
 

@@ -26,6 +26,7 @@ from lmcompress.compressor.io.speed_report import (
 from lmcompress.compressor.model.checkpoint import check_checkpoint
 from lmcompress.compressor.model.loading import check_device
 from lmcompress.compressor.util.fsutil import atomic_file
+from lmcompress.errors import ConfigError
 from lmcompress.evaluation.speed import SpeedOptions, bench
 
 
@@ -39,6 +40,8 @@ def bench_job(
 ) -> dict[str, Any]:
     """Check every input in about a second, then :func:`~lmcompress.evaluation.speed.bench`;
     ``output``: a directory for ``speed.json``, ``speed.md`` and ``speed.png``."""
+    if threads is not None and threads < 1:  # torch.set_num_threads raises a bare RuntimeError
+        raise ConfigError(f"--threads must be at least 1, got {threads}")
     check_device(options.device)
     check_checkpoint(checkpoint)
     for export in exports:

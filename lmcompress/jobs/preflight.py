@@ -16,6 +16,7 @@ the estimated peak memory fits the machine; and the corpora exist.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,7 @@ from lmcompress.compressor.model.checkpoint import (
     model_config,
 )
 from lmcompress.compressor.model.loading import check_device, model_skeleton, resolve_dtype
+from lmcompress.compressor.options import literal_choices, option_fields, option_value
 from lmcompress.compressor.util.paths import check_writable, shown_path
 from lmcompress.errors import ConfigError, DataError, LmcompressError
 from lmcompress.evaluation.corpora import load_documents
@@ -65,9 +67,12 @@ class Plan:
     output: OutputDir | None = None  # checked; the job writes it
 
 
-def output_of(options: RunOptions) -> OutputDir | None:
-    """The job's output directory (``None``: nothing is saved)."""
-    return None if options.output is None else OutputDir(options.output, options.overwrite)
+def output_of(options: RunOptions, reads: Sequence[str | Path] = ()) -> OutputDir | None:
+    """The job's output directory (``None``: nothing is saved); ``reads``: the files read
+    before the job started (the recipe), protected as its inputs are."""
+    if options.output is None:
+        return None
+    return OutputDir(options.output, options.overwrite, [Path(p) for p in reads])
 
 
 def preflight(options: RunOptions, method: Method, output: OutputDir | None = None) -> Plan:
@@ -110,15 +115,24 @@ def preflight(options: RunOptions, method: Method, output: OutputDir | None = No
 
 
 def _inputs(options: RunOptions, method: Method) -> list[Path]:
-    """The local paths the job reads (and must not overwrite)."""
+    """The local paths the job reads (and must not overwrite): the checkpoint's files, and
+    every option of the job and of the method, whatever its name, whose value (or one of whose
+    values) names an existing file or directory (``--eval``, ``--calib``, ``--prior-from``,
+    ``--checkpoint-dir``, ...), the output itself and fixed choices aside."""
     paths = checkpoint_paths(options.checkpoint)
-    prior_from = getattr(method.config, "prior_from", None)
-    if prior_from:
-        paths.append(Path(prior_from))
-    training = getattr(method.config, "training", None)
-    if training is not None and training.checkpoint_dir:
-        paths.append(Path(training.checkpoint_dir))
+    for config in (options, method.config):
+        for option in option_fields(type(config)):
+            if option.name in ("output", "checkpoint") or literal_choices(option.hint):
+                continue
+            value = option_value(config, option)
+            for text in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(text, str) and text.strip() and os.path.lexists(_local(text)):
+                    paths.append(_local(text))
     return paths
+
+
+def _local(text: str) -> Path:
+    return Path(text).expanduser()
 
 
 def _work_dirs(options: RunOptions, method: Method) -> list[tuple[str, str]]:

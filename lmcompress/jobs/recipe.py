@@ -302,20 +302,30 @@ def check_stages(
 ) -> Plan:
     """:func:`~lmcompress.jobs.preflight.preflight` for every stage, before any weight is read.
 
-    On the model's skeleton a later stage skips the layers an earlier one selects, unless it
-    composes after some formats (``Method.composes_after``): which format an earlier stage will
-    store is known only once it ran, so such a stage is checked on all its layers here and
-    again, exactly, when it starts. Returns the first stage's plan with the largest stage's
-    memory estimate (the stages run one after another: the job's peak is theirs). ``output``: the
-    job's output directory (default: ``options.output``'s), one for every stage."""
+    On the model's skeleton each stage is checked on the layers it will get: those its patterns
+    select less the ones earlier stages compressed in a format it does not compose after
+    (``Method.composes_after``), the earlier stages' formats taken from their declarations
+    (``Method.stored_format``), and a layer two stages compressed already left to none. So a
+    recipe whose later stage has nothing left (``svd`` then ``int8``; ``int8`` twice) is
+    refused before the first stage runs. (A low-rank stage may leave a layer dense where
+    factorising would not pay: counted as compressed here, as it cannot be known yet.)
+    Returns the first stage's plan with the largest stage's memory estimate (the stages run
+    one after another: the job's peak is theirs). ``output``: the job's output directory
+    (default: ``options.output``'s), one for every stage."""
     output = output or output_of(options)
-    plan = preflight(options, get_method(configs[0].method)(configs[0]), output)
-    selected: list[str] = list(matching_layers(plan.skeleton, configs[0]))
-    for index in range(1, len(configs)):
-        skip = [] if get_method(configs[index].method).composes_after else selected
-        method, _ = stage_method(plan.skeleton, configs, index, skip)
-        estimate = preflight(options, method, output).estimate
-        if estimate.total > plan.estimate.total:
-            plan.estimate = estimate
-        selected += list(method.validate(plan.skeleton))
+    first = get_method(configs[0].method)(configs[0])
+    plan = preflight(options, first, output)
+    stored: dict[str, list[str | None]] = {}  # layer -> the formats earlier stages store it in
+    for index in range(len(configs)):
+        if index == 0:
+            method = first
+        else:
+            keeps = get_method(configs[index].method).composes_after
+            skip = [n for n, f in stored.items() if len(f) > 1 or f[0] not in keeps]
+            method, _ = stage_method(plan.skeleton, configs, index, skip)
+            estimate = preflight(options, method, output).estimate
+            if estimate.total > plan.estimate.total:
+                plan.estimate = estimate
+        for name in method.validate(plan.skeleton):
+            stored.setdefault(name, []).append(method.stored_format(name))
     return plan

@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -109,13 +110,17 @@ class InMemoryModel:
 
 
 def run(
-    options: RunOptions, config: MethodConfig | Sequence[MethodConfig], stages: bool | None = None
+    options: RunOptions,
+    config: MethodConfig | Sequence[MethodConfig],
+    stages: bool | None = None,
+    reads: Sequence[str | Path] = (),
 ) -> dict[str, Any]:
     """Run the job; returns the results that the CLI prints and ``compression.json`` records,
     and ``report`` (the combined :class:`CompressionReport`).
 
     ``config`` is one method's config, or one per stage; ``stages`` (default: a sequence was
-    given) records the job as a multi-stage recipe (``results["stages"]``, one entry per stage).
+    given) records the job as a multi-stage recipe (``results["stages"]``, one entry per stage);
+    ``reads``: files read before the job (its recipe), which the output must not destroy.
     Every check that needs no weights runs first (:mod:`lmcompress.jobs.preflight`), so a bad
     input fails in about a second: device, checkpoint, output path, lm-eval tasks, each stage's
     method on a meta-device skeleton, sequence length, memory, corpora."""
@@ -129,7 +134,7 @@ def run(
     # stage's preflight, the save). A second run writing the same output waits for nothing: it
     # is refused, naming the first. (An empty ``-o`` takes no lock: the preflight refuses it in
     # its place among the checks.)
-    output = output_of(options)
+    output = output_of(options, reads)
     locked = output.lock() if output and options.output else contextlib.nullcontext()
     with locked:
         plan = check_stages(options, configs, output)

@@ -99,12 +99,35 @@ class PruningMethod(Method):
     """Validation shared by every pruner: shapes fit each layer's N:M pattern; a per-layer
     override that matches no selected layer (a typo, most likely) is warned about."""
 
+    def stored_format(self, layer: str) -> str | None:
+        """N:M-pruned layers are stored packed; unstructured zeros stay in the dense weight."""
+        return "nm_packed" if self.config.sparsity_of(layer).is_nm else None
+
+    def pruning_group(self, shape: tuple[int, int]) -> int:
+        """The weights of an ``(out, in)`` layer among which an unstructured ratio is counted
+        (rounded down): the whole layer. A method that ranks within smaller groups says so."""
+        return shape[0] * shape[1]
+
     def validate(self, model: nn.Module) -> dict[str, nn.Module]:
         layers = super().validate(model)
+        removes = not layers  # whether the sparsity removes a weight of some layer
+        largest, least = 0, None
         for name, module in layers.items():
             sparsity = self.config.sparsity_of(name)
+            shape = tuple(weight_matrix(module).shape)
             if sparsity.is_nm:
-                check_nm_shape(tuple(weight_matrix(module).shape), sparsity.m, name)
+                check_nm_shape(shape, sparsity.m, name)
+                removes = True
+                continue
+            group = self.pruning_group(shape)
+            removes = removes or int(group * sparsity.ratio) > 0
+            largest, least = max(largest, group), least or sparsity
+        if not removes:
+            raise ConfigError(
+                f"--sparsity {least} removes no weight of any selected layer (the count of "
+                f"each group of weights rounds down to 0); {self.name} needs at least "
+                f"1/{largest} = {1 / largest:.3g}"
+            )
         for pattern, sparsity in self.config.layer_rules:
             if not any(fnmatch.fnmatchcase(name, pattern) for name in layers):
                 raise ConfigError(

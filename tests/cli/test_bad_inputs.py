@@ -335,8 +335,10 @@ def test_bad_input_is_one_line_exit_2_before_any_work(
 ):
     argv, message = cases[case]
     out = tmp_path / "out"
-    if "-o" not in argv:  # defaults first, so that the case's own flags win
-        defaults = ["--eval", str(corpus), "--calib", str(corpus), "--seq-len", "32"]
+    if "-o" not in argv:  # the defaults the case does not give (a flag given twice is an error)
+        defaults = {"--eval": str(corpus), "--calib": str(corpus), "--seq-len": "32"}
+        given = [arg.split("=")[0] for arg in argv]
+        defaults = [x for flag, v in defaults.items() if flag not in given for x in (flag, v)]
         argv = [argv[0], *defaults, "-o", str(out), *argv[1:]]
     if case not in NEEDS_WEIGHTS:
         monkeypatch.setattr(pipeline, "load_model", _no_loading)

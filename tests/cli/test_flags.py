@@ -250,3 +250,42 @@ def test_sparsity_and_ratio_helps_say_which_is_removed_and_which_kept():
                 assert "removed" in help_text and "kept" in help_text and other in help_text
                 checked.add(flag)
     assert checked == {"--sparsity", "--ratio"}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--sparsity", "0.5", "--sparsity", "0.6"], "--sparsity is given twice: give it once"),
+        (["-o", "a", "--output", "b"], "--output is given twice (as -o and --output)"),
+        (["--dense-copy", "--no-dense-copy"], "given twice (as --dense-copy and --no-dense-"),
+        (["--overw", "--overwrite"], "--overwrite is given twice"),  # an abbreviation
+        (["-oa", "-o", "b"], "-o is given twice"),
+        (["--config", "x.yaml", "--config", "y.yaml"], "--config is given twice"),
+    ],
+)
+def test_a_flag_given_twice_is_refused_in_one_line(argv, message, capsys, monkeypatch):
+    """argparse keeps the last value silently; a recipe refuses a key given twice, and the
+    command line does too, whatever the spelling (issue 39, item 7)."""
+    import lmcompress.jobs.run as pipeline
+    from lmcompress.cli.main import main
+
+    def never(*_args, **_kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(pipeline, "load_model", never)
+
+    assert main(["smollm2-135m", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_a_negative_number_or_what_follows_double_dash_is_no_repeat():
+    """``--seed -1`` is a value, and after ``--`` every token is a positional."""
+    from lmcompress.cli.terminal import Parser
+
+    parser = Parser()
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("-o", "--output")
+    parser.add_argument("rest", nargs="*")
+    args = parser.parse_args(["--seed", "-1", "--output=x", "--", "-o"])
+    assert (args.seed, args.output, args.rest) == (-1, "x", ["-o"])

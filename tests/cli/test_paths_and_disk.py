@@ -20,7 +20,7 @@ import torch
 
 import lmcompress.jobs.run as pipeline
 from lmcompress.cli.main import main
-from lmcompress.compressor.util.fsutil import lock_path
+from lmcompress.compressor.util.locks import lock_path
 
 TEXT = "\n\n".join(f"Document {i}. The quick brown fox jumps over the lazy dog." for i in range(60))
 
@@ -37,9 +37,15 @@ def corpus(tmp_path):
 
 
 def _job(checkpoint, corpus, *extra: str) -> list[str]:
-    evals = [] if "--streaming" in extra else ["--eval", str(corpus)]  # streamed: no scores
-    common = [*evals, "--calib", str(corpus), "--seq-len", "32"]
-    return [str(checkpoint), *common, "--nsamples", "4", "--eval-tokens", "256", *extra]
+    """The job's argv: these defaults, less those ``extra`` gives (a flag given twice is
+    refused), then ``extra``."""
+    defaults = {"--eval": str(corpus), "--calib": str(corpus), "--seq-len": "32"}
+    defaults.update({"--nsamples": "4", "--eval-tokens": "256"})
+    if "--streaming" in extra:  # streamed: no scores
+        del defaults["--eval"]
+    given = {arg.split("=")[0] for arg in extra}
+    common = [x for flag, value in defaults.items() if flag not in given for x in (flag, value)]
+    return [str(checkpoint), *common, *extra]
 
 
 def _one_line_error(argv, capsys) -> str:
@@ -217,7 +223,7 @@ def test_lock_of_a_killed_writer_does_not_block_the_next(tmp_path, tiny_checkpoi
         [
             sys.executable,
             "-c",
-            "import sys; from lmcompress.compressor.util.fsutil import output_lock\n"
+            "import sys; from lmcompress.compressor.util.locks import output_lock\n"
             f"with output_lock({str(out)!r}):\n    print('held', flush=True); sys.stdin.read()",
         ],
         stdin=subprocess.PIPE,

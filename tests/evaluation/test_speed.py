@@ -104,6 +104,9 @@ def test_compress_bench_needs_an_output(tiny_checkpoint, capsys):
         (["--prefill", "4y256"], "BATCHxTOKENS"),
         (["--decode", "0"], "decode must be at least 1"),
         (["nowhere"], "not an lmcompress output directory"),
+        (["--threads", "0"], "--threads must be at least 1, got 0"),  # issue 39: tracebacks
+        (["--threads", "-1"], "--threads must be at least 1, got -1"),
+        (["--threads", "2", "--threads", "4"], "--threads is given twice: give it once"),
     ],
 )
 def test_cli_bench_bad_input_is_one_line(tiny_checkpoint, extra, message, capsys):

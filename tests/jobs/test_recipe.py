@@ -96,6 +96,14 @@ def test_two_stage_recipe_runs(name, formats, tiny_checkpoint, corpus, tmp_path,
         ([{"method": "sparsegpt", "sparsity": "3:2"}], (), "stage 1 (sparsegpt): impossible"),
         ([{"method": "int8", "nsamples": 8}], (), "nsamples is a job option"),
         ([{"method": "int8"}, {"method": "sparsegpt"}], (), "stage 2 (sparsegpt) has no layer"),
+        # int8 composes after pruning, not after low rank (issue 39, item 6): refused before
+        # stage 1 runs, as is a layer that two stages compressed already
+        ([{"method": "svd"}, {"method": "int8"}], (), "stage 2 (int8) has no layer left"),
+        (
+            [{"method": "magnitude", "sparsity": 0.5}, {"method": "int8"}, {"method": "int8"}],
+            (),
+            "stage 3 (int8) has no layer left",
+        ),
         ([{"method": "int8"}], ("--sparsity", "2:4"), "--sparsity: a multi-stage recipe"),
         ([{"method": "int8"}], ("--method", "int8"), "--method does not go"),
         ([], (), "non-empty list"),

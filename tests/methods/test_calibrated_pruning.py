@@ -160,3 +160,25 @@ def test_apply_prunes_from_synthetic_statistics(method):
     assert [layer.name for layer in report.layers] == [name]
     assert torch.equal(after[name], expected.to(W.dtype))
     assert all(torch.equal(after[n], before[n]) for n in before if n != name)
+
+
+@pytest.mark.parametrize("method", sorted(CONFIGS))
+def test_a_sparsity_that_removes_no_weight_is_refused(method):
+    """1e-300 rounds down to no weight in every layer: refused (as the low-rank methods refuse
+    a ratio that leaves every layer dense), naming the least that removes one; that least
+    does remove a weight, counted the way this method rounds (whole layer, per row, per
+    block of columns)."""
+    from conftest import make_tiny_model
+
+    model = make_tiny_model("llama")
+    extra = {"blocksize": 8} if method == "sparsegpt" else {}  # blocks narrower than a layer
+    with pytest.raises(ConfigError, match="removes no weight of any selected layer") as caught:
+        compress(model, CONFIGS[method](sparsity=1e-300, **extra), _data())
+    largest = int(str(caught.value).split("at least 1/")[1].split(" ")[0])
+    before = _weights(model)
+    report = compress(model, CONFIGS[method](sparsity=1.0001 / largest, **extra), _data())
+    removed = sum(int((W != 0).sum() - (_weights(model)[n] != 0).sum()) for n, W in before.items())
+    assert removed >= 1 and any(layer.sparsity > 0 for layer in report.layers)
+    with pytest.raises(ConfigError, match="removes no weight"):
+        tiny = make_tiny_model("llama")
+        compress(tiny, CONFIGS[method](sparsity=0.9999 / largest, **extra), _data())

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import logging
 import os
 import re
@@ -24,10 +23,10 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from lmcompress.errors import ConfigError, LmcompressError
+from lmcompress.errors import LmcompressError
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +174,10 @@ def sweep_stale(target: str | Path) -> list[Path]:
 
 @contextlib.contextmanager
 def atomic_dir(
-    target: str | Path, replace: bool = True, keep_existing: bool = False
+    target: str | Path,
+    replace: bool = True,
+    keep_existing: bool = False,
+    changed: Callable[[Path], str | None] | None = None,
 ) -> Iterator[Path]:
     """Yield an empty temporary directory next to ``target``; on success, rename it to ``target``.
 
@@ -184,6 +186,10 @@ def atomic_dir(
             Otherwise an existing ``target`` raises ``FileExistsError``.
         keep_existing: if another process created ``target`` meanwhile, keep theirs and drop
             ours (caches that two processes may build at once).
+        changed: called with the existing ``target`` once it is moved aside (nobody can
+            write into it by its name then): what in it must not be lost, or ``None``. If it
+            names something, the old ``target`` is put back, the new one is kept beside it
+            (``{name}.new-XXXXXXXX``) and :class:`OutputChanged` is raised.
 
     Stale siblings of killed runs are swept first (:func:`sweep_stale`). On an exception
     (``KeyboardInterrupt`` and the CLI's SIGTERM included) the temporary directory is removed
@@ -204,6 +210,13 @@ def atomic_dir(
                 raise FileExistsError(f"{target} exists")
             trash = Path(tempfile.mkdtemp(prefix=_prefix(target, "old"), dir=target.parent))
             os.replace(target, trash / "old")
+            reason = changed(trash / "old") if changed is not None else None
+            if reason is not None:
+                os.replace(trash / "old", target)
+                shutil.rmtree(trash, ignore_errors=True)
+                kept = Path(tempfile.mkdtemp(prefix=f"{target.name}.new-", dir=target.parent))
+                os.replace(tmp, kept)  # a directory may replace an empty one
+                raise OutputChanged(target, reason, kept)
             try:
                 os.replace(tmp, target)
             except BaseException:
@@ -218,6 +231,54 @@ def atomic_dir(
                     raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
+
+
+class OutputChanged(LmcompressError):
+    """An output that someone else wrote into while a job built its replacement: the job kept
+    it and left its own result beside it, at ``kept``."""
+
+    def __init__(self, target: Path, reason: str, kept: Path) -> None:
+        super().__init__(
+            f"output {target} changed while the job ran ({reason}): it was not replaced; the "
+            f"job's result is in {kept}"
+        )
+        self.target, self.kept = target, kept
+
+
+def tree_state(root: Path) -> frozenset[tuple] | None:
+    """What is in ``root`` (``None``: it does not exist), to tell later whether anyone wrote
+    into it: per entry its path relative to ``root``, kind, inode, size and modification time
+    (a directory's own times left out: they change when an entry comes and goes again)."""
+    if not os.path.lexists(root):
+        return None
+    entries = set()
+    for parent, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(parent, name)
+            with contextlib.suppress(FileNotFoundError):
+                info = os.lstat(path)
+                stamp = (
+                    ()
+                    if name in dirs and not os.path.islink(path)
+                    else (info.st_size, info.st_mtime_ns)
+                )
+                entries.add((os.path.relpath(path, root), info.st_mode >> 12, info.st_ino, *stamp))
+    return frozenset(entries)
+
+
+def tree_change(before: frozenset[tuple] | None, after: frozenset[tuple] | None) -> str | None:
+    """What differs between two :func:`tree_state` s of one directory, in a few words naming
+    the first path; ``None`` if nothing does."""
+    before, after = before or frozenset(), after or frozenset()
+    if before == after:
+        return None
+    new = sorted({e[0] for e in after} - {e[0] for e in before})
+    gone = sorted({e[0] for e in before} - {e[0] for e in after})
+    if new:
+        return f"{len(new)} new item(s) such as {new[0]}"
+    if gone:
+        return f"{len(gone)} item(s) removed such as {gone[0]}"
+    return f"{sorted(e[0] for e in after - before)[0]} was rewritten"
 
 
 @contextlib.contextmanager
@@ -239,72 +300,6 @@ def atomic_file(target: str | Path, mode: str = "w", **open_kwargs) -> Iterator:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-
-
-def lock_path(target: str | Path) -> Path:
-    """The lock file of an output: ``.{name}.lock`` beside it."""
-    target = Path(target)
-    return target.parent / f".{target.name}.lock"
-
-
-@contextlib.contextmanager
-def output_lock(target: str | Path) -> Iterator[None]:
-    """Hold an exclusive lock on writing ``target`` for the ``with`` block: a second run that
-    names the same output gets a one-line :class:`ConfigError` naming the holder (pid, host,
-    since when) instead of silently replacing the first one's result.
-
-    The lock is ``flock`` on ``.{name}.lock`` beside ``target`` (the kernel releases it when
-    its holder dies, SIGKILL included, so a killed run never blocks the next). The file holds
-    the holder's pid and host, for the message; it is removed on release, and a lock taken on
-    a file that another process removed meanwhile is retaken on the new one. Missing parent
-    directories are created for the lock and removed again on exit if nothing else was put in
-    them (a refused job leaves nothing)."""
-    target = Path(target)
-    created = _make_parents(target.parent)
-    path = lock_path(target)
-    try:
-        handle = _acquire(path, target)
-    except BaseException:
-        _remove_empty(created)
-        raise
-    try:
-        yield
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()  # before closing: whoever opens it next makes a new one
-        handle.close()
-        _remove_empty(created)
-
-
-def _acquire(path: Path, target: Path):
-    while True:
-        handle = open(path, "a+")  # noqa: SIM115 (held for the job: closed by output_lock)
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            if err.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                handle.close()
-                raise
-            handle.seek(0)
-            holder = handle.read(200).strip() or "another process"
-            handle.close()
-            raise ConfigError(
-                f"output {target} is being written by another run "
-                f"({holder}): wait for it to finish, or choose another -o"
-            ) from None
-        try:
-            same = os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:  # not a file its last holder removed between our open and our lock
-            break
-        handle.close()
-    handle.seek(0)
-    handle.truncate()
-    since = time.strftime("%Y-%m-%d %H:%M:%S")
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {since}")
-    handle.flush()
-    return handle
 
 
 def _make_parents(directory: Path) -> list[Path]:

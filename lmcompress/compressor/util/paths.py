@@ -26,7 +26,8 @@ def shown_path(path: str | os.PathLike) -> str:
 
 def check_writable(path: str | os.PathLike, what: str, inside: bool = True) -> Path:
     """The resolved directory ``path``, after checking that the job can create or write it:
-    one-line :class:`ConfigError` s for an empty path (an unset variable), a name longer than
+    one-line :class:`ConfigError` s for an empty path (an unset variable), a path that is not
+    valid UTF-8 (undecodable bytes in argv), a name longer than
     the filesystem allows, a symlink loop, a dangling symlink (in any component), a path under
     a file, and a place that cannot be written. ``inside``: files go into the directory (a
     work directory), else beside it (an output, built in a temporary sibling and renamed).
@@ -38,6 +39,14 @@ def check_writable(path: str | os.PathLike, what: str, inside: bool = True) -> P
     if not text.strip():
         flag = "-o" if what == "output" else what
         raise ConfigError(f"{flag} is empty (an unset variable?): name the {what} directory")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # undecodable bytes of argv, as surrogates: no card, no JSON
+        raw_bytes = os.fsencode(text).decode("utf-8", "backslashreplace")
+        raise ConfigError(
+            f"{what} {shown_path(raw_bytes)} is not valid UTF-8: the export records its path "
+            "in text files; choose a UTF-8 name"
+        ) from None
     shown = shown_path(text)
     raw = Path(text).expanduser().absolute()
     limit = os.pathconf("/", "PC_NAME_MAX") if hasattr(os, "pathconf") else 255

@@ -46,6 +46,9 @@ class Int8(Method):
 
     composes_after = frozenset({"nm_packed", None})  # N:M or unstructured zeros stay zeros
 
+    def stored_format(self, layer: str) -> str:  # noqa: ARG002
+        return QuantLinear.format
+
     @property
     def needs_calibration(self) -> bool:
         """Calibration text only for static activation scales, the softmax bias correction or

@@ -40,6 +40,9 @@ class SparseGPT(LayerwisePruningMethod):
     def statistic_of(self, accumulator: HessianAccumulator) -> torch.Tensor:
         return accumulator.H
 
+    def pruning_group(self, shape: tuple[int, int]) -> int:
+        return shape[0] * min(self.config.blocksize, shape[1])  # within each block of columns
+
     def accumulator_bytes(self, module: nn.Module) -> int:
         """The (in, in) Hessian, and the solver's inverse and working copy of it."""
         columns = weight_matrix(module).shape[1]

@@ -66,6 +66,9 @@ class LowRankMethod(Method):
     needs_calibration = False
     stats_in_output = False  # Gram matrices and Kronecker factors: as large as the model
 
+    def stored_format(self, layer: str) -> str:  # noqa: ARG002
+        return LowRankLinear.format
+
     def weights(self, name: str, W: torch.Tensor, stats: Stats) -> Weights:  # noqa: ARG002
         """The input-side and output-side weights of layer ``name`` (``None``: identity)."""
         return None, None, {}

@@ -27,6 +27,9 @@ class Wanda(LayerwisePruningMethod):
     def statistic_of(self, accumulator: InputNorms) -> torch.Tensor:
         return accumulator.norms
 
+    def pruning_group(self, shape: tuple[int, int]) -> int:
+        return shape[1]  # the ratio is counted within each output row (wanda_mask)
+
     def accumulator_bytes(self, module: nn.Module) -> int:
         return 8 * weight_matrix(module).shape[1]  # a float64 sum of squares per input
 
