@@ -334,3 +334,18 @@ def test_static_scales_after_smoothing_cover_the_inputs_the_layers_now_see():
         assert scale == pytest.approx(expected, rel=1e-5 if exact else 0.1), (
             f"{name}: input_scale {scale:.4g}, its inputs' absmax / 127 is {expected:.4g}"
         )
+
+
+@torch.no_grad()
+def test_smoothing_with_dynamic_activations_still_observes_and_smooths():
+    """SmoothQuant needs the calibration absmax whatever the activation mode: with dynamic
+    activations every q/k/v/gate/up/down is smoothed too, and the norm's outlier channel is
+    divided down (its factor s_3 is ~sqrt(30 / max|W[:, 3]|), far above 1)."""
+    model = make_tiny_model("llama")
+    for block in model.model.layers:
+        block.input_layernorm.weight[3] = 30.0
+    report = compress(model, Int8Config(smooth_alpha=0.5), data=_data(8, seed=1))
+    assert report.extra["activations"] == "dynamic"
+    assert report.extra["smoothed_layers"] == 6 * model.config.num_hidden_layers
+    for block in model.model.layers:
+        assert float(block.input_layernorm.weight[3]) < 10.0

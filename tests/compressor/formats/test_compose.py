@@ -107,7 +107,19 @@ def test_composed_report_counts_the_stored_codes_as_kept():
         )
     summary = report.summary()
     assert summary["params_kept"] == sum(kept.values())
-    assert summary["model_params"] - summary["model_params_after"] == sum(kept.values())
+    pruned = summary["params_compressed_layers"] - sum(kept.values())
+    assert summary["model_params"] - summary["model_params_after"] == pruned
+
+
+def test_a_layer_two_stages_changed_is_left_to_them():
+    """After 2:4 then int8, a third stage that composes after N:M must not touch the composed
+    layers: two stages changed each (at most two compose), whatever the first one's format."""
+    model = make_tiny_model("llama")
+    first = compress(model, MagnitudeConfig(sparsity="2:4"))
+    second = compress(model, Int8Config())
+    names = {layer.name for layer in first.layers}
+    assert layers_to_skip([first], {"nm_packed", None}) == []
+    assert set(layers_to_skip([first, second], {"nm_packed", None})) == names
 
 
 def test_low_rank_layers_are_left_to_their_stage():
