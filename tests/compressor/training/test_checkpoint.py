@@ -1,13 +1,15 @@
 """The resume fingerprint of the training data: token windows are told apart by their bytes,
 not only by their count or shape."""
 
+import json
+
 import pytest
 import torch
 from torch import nn
 
 from lmcompress.compressor.training.checkpoint import data_fingerprint
 from lmcompress.compressor.training.trainer import TrainConfig, Trainer
-from lmcompress.errors import ConfigError
+from lmcompress.errors import ConfigError, LmcompressError
 
 
 def _windows(seed: int) -> torch.Tensor:
@@ -49,3 +51,16 @@ def test_resume_on_other_windows_of_the_same_count_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="training data: 6 examples, sha256 ") as err:
         _fit(_Scale(), tmp_path / "other", _windows(1), resume=True)
     assert str(err.value).count("6 examples") == 2, str(err.value)
+
+
+def test_a_checkpoint_with_malformed_params_is_one_line(tmp_path):
+    """``params`` not a mapping (a hand-edited or foreign state.json): refused as corrupt,
+    naming the key, before any tensor is read."""
+    _fit(_Scale(), tmp_path, _windows(0), stop_after=2)
+    state = tmp_path / "trainer_state" / "state.json"
+    meta = json.loads(state.read_text())
+    meta["params"] = [["scale", [8]]]
+    state.write_text(json.dumps(meta))
+    with pytest.raises(LmcompressError, match="malformed params") as err:
+        _fit(_Scale(), tmp_path, _windows(0), resume=True)
+    assert "\n" not in str(err.value)
