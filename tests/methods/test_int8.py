@@ -349,3 +349,14 @@ def test_smoothing_with_dynamic_activations_still_observes_and_smooths():
     assert report.extra["smoothed_layers"] == 6 * model.config.num_hidden_layers
     for block in model.model.layers:
         assert float(block.input_layernorm.weight[3]) < 10.0
+
+
+def test_report_bytes_are_the_codes_and_scales_stored():
+    """Per group of 8 inputs a scale of 4 bytes rides on 8 one-byte codes (1.5 bytes a weight):
+    the report's compressed bytes are the stored tensors' (bias aside, as for every format)."""
+    model = make_tiny_model("llama")
+    report = compress(model, Int8Config(group_size=8))
+    for layer in report.layers:
+        module = model.get_submodule(layer.name)
+        stored = module.weight_q.nbytes + module.weight_scale.nbytes
+        assert layer.bytes_compressed == stored == 1.5 * layer.params, layer.name

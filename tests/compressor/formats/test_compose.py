@@ -64,6 +64,22 @@ def test_packed_int8_with_grouped_scales_equals_int8(tokens):
     assert torch.equal(packed(x), quant(x))
 
 
+def test_packed_int8_load_refuses_an_impossible_pattern():
+    """A file whose meta says 4:4 (every weight "kept"), its tensors consistent with that, is
+    not an N:M layer: refused at load, naming the pattern."""
+    from lmcompress.errors import ModelLoadError
+    from lmcompress.kernels.reference import pack_nm
+
+    packed = PackedNMInt8Linear.compose(QuantLinear.from_linear(_sparse_linear()), 2, 4)
+    tensors, meta = packed.state_tensors(), packed.meta()
+    values, indices = pack_nm(packed.weight_codes(), 4, 4)  # (24, 40): every position
+    forged = {**tensors, "values": values, "indices": indices}
+    with pytest.raises(ModelLoadError, match="invalid 4:4"):
+        PackedNMInt8Linear.from_state(forged, {**meta, "n": 4, "m": 4})
+    with pytest.raises(ModelLoadError, match="invalid 0:4"):
+        PackedNMInt8Linear.from_state(tensors, {**meta, "n": 0})
+
+
 def test_dense_codes_do_not_pack():
     quant = QuantLinear.from_linear(nn.Linear(8, 4))
     with pytest.raises(Exception, match="not 2:4 sparse"):
