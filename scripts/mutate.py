@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -231,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=OUT, help="folder for mutations.{json,md}")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per pytest run")
     args = parser.parse_args(argv)
+    # killed: unwind, so that pytest is stopped and the scratch copy removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     mutations = load_table(args.table)
     if args.only:
         unknown = set(args.only) - {m.id for m in mutations}
