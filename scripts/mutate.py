@@ -48,6 +48,7 @@ class Mutation:
     replacement: str
     tests: list[str]
     verdict: str | None = None  # for a mutation the tests are not expected to catch
+    killed_by: str | None = None  # the test added because the mutation once survived
 
 
 @dataclass
@@ -62,6 +63,7 @@ class Outcome:
     seconds: float
     failure: str | None  # the first assertion or error pytest printed
     verdict: str
+    killed_by: str | None = None
 
 
 def load_table(path: Path) -> list[Mutation]:
@@ -160,6 +162,7 @@ def check(tree: Path, mutation: Mutation, timeout: float) -> Outcome:
         seconds=round(seconds, 1),
         failure=first_failure(output) if caught else None,
         verdict=verdict,
+        killed_by=mutation.killed_by,
     )
 
 
@@ -180,6 +183,7 @@ def header() -> dict:
 
 def render(meta: dict, outcomes: list[Outcome]) -> str:
     caught = sum(o.caught for o in outcomes)
+    killed = sum(o.caught and o.killed_by is not None for o in outcomes)
     lines = [
         "# Mutation check (`python scripts/mutate.py`)",
         "",
@@ -195,7 +199,8 @@ def render(meta: dict, outcomes: list[Outcome]) -> str:
             if meta.get("rerun_ids")
             else []
         ),
-        f"{len(outcomes)} single-line mutations tried, {caught} caught by the named tests, "
+        f"{len(outcomes)} single-line mutations tried, {caught} caught by the named tests "
+        f"({killed} of them only by a test added when it first survived: the test is named), "
         f"{len(outcomes) - caught} survived (each with its verdict).",
         "",
         "| id | where | mutation | tests | outcome | s | failing assertion / verdict |",
@@ -205,6 +210,8 @@ def render(meta: dict, outcomes: list[Outcome]) -> str:
         mutation = "<br>".join(f"`{d}`".replace("|", "\\|") for d in o.diff)
         tests = "<br>".join(Path(t).name for t in o.tests)
         note = (o.failure if o.caught else o.verdict) or ""
+        if o.caught and o.killed_by:
+            note = f"{note} — first survived; killed by `{o.killed_by}`"
         note = note.replace("|", "\\|").replace("\n", " ")
         outcome = "caught" if o.caught else "**survived**"
         cells = [o.id, f"`{o.file}:{o.line}`", mutation, tests, outcome, o.seconds, note]
@@ -220,6 +227,18 @@ def merged(previous: dict, rows: list[dict], table: Path) -> list[dict]:
     return [by_id[m.id] for m in load_table(table) if m.id in by_id]
 
 
+def rerender(out: Path, mutations: list[Mutation]) -> int:
+    """``out``'s results again, each row's ``killed_by`` taken from the table."""
+    result = json.loads((out / "mutations.json").read_text())
+    notes = {m.id: m.killed_by for m in mutations}
+    for row in result["mutations"]:
+        row["killed_by"] = notes.get(row["id"])
+    (out / "mutations.json").write_text(json.dumps(result, indent=2) + "\n")
+    outcomes = [Outcome(**row) for row in result["mutations"]]
+    (out / "mutations.md").write_text(render(result, outcomes))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table", type=Path, default=TABLE)
@@ -231,10 +250,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=OUT, help="folder for mutations.{json,md}")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per pytest run")
+    parser.add_argument(
+        "--render",
+        action="store_true",
+        help="rewrite <out>/mutations.{json,md} from the "
+        "json and the table's killed_by notes, running nothing",
+    )
     args = parser.parse_args(argv)
     # killed: unwind, so that pytest is stopped and the scratch copy removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     mutations = load_table(args.table)
+    if args.render:
+        return rerender(args.out, mutations)
     if args.only:
         unknown = set(args.only) - {m.id for m in mutations}
         if unknown:

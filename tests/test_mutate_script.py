@@ -50,3 +50,6 @@ def test_committed_table_names_existing_files_and_tests():
         assert (ROOT / m.file).is_file(), m.id
         assert m.tests and all((ROOT / t).exists() for t in m.tests), m.id
         assert m.original.strip() != m.replacement.strip(), m.id
+        if m.killed_by:  # names a test that exists
+            path, _, name = m.killed_by.partition("::")
+            assert f"def {name}(" in (ROOT / path).read_text(), m.id
