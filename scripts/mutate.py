@@ -170,7 +170,9 @@ def header() -> dict:
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode != 0
+    # uncommitted changes count, except this script's own results
+    tracked = ["git", "diff", "--quiet", "HEAD", "--", ".", ":!benchmarks/results/mutations.*"]
+    dirty = subprocess.run(tracked, cwd=ROOT).returncode != 0
     return {
         "host": platform.node(),
         "platform": platform.platform(),
