@@ -201,6 +201,24 @@ def test_missing_file_and_foreign_directory(tmp_path):
 # --- tokenization and calibration windows -----------------------------------------------------
 
 
+def test_tokenize_adds_no_bos_even_where_the_tokenizer_would(tmp_path):
+    """A Llama/Gemma-style tokenizer prepends BOS to every call; the corpus ids must not carry
+    it (perplexity adds one per window). Oracle: the byte-level tokenizer gives one id per
+    UTF-8 byte of the joined text."""
+    from tokenizers import processors
+
+    tokenizer = make_tiny_tokenizer()
+    bos = tokenizer.bos_token
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tokenizer.bos_token_id)]
+    )
+    assert tokenizer("ab")["input_ids"][0] == tokenizer.bos_token_id  # it would add one
+    path = tmp_path / "c.txt"
+    path.write_text("Hello world.\n\nSecond document here.\n", encoding="utf-8")
+    ids = tokenize(tokenizer, str(path))
+    assert len(ids) == len(load_text(str(path)).encode()), "a special token was added"
+
+
 def test_tokenize_matches_the_joined_text_without_length_warnings(tmp_path):
     tokenizer = make_tiny_tokenizer()
     tokenizer.model_max_length = 8  # shorter than the corpus: a plain call would warn

@@ -198,3 +198,18 @@ def test_peak_memory_follows_the_chunk_not_batch_times_sequence_times_vocabulary
             F.cross_entropy(logits[0, :-1].float(), window[0, 1:], reduction="sum")
 
     assert peak_allocated_bytes(unchunked) > bound  # the measurement sees whole logits
+
+
+@pytest.mark.parametrize("stride", [5, 3, 15])
+def test_stride_with_bos_scores_every_covered_token_exactly_once(stride):
+    """With a BOS, each window's first corpus token is a target (predicted from the BOS), so
+    the windows score every corpus token they cover once: as many tokens as the last window's
+    end, counted here from the spans alone; the NLL is the per-window reference's."""
+    model = make_tiny_model("llama")
+    ids = torch.randint(1, 256, (200,), generator=torch.Generator().manual_seed(0))
+    result = perplexity(model, ids, seq_len=16, stride=stride, bos_token_id=0, batch_size=3)
+    ends = [start + 15 for start in range(0, 200 - 15 + 1, stride)]  # 15 corpus tokens + BOS
+    assert result.windows == len(ends)
+    assert result.tokens == ends[-1], f"{result.tokens} scored tokens, {ends[-1]} covered"
+    reference = plain_perplexity(model, ids, 16, stride=stride, bos_token_id=0)
+    assert result.perplexity == pytest.approx(reference, rel=1e-6)

@@ -238,6 +238,21 @@ def test_layers_take_the_few_token_kernels_only_where_they_apply(monkeypatch):
     assert calls == ["lowrank", "int8_linear"] and low_rank.A.grad is not None
 
 
+def test_the_few_token_kernel_takes_exactly_up_to_max_tokens(monkeypatch):
+    """The boundary: ``MAX_TOKENS`` tokens (in any leading shape) still take the fused int8
+    kernel, one more does not."""
+    calls = []
+    original = cpu_kernels.int8_linear
+    monkeypatch.setattr(cpu_kernels, "int8_linear", lambda *a: calls.append(1) or original(*a))
+    quant = QuantLinear.from_linear(torch.nn.Linear(64, 24))
+    most = cpu_kernels.MAX_TOKENS
+    with torch.no_grad():
+        for shape, fused in [((most, 64), 1), ((1, most, 64), 1), ((most + 1, 64), 0)]:
+            calls.clear()
+            quant(torch.randn(shape))
+            assert len(calls) == fused, shape
+
+
 def test_out_of_range_positions_are_skipped_not_read():
     """A 2:6 layout stores 4-bit positions: 0xF (never written by pack_nm) must not make the
     kernels read or write outside the row."""

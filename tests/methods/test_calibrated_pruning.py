@@ -43,6 +43,10 @@ def test_unstructured_rate_and_determinism(method):
         runs.append(_weights(model))
         for layer in report.layers:
             assert layer.sparsity == pytest.approx(0.5, abs=0.01), layer.name
+        # Wanda ranks within each output row (Eq. 1); SparseGPT within a block of columns
+        for name, W in runs[-1].items() if method == "wanda" else ():
+            kept = (W != 0).sum(1)
+            assert torch.all(kept == W.shape[1] // 2), f"{name} rows keep {kept.unique().tolist()}"
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])  # same seed, same result
     model = make_tiny_model("gpt2")
     compress(model, CONFIGS[method](sparsity="0.5"), _data(seed=1))

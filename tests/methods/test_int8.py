@@ -301,3 +301,62 @@ def test_smoothed_static_scheme_reloads_exactly(tmp_path):
     save_compressed(model, tmp_path / "out", report)
     loaded, _, _ = load_compressed(tmp_path / "out", runtime="packed")
     torch.testing.assert_close(loaded(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_static_scales_after_smoothing_cover_the_inputs_the_layers_now_see():
+    """With SmoothQuant each layer's input is divided by ``s`` (folded into its producer), so
+    its static scale is the smoothed input's absmax / 127. Oracle: the inputs the quantized
+    layers receive on the calibration windows. Block 0's q/k/v read the embeddings through the
+    smoothed norm alone, so there the match is exact; later layers see inputs perturbed by the
+    int8 layers before them (a few %)."""
+    model = make_tiny_model("llama")
+    for block in model.model.layers:  # an outlier channel, as real LLMs have: s is far from 1
+        block.input_layernorm.weight[3] = 30.0
+    calibration = _data(8, seed=1)
+    compress(model, Int8Config(smooth_alpha=0.5, activations="static"), data=calibration)
+    seen: dict[str, float] = {}
+    quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+    def record(name):
+        return lambda _m, args: seen.__setitem__(
+            name, max(seen.get(name, 0.0), float(args[0].abs().amax()))
+        )
+
+    handles = [m.register_forward_pre_hook(record(n)) for n, m in quantized.items()]
+    model(input_ids=calibration, use_cache=False)
+    for handle in handles:
+        handle.remove()
+    assert len(seen) == 7 * model.config.num_hidden_layers
+    for name, module in quantized.items():
+        scale, expected = float(module.input_scale), seen[name] / 127
+        exact = name.startswith("model.layers.0.self_attn.") and name[-6] in "qkv"
+        assert scale == pytest.approx(expected, rel=1e-5 if exact else 0.1), (
+            f"{name}: input_scale {scale:.4g}, its inputs' absmax / 127 is {expected:.4g}"
+        )
+
+
+@torch.no_grad()
+def test_smoothing_with_dynamic_activations_still_observes_and_smooths():
+    """SmoothQuant needs the calibration absmax whatever the activation mode: with dynamic
+    activations every q/k/v/gate/up/down is smoothed too, and the norm's outlier channel is
+    divided down (its factor s_3 is ~sqrt(30 / max|W[:, 3]|), far above 1)."""
+    model = make_tiny_model("llama")
+    for block in model.model.layers:
+        block.input_layernorm.weight[3] = 30.0
+    report = compress(model, Int8Config(smooth_alpha=0.5), data=_data(8, seed=1))
+    assert report.extra["activations"] == "dynamic"
+    assert report.extra["smoothed_layers"] == 6 * model.config.num_hidden_layers
+    for block in model.model.layers:
+        assert float(block.input_layernorm.weight[3]) < 10.0
+
+
+def test_report_bytes_are_the_codes_and_scales_stored():
+    """Per group of 8 inputs a scale of 4 bytes rides on 8 one-byte codes (1.5 bytes a weight):
+    the report's compressed bytes are the stored tensors' (bias aside, as for every format)."""
+    model = make_tiny_model("llama")
+    report = compress(model, Int8Config(group_size=8))
+    for layer in report.layers:
+        module = model.get_submodule(layer.name)
+        stored = module.weight_q.nbytes + module.weight_scale.nbytes
+        assert layer.bytes_compressed == stored == 1.5 * layer.params, layer.name

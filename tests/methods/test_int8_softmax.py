@@ -52,6 +52,17 @@ def test_quantize_probs_matches_integer_reference(scale):
         assert q[-4:-1].tolist() == [0, 2, 254]
 
 
+def test_scale_range_is_zero_excluded_to_one_included():
+    """``s`` in (0, 1]: the largest legal step, 1, rounds each probability to 0 or 1 (half to
+    even); 0, above 1 and NaN are one-line errors."""
+    p = torch.tensor([0.0, 0.3, 0.5, 0.51, 1.0])
+    assert quantize_probs_int(p, 1.0).tolist() == [0, 0, 0, 1, 1]
+    assert torch.equal(quantize_probs(p, 1.0), torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0]))
+    for bad in (0.0, 1.0 + 1e-6, float("nan")):
+        with pytest.raises(ConfigError, match="softmax scale must lie in"):
+            quantize_probs_int(p, bad)
+
+
 def test_offset_only_on_positive_entries():
     p = torch.tensor([[0.0, 1e-4, 0.3, 0.6999]])
     out = quantize_probs(p, 1 / 255, offset=0.001)

@@ -84,3 +84,28 @@ def test_indivisible_layer_fails_before_touching_the_model():
     with pytest.raises(ConfigError, match="in_features=36 is not divisible by M=8"):
         compress(model, MagnitudeConfig(sparsity="4:8"))
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_report_counts_and_errors_agree_with_the_pruned_model():
+    """Oracles from the tensors: the zeros 30 % unstructured pruning adds to the model (its
+    linears have none before) are what the summary's parameters after lose, and each layer's
+    relative error is ‖dropped weights‖ / ‖original‖."""
+    from conftest import make_tiny_model
+
+    def zeros(model):
+        return sum(int((p == 0).sum()) for p in model.parameters())
+
+    model = make_tiny_model("llama")
+    original = {
+        n: weight_matrix(m).detach().clone() for n, m in LayerSelection().select(model).items()
+    }
+    assert all(int((W == 0).sum()) == 0 for W in original.values())
+    before = zeros(model)  # the embedding's padding row
+    report = compress(model, MagnitudeConfig(sparsity="0.3"))
+    summary = report.summary()
+    assert summary["model_params"] == sum(p.numel() for p in model.parameters())
+    assert summary["model_params"] - summary["model_params_after"] == zeros(model) - before
+    for layer in report.layers:
+        W = original[layer.name]
+        dropped = W * (weight_matrix(model.get_submodule(layer.name)) == 0)
+        assert layer.rel_error == pytest.approx(float(dropped.norm() / W.norm()), rel=1e-5)

@@ -110,6 +110,22 @@ def test_wanda_mask_weighs_by_input_norms():
     assert not torch.equal(keep, magnitude_mask(W, None, Sparsity(2, 4)))  # norms matter here
 
 
+def test_unstructured_wanda_mask_ranks_within_each_output_row():
+    """Wanda's Eq. 1 compares scores within a row: at 50 % every row keeps exactly half of its
+    weights, and those are its own largest scores (brute force: each row sorted alone). Rows of
+    very different magnitudes make a layer-wide ranking keep most of one row and little of
+    another."""
+    W, X = _weight_and_inputs(out=8, features=64)
+    W = W * torch.logspace(-2, 2, 8)[:, None]  # row i ~ 10^(4i/7 - 2)
+    norms = X.norm(dim=0)
+    keep = wanda_mask(W, norms, Sparsity(ratio=0.5))
+    assert keep.sum(1).tolist() == [32] * 8, f"kept per row: {keep.sum(1).tolist()}"
+    for row, kept in zip(W.abs() * norms, keep, strict=True):
+        expected = torch.zeros(64, dtype=torch.bool)
+        expected[row.argsort(descending=True)[:32]] = True
+        assert torch.equal(kept, expected)
+
+
 def _sparsegpt_nm_mask_reference(W, H, n, m, percdamp=0.01, update=True):
     """SparseGPT's N:M mask selection (Alg. 1) written the slow, textbook way: no blocks, no
     Cholesky factor, an explicit inverse per column, float64. With the columns before ``j``

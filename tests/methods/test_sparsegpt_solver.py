@@ -225,6 +225,18 @@ def test_indefinite_hessian_retries_with_more_dampening(caplog):
         sparsegpt_prune(W, H, PATTERNS["2:4"])
 
 
+def test_singular_hessian_without_dampening_retries_at_the_default():
+    """percdamp 0 on a singular (rank-deficient, PSD) Hessian: the first retry uses 0.01 (ten
+    times 0 is still 0), so the factor is that of H + 0.01 · mean(diag H) · I."""
+    _, X, _ = problem()
+    X = X.double()
+    X[:, 5] = X[:, 4]  # two identical inputs: H is singular
+    H = X.T @ X
+    U = inverse_hessian_factor(H, percdamp=0.0)
+    Hd = H + 0.01 * H.diagonal().mean() * torch.eye(IN, dtype=H.dtype)
+    torch.testing.assert_close(U.T @ U, torch.linalg.inv(Hd), rtol=1e-6, atol=1e-9)
+
+
 def test_reconstruction_error_closed_forms():
     W, X, _ = problem()
     assert reconstruction_error(W, W, X) == 0.0

@@ -15,6 +15,29 @@ from lmcompress.methods.subnet.parametrization import KeepLogitMask
 from lmcompress.methods.subnet.sampling import nm_sample
 
 
+@pytest.mark.parametrize(("tau", "kappa"), [(0.5, 1.0), (2.0, 1.0), (1.0, 0.5), (0.3, 0.4)])
+def test_soft_nm_sample_is_the_tempered_pattern_softmax(tau, kappa):
+    """The relaxed N:M sample (hard=False) is Σ_c softmax_c((κ·s_c + g_c) / τ) · c over the
+    patterns c, s_c the sum of the group's logits c keeps; every pattern written out with
+    itertools (κ < 1 flattens the distribution as κ > 1 sharpens it)."""
+    import itertools
+
+    logits = torch.tensor([[0.9, -0.3, 0.2, -1.1, 0.5, 0.4, -0.7, 1.3]])  # two groups of 4
+    patterns = [
+        [float(j in kept) for j in range(4)] for kept in itertools.combinations(range(4), 2)
+    ]
+    candidates = torch.tensor(patterns)
+    noise = gumbel_noise((2, 6), generator=torch.Generator().manual_seed(0))
+    expected = []
+    for group, g in zip(logits.reshape(2, 4), noise, strict=True):
+        pairs = zip(candidates, g, strict=True)
+        scores = [(kappa * float(group @ c) + float(gc)) / tau for c, gc in pairs]
+        weights = torch.softmax(torch.tensor(scores), 0)
+        expected.append(sum(w * c for w, c in zip(weights, candidates, strict=True)))
+    sample = nm_sample(logits, candidates, tau, noise, hard=False, kappa=kappa)
+    torch.testing.assert_close(sample, torch.cat(expected)[None], rtol=1e-5, atol=1e-6)
+
+
 def test_kappa_sharpens_the_pattern_distribution_to_exp_of_kappa_times_the_sum():
     """With κ, pattern c has probability ∝ exp(κ Σ_{j∈c} logit_j): at κ = 3 the most probable
     pattern's frequency is that of the κ-scaled softmax, not of κ = 1."""

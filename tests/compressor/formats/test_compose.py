@@ -46,6 +46,40 @@ def test_packed_int8_equals_int8(activations, path):
     assert torch.equal(again(x), packed(x))
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 12, 13, 40])  # the fused few-token kernel: <= 12
+def test_packed_int8_with_grouped_scales_equals_int8(tokens):
+    """Scales per group of 8 input channels: the packed layer computes the grouped int8
+    layer's output at every token count. Oracle beside the bit-for-bit one: the W8A8 product
+    written out, per-token activation codes times each group's dequantized weight codes."""
+    linear = _sparse_linear(out_features=24, in_features=64)
+    quant = QuantLinear.from_linear(linear, group_size=8)
+    packed = PackedNMInt8Linear.compose(quant, 2, 4)
+    assert packed.weight_scale.shape == (24, 8) and packed.group_size == 8
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
+    x_scale = x.abs().amax(1, keepdim=True) / 127  # (tokens, 1)
+    x_deq = (x / x_scale).round().clamp(-128, 127) * x_scale
+    W_deq = packed.weight_codes().float() * packed.weight_scale.repeat_interleave(8, dim=1)
+    expected = x_deq @ W_deq.T + linear.bias
+    torch.testing.assert_close(packed(x), expected, rtol=1e-4, atol=1e-5)
+    assert torch.equal(packed(x), quant(x))
+
+
+def test_packed_int8_load_refuses_an_impossible_pattern():
+    """A file whose meta says 4:4 (every weight "kept"), its tensors consistent with that, is
+    not an N:M layer: refused at load, naming the pattern."""
+    from lmcompress.errors import ModelLoadError
+    from lmcompress.kernels.reference import pack_nm
+
+    packed = PackedNMInt8Linear.compose(QuantLinear.from_linear(_sparse_linear()), 2, 4)
+    tensors, meta = packed.state_tensors(), packed.meta()
+    values, indices = pack_nm(packed.weight_codes(), 4, 4)  # (24, 40): every position
+    forged = {**tensors, "values": values, "indices": indices}
+    with pytest.raises(ModelLoadError, match="invalid 4:4"):
+        PackedNMInt8Linear.from_state(forged, {**meta, "n": 4, "m": 4})
+    with pytest.raises(ModelLoadError, match="invalid 0:4"):
+        PackedNMInt8Linear.from_state(tensors, {**meta, "n": 0})
+
+
 def test_dense_codes_do_not_pack():
     quant = QuantLinear.from_linear(nn.Linear(8, 4))
     with pytest.raises(Exception, match="not 2:4 sparse"):
@@ -69,6 +103,39 @@ def test_two_stages_export_reloads_exactly(tmp_path):
     loaded, _, loaded_report = load_compressed(tmp_path / "out", runtime="packed")
     assert torch.equal(loaded(ids).logits, before)
     assert loaded_report.layers[0].sparsity == 0.5 and loaded_report.layers[0].bits == 8
+
+
+def test_composed_report_counts_the_stored_codes_as_kept():
+    """2:4 then int8: the int8 stage alone keeps every weight, the composition only the packed
+    codes. Oracle: the kept count read off each stored module (``values`` holds one int8 code
+    per kept weight), and the dense count off its unpacked codes' shape."""
+    model = make_tiny_model("llama")
+    report = compose_(
+        model, [compress(model, MagnitudeConfig(sparsity="2:4")), compress(model, Int8Config())]
+    )
+    stored = {layer.name: model.get_submodule(layer.name) for layer in report.layers}
+    kept = {name: module.values.numel() for name, module in stored.items()}
+    for layer in report.layers:
+        assert layer.params == stored[layer.name].weight_codes().numel() == 2 * kept[layer.name]
+        assert layer.params_kept == kept[layer.name], (
+            f"{layer.name}: report keeps {layer.params_kept} of {layer.params}, "
+            f"{kept[layer.name]} codes stored"
+        )
+    summary = report.summary()
+    assert summary["params_kept"] == sum(kept.values())
+    pruned = summary["params_compressed_layers"] - sum(kept.values())
+    assert summary["model_params"] - summary["model_params_after"] == pruned
+
+
+def test_a_layer_two_stages_changed_is_left_to_them():
+    """After 2:4 then int8, a third stage that composes after N:M must not touch the composed
+    layers: two stages changed each (at most two compose), whatever the first one's format."""
+    model = make_tiny_model("llama")
+    first = compress(model, MagnitudeConfig(sparsity="2:4"))
+    second = compress(model, Int8Config())
+    names = {layer.name for layer in first.layers}
+    assert layers_to_skip([first], {"nm_packed", None}) == []
+    assert set(layers_to_skip([first, second], {"nm_packed", None})) == names
 
 
 def test_low_rank_layers_are_left_to_their_stage():

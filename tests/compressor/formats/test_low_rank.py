@@ -139,3 +139,17 @@ def test_half_precision_factors_keep_the_dtype():
 
 def test_registered_under_its_format_name():
     assert format_class("low_rank") is LowRankLinear
+
+
+def test_training_only_b_keeps_its_gradient_at_few_tokens():
+    """With only ``B`` trainable (A frozen), a forward of a few tokens must stay on autograd's
+    path: ``B.grad`` of ``sum(y)`` is ``Σ_tokens (x Aᵀ)`` in every row."""
+    torch.manual_seed(0)
+    layer = LowRankLinear.from_linear(nn.Linear(16, 12), 4)
+    layer.B.requires_grad_(True)
+    layer.A.requires_grad_(False)
+    x = torch.randn(1, 2, 16)  # under the low-rank kernel's token limit
+    layer(x).sum().backward()
+    assert layer.B.grad is not None, "the forward took a kernel without autograd"
+    expected = (x.reshape(-1, 16) @ layer.A.detach().T).sum(0).expand(12, -1)  # (out, rank)
+    torch.testing.assert_close(layer.B.grad, expected, rtol=1e-5, atol=1e-6)
