@@ -25,7 +25,7 @@ Record = dict[str, Any]
 log = logging.getLogger(__name__)
 
 
-def learned_of(manifest: Record, recipe: Record) -> Record:
+def learned_of(manifest: Record, recipe: Record | str) -> Record:
     """A learned row's record beyond :func:`benchmarks.sweep.record_of`: the method's seconds
     (prior, training, extraction, re-fit), its steps and held-out hard-mask perplexities, each
     block's hard-mask error before and after training (block-wise), the sparsity achieved over
@@ -35,9 +35,9 @@ def learned_of(manifest: Record, recipe: Record) -> Record:
     kept = sum(layer.get("params_kept", 0) for layer in layers)
     total = sum(layer.get("params", 0) for layer in layers) or 1
     scored = [v for v in (results.get("compressed") or {}).values() if isinstance(v, dict)]
-    seconds = report.get("seconds")
+    seconds, options = report.get("seconds"), recipe if isinstance(recipe, dict) else {}
     return {
-        "args": as_flags({k: v for k, v in recipe.items() if k not in ("method", "sparsity")}),
+        "args": as_flags({k: v for k, v in options.items() if k not in ("method", "sparsity")}),
         "eval_seconds": round(sum(v.get("seconds") or 0.0 for v in scored), 1),
         "train_seconds": None if seconds is None else round(seconds, 1),
         "steps": extra.get("steps"),
@@ -119,10 +119,9 @@ def stage_tokens(manifest: Record, seq_len: int) -> int:
 
 def _stage(name: str, stage: Record, settings: Record, run: Callable, work: Path) -> Record:
     """One stage's process (``run(name, recipe, settings, out)`` -> (Run, its command)), or its
-    stored run: a
-    stage run before with the same recipe and settings (the same recipe prefix, e.g. the
-    block-wise pass two rows start from) is reused, its measurements too (``reused``), from
-    ``WORK/stages/<digest>``."""
+    stored run: a stage run before with the same recipe and settings (the same recipe prefix,
+    e.g. the block-wise pass two rows start from) is reused, its measurements too
+    (``reused``), from ``WORK/stages/<digest>``."""
     key = hashlib.sha1(json.dumps([stage, settings], sort_keys=True).encode()).hexdigest()[:12]
     stored = work / "stages" / key
     if (stored / "stage.json").is_file():
