@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from benchmarks import harness, sweep
+from benchmarks.columns import row_name
 from benchmarks.learned_rows import stage_job
 from benchmarks.render import RESULTS_DIR
 from benchmarks.runner import Run
@@ -234,3 +235,15 @@ def test_a_row_naming_its_baseline_is_divided_by_that_row():
         "| m | 2:4 | 45.00 | 90.00 | 0.750 / 0.750 |",
     ]
     assert all(line in md for line in expected)
+
+
+@pytest.mark.parametrize("name", ["subnet", "learned", "maskllm", "lowrank"])
+def test_the_table_orders_its_rows_as_the_committed_file(name):
+    """A rerun merges its rows in the table's order (harness.merge_rows): the committed rows'
+    order is the table's, so a rerun row lands where it was and the md keeps its order."""
+    table = load_table(name)
+    committed = [
+        row_name(r) for r in json.loads((RESULTS_DIR / f"{table.file}.json").read_text())["results"]
+    ]
+    assert [r.name for r in table.rows if r.name in committed] == committed
+    assert set(committed) <= {r.name for r in table.rows}
