@@ -23,20 +23,28 @@ Tables (``python -m benchmarks.NAME`` is the old name of ``python -m benchmarks.
 - ``int8``: W8A8 (dynamic, static, SmoothQuant), the 8-bit softmax and its bias correction, and
   the compressed-tensors interop check;
 - ``memory_estimate``: the memory estimate every job is admitted with against its measured peak
-  RSS, for every method on SmolLM2-135M and the tiny families (the stated factor: 1.5).
+  RSS, for every method on SmolLM2-135M and the tiny families (the stated factor: 1.5);
+- ``subnet`` (``results/subnet_smollm2``): subnetwork extraction on SmolLM2 at 50 % and 2:4
+  next to SparseGPT, Wanda (copied from ``pruning``) and MaskLLM, with ablations on the first
+  blocks;
+- ``learned``: learned-mask recipes of one or more stages (each a process of its own) on
+  SmolLM2, each divided by SparseGPT measured in the same file (same machine and threads), with
+  training tokens, tokens/s, wall and peak RSS;
+- ``maskllm``: learned 2:4 masks (the paper's recipe, pooled noise, block-wise) next to the
+  one-shot rows copied from ``pruning``; their curves in ``results/maskllm_curves.json``, drawn
+  by ``maskllm_plot``;
+- ``lowrank``: SVD, ASVD, SVD-LLM, FWSVD and GFWSVD at three ratios, uniform and allocated
+  ranks, block by block and distilled, low rank + SparseGPT 2:4 on the residual, and the CLI
+  end to end (its row kinds, columns, paragraphs and figure: ``lowrank_rows``; its jobs:
+  ``child/lowrank.py``).
 
 Programs:
 
-- ``maskllm`` (with ``maskllm_results``, ``maskllm_plot``): learned 2:4 masks;
 - ``maskllm_fsdp``: MaskLLM memory per process, data parallel vs FSDP;
 - ``int8_speed``: forward speed of fp32, bf16, our int8 runtime and torchao's int8 side by side,
   with a profile of ours (torchao in its own folder: ``PYTHONPATH=.venv-torchao``);
-- ``lowrank`` (with ``lowrank_plot``): SVD, ASVD, SVD-LLM, FWSVD and GFWSVD at three ratios,
-  uniform and allocated ranks, one low-rank + SparseGPT 2:4 row, and the CLI end to end;
 - ``subnet_digits``: ASLP reproduced on an untrained MLP on scikit-learn's digits (extracted vs
   random subnetworks vs the trained network, with and without rescaling, 3 seeds);
-- ``subnet``: subnetwork extraction on SmolLM2 at 50 % and 2:4 next to SparseGPT, Wanda and
-  MaskLLM;
 - ``streaming``: SparseGPT 2:4 on a random 6.6 GB Llama, streamed block by block against in
   memory: peak RSS over the weight bytes, wall time, bit-for-bit equality of the outputs;
 - ``speed``: prefill and batch-1 decode tokens/s of every compressed runtime against the dense
@@ -50,9 +58,6 @@ Programs:
   modes and output sizes).
 - ``load_checks``: what verifying an export at load costs, for every compressed format and both
   loaders (checks against no-ops, interleaved).
-- ``learned`` (recipes in ``learned_configs``): learned-mask recipes of one or more stages on
-  SmolLM2, each divided by SparseGPT measured in the same file (same machine and threads), with
-  training tokens, tokens/s, wall and peak RSS;
 - ``learned_speed``: MaskLLM's end-to-end step time and tokens/s, the fused soft-mask kernel
   against the torch path, interleaved.
 
@@ -67,18 +72,14 @@ file.
 
 # the programs (the tables: benchmarks.table.table_names())
 BENCHMARKS = (
-    "maskllm",
     "maskllm_fsdp",
     "bad_inputs",
     "int8_speed",
-    "lowrank",
     "subnet_digits",
-    "subnet",
     "streaming",
     "layer_speed",
     "speed",
     "load_checks",
-    "learned",
     "learned_speed",
     "kernels",
 )

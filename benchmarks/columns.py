@@ -14,7 +14,8 @@ A column is named by its key (``ppl:wiki-test``), or by a mapping that also give
   dense fp16 bytes), the peak RSS right after loading and of the whole eval process;
 - ``wall_s``, ``peak_rss_mib``: of the row's compression process (``-`` where not measured);
 - ``ratio:ppl:CORPUS``, ``ratio:wall_s``, ``ratio:peak_rss_mib``: divided by the row's
-  baseline (``baseline:`` of the row, else of the table; ``-`` without one);
+  baseline (``baseline:`` of the row, else of the table; ``-`` without one), or by the row a
+  ``{column: ratio:..., over: NAME}`` names (a copied one too; that row's own ratio is 1);
 - ``formats``: the stored formats of the compressed layers;
 - ``layers_mib``, ``layers_ratio``: the compressed layers' stored bytes (values and metadata,
   as the report counts them), and the same over their dense fp32 bytes;
@@ -25,14 +26,18 @@ A column is named by its key (``ppl:wiki-test``), or by a mapping that also give
   that the row wins back;
 - ``group_name`` (a row name's part after ``GROUP: ``), ``estimate_mib``, ``estimate_ratio``
   (over the peak RSS), ``within`` (the ``factor`` setting), ``estimate_parts`` (the largest
-  three): the memory estimate the row's job was admitted with.
+  three): the memory estimate the row's job was admitted with;
+- ``number:FIELD``: the row's FIELD (2 digits; ``-`` where it has none); the columns of the
+  learned-mask tables: ``benchmarks.learned_columns``; of the low-rank table (``lowrank:label``,
+  ``ratio``, ``ranks``, ``kept``, ``factorise``, ``statistics``): ``benchmarks.lowrank_rows``.
 
-Rows are read through :func:`perplexity`, :func:`row_name`, :func:`reloaded` and
-:func:`estimate_ratio`, which also know the layouts of the rows written before the tables
-(``magnitude.json``: each corpus at the top of the row; ``recipes.json``, ``runtime.json``,
-``int8.json``: ``compressed`` and ``dense`` as bare numbers, a reload under its runtime's name;
-``pruning.json``: no names; ``memory_estimate.json``: the ratio rounded as stored), so the
-committed files render unchanged and a rerun row sits beside them.
+Rows are read through :func:`perplexity`, :func:`row_name` (``benchmarks.readers``),
+:func:`reloaded` and :func:`estimate_ratio`, which also know the layouts of the rows written
+before the tables (``magnitude.json``: each corpus at the top of the row; ``recipes.json``,
+``runtime.json``, ``int8.json``: ``compressed`` and ``dense`` as bare numbers, a reload under
+its runtime's name; ``pruning.json``: no names; ``maskllm.json``: ``ppl`` a bare number;
+``memory_estimate.json``: the ratio rounded as stored), so the committed files render unchanged
+and a rerun row sits beside them.
 """
 
 from __future__ import annotations
@@ -41,7 +46,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-Record = dict[str, Any]
+from benchmarks.learned_columns import (
+    LEARNED_CAPTION_VARIABLES,
+    LEARNED_FAMILIES,
+    LEARNED_FIXED,
+)
+from benchmarks.lowrank_rows import LOWRANK_FAMILIES
+from benchmarks.lowrank_rows import note as lowrank_note
+from benchmarks.readers import Record, perplexity, row_name, scored
+from benchmarks.readers import number as _number
 
 
 @dataclass(frozen=True)
@@ -76,32 +89,6 @@ class Column:
     in_stage_rows: bool = False  # filled in a recipe's "after stage i" rows
 
 
-def row_name(row: Record) -> str:
-    """A row's name (``pruning.json``'s rows, written before names, are TOOL:METHOD:SPARSITY)."""
-    if "name" in row:
-        return row["name"]
-    if row["method"] == "dense":
-        return "dense"
-    return f"{row['tool']}:{row['method']}:{row['sparsity']}"
-
-
-def scored(row: Record, corpus: str, which: str = "ppl") -> Any:
-    """The evaluation of ``corpus`` (``which``: ``ppl`` the compressed model, ``dense``)."""
-    found = row.get(which, {}).get(corpus)
-    if found is None and which == "ppl":  # the layouts written before the tables
-        found = row[corpus] if corpus in row else row.get("compressed", {}).get(corpus)
-    return found
-
-
-def perplexity(row: Record, corpus: str, which: str = "ppl") -> float | None:
-    found = scored(row, corpus, which)
-    return found["perplexity"] if isinstance(found, dict) else found
-
-
-def _number(value: Any, digits: int) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def _measured(key: str) -> Callable[[Record], Any]:
     return lambda row: row.get(key)
 
@@ -114,9 +101,9 @@ VALUES: dict[str, tuple[str, Callable[[str], Callable[[Record], Any]]]] = {
 }
 
 
-def _ratio(value: Callable[[Record], Any], digits: int) -> Cell:
+def _ratio(value: Callable[[Record], Any], digits: int, over: str | None = None) -> Cell:
     def cell(row: Record, context: Context) -> str:
-        base = context.baseline(row)
+        base = context.rows.get(over) if over else context.baseline(row)
         if base is None or value(base) is None or value(row) is None:
             return "-"
         return f"{value(row) / value(base):.{digits}f}"
@@ -283,10 +270,18 @@ CELLS: dict[str, tuple[str, Cell]] = {
         lambda row, c: "yes" if within(row, c.settings.get("factor", 1.5)) else "**no**",
     ),
 }
+FIXED |= LEARNED_FIXED
+# family:ARG -> (header, (arg, digits) -> cell, default digits)
+FAMILIES: dict[str, tuple[str, Callable[[str, int], Cell], int]] = {
+    "number": ("{}", lambda key, digits: lambda row, _c: _number(row.get(key), digits), 2),
+    **LEARNED_FAMILIES,
+    **LOWRANK_FAMILIES,
+}
 KEYS = (
     *FIXED,
     *CELLS,
     "recovered:CORPUS",
+    *(f"{k}:ARG" for k in FAMILIES),
     *(f"{k}:CORPUS" for k in PERPLEXITIES),
     *(f"ratio:{k}" for k in VALUES if k != "ppl"),
     "ratio:ppl:CORPUS",
@@ -302,6 +297,7 @@ def column(spec: str | Mapping[str, Any]) -> Column:
     spec = {"column": spec} if isinstance(spec, str) else dict(spec)
     key = spec.pop("column", None)
     header, digits = spec.pop("header", None), spec.pop("digits", None)
+    over = spec.pop("over", None) if key and str(key).startswith("ratio:") else None
     if spec:
         raise UnknownColumn(f"column {key!r}: unknown key(s) {', '.join(map(str, spec))}")
     if not isinstance(key, str):
@@ -316,6 +312,10 @@ def column(spec: str | Mapping[str, Any]) -> Column:
         return Column(key, header or default, cell)
     if kind == "recovered" and arg:
         return Column(key, header or arg, _recovered(arg))
+    if kind in FAMILIES and arg:
+        default, cell, places = FAMILIES[kind]
+        places = places if digits is None else digits
+        return Column(key, header or default.format(arg), cell(arg, places))
     if kind in PERPLEXITIES and arg:
         default, value = PERPLEXITIES[kind]
         places = 2 if digits is None else digits
@@ -325,7 +325,7 @@ def column(spec: str | Mapping[str, Any]) -> Column:
     if kind == "ratio" and measured in VALUES and bool(corpus) == (measured == "ppl"):
         default, value = VALUES[measured]
         places = (3 if measured == "ppl" else 2) if digits is None else digits
-        return Column(key, header or default.format(corpus), _ratio(value(corpus), places))
+        return Column(key, header or default.format(corpus), _ratio(value(corpus), places, over))
     raise UnknownColumn(f"unknown column {key!r} (known: {', '.join(KEYS)})")
 
 
@@ -367,3 +367,7 @@ CAPTION_VARIABLES: dict[str, Callable[[Record, Mapping[str, Any]], str]] = {
         f"{c} {perplexity(payload['results'][0], c, 'dense'):.3f}" for c in settings["corpora"]
     ),
 }
+
+
+CAPTION_VARIABLES |= LEARNED_CAPTION_VARIABLES
+CAPTION_VARIABLES["note"] = lowrank_note  # the results file's own note, after a space

@@ -1,22 +1,26 @@
-"""The MaskLLM benchmark's figure, ``maskllm_curves.png``, drawn from ``maskllm_curves.json``
-(the curves of every configuration) and the baselines stored in ``maskllm.json``."""
+"""MaskLLM's training curves, ``maskllm_curves.png`` (``plot: maskllm`` in
+``benchmarks/tables/maskllm.yaml``): drawn from ``maskllm_curves.json`` (each row's curves, kept
+apart from ``maskllm.json`` by the sweep: ``curves: true``) and the copied baselines."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from benchmarks.maskllm_results import GOAL, REFERENCE, reference_ppl
+from benchmarks.readers import perplexity, row_name
 from benchmarks.render import read_json
 from lmcompress.compressor.util.fsutil import atomic_file
 
 CURVES = "maskllm_curves.json"
+REFERENCE = "SparseGPT 2:4"  # the copied row the learned masks are measured against
+GOAL = 0.9  # the target ratio to it
 
 
-def plot(payload: dict[str, Any], results_dir: Path, path: Path) -> None:
-    """The PNG of ``render.write_results`` / ``render_files``: the curves file next to the
-    results, the baselines of ``payload``."""
-    plot_curves(read_json(results_dir / CURVES, {}), payload["baselines"], path)
+def plot(payload: dict[str, Any], results_dir: Path, path: Path, corpora: list[str]) -> None:
+    """The curves file next to the results, the baselines of ``payload``."""
+    found = [b for b in payload["baselines"] if row_name(b) == REFERENCE]
+    ref = perplexity(found[0], corpora[0]) if found else None
+    plot_curves(read_json(results_dir / CURVES, {}), ref, path)
 
 
 def _xs(entries: list[dict]) -> list[int]:
@@ -70,7 +74,7 @@ def _block_errors(curve: dict[str, Any], edge: int = 5) -> list[tuple[int, float
     return out
 
 
-def plot_curves(curves: dict[str, Any], baselines: list[dict], path: Path) -> None:
+def plot_curves(curves: dict[str, Any], ref: float | None, path: Path) -> None:
     """Four panels. End-to-end configs: (a) hard-mask ppl vs step (★ = final wiki-test ppl),
     (b) LM loss vs step. Block-wise configs: (c) wiki-test ppl vs steps per block (0 = SparseGPT
     2:4, which block-wise learning with no learning reduces to: a tested identity), (d) each
@@ -83,7 +87,6 @@ def plot_curves(curves: dict[str, Any], baselines: list[dict], path: Path) -> No
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     (hard_ax, loss_ax), (steps_ax, block_ax) = axes
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    ref = reference_ppl(baselines)
     blockwise_points = []
     for i, (name, curve) in enumerate(sorted(curves.items())):
         color = colors[i % len(colors)]

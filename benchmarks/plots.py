@@ -8,7 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.columns import perplexity
+from benchmarks import lowrank_rows, maskllm_plot
+from benchmarks.readers import perplexity
 
 Record = dict[str, Any]
 
@@ -48,4 +49,80 @@ def int8(payload: Record, results_dir: Path, path: Path, corpora: list[str]) -> 
         plot_bias_heatmap(tensors, results_dir / "int8_bias_heads.png", scale=bias["scale"])
 
 
-PLOTS: dict[str, Callable[[Record, Path, Path, list[str]], None]] = {"int8": int8}
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def subnet(payload: Record, _results_dir: Path, path: Path, corpora: list[str]) -> None:
+    """Per sparsity (50 %, 2:4), each row's perplexity on every corpus as bars (the copied
+    one-shot rows first; the ablations, on the first blocks only, left out)."""
+    plt = _pyplot()
+    rows = [*payload.get("baselines", []), *payload["results"]]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, sparsity in zip(axes, ("0.5", "2:4"), strict=True):
+        chosen = [
+            r
+            for r in rows
+            if r["sparsity"] == sparsity
+            and r["ppl"].get(corpora[0])
+            and not r["name"].startswith("ablation: ")
+        ]
+        x = range(len(chosen))
+        for offset, corpus in zip((-0.2, 0.2), corpora, strict=True):
+            ax.bar([i + offset for i in x], [perplexity(r, corpus) or 0 for r in chosen], 0.4,
+                   label=corpus)  # fmt: skip
+        ax.set_xticks(list(x), [r["name"] for r in chosen], rotation=35, ha="right", fontsize=7)
+        ax.set_ylabel("perplexity")
+        ax.set_title(f"sparsity {sparsity}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+
+
+def learned(payload: Record, _results_dir: Path, path: Path, corpora: list[str]) -> None:
+    """Left: the held-out hard-mask perplexity during training against the training tokens (a
+    line a stage, a colour a row); right: each row's perplexity per corpus against its tokens."""
+    plt = _pyplot()
+    rows = payload["results"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for index, row in enumerate(rows):
+        done, color = 0, f"C{index % 10}"
+        for number, stage in enumerate(row["stages"]):  # one line a stage: weights change
+            per_step = stage["tokens"] / stage["steps"] if stage.get("steps") else 0
+            hard = [p for p in stage.get("hard_ppl", []) if p.get("hard_ppl") is not None]
+            if hard:
+                xs = [done + p.get("step", 0) * per_step for p in hard]
+                left.plot(xs, [p["hard_ppl"] for p in hard], marker="o", color=color,
+                          label=row["name"] if number == 0 else None)  # fmt: skip
+            done += stage["tokens"]
+    left.set_xlabel("training tokens")
+    left.set_ylabel("hard-mask ppl (held-out wiki-calib)")
+    left.set_yscale("log")
+    left.legend(fontsize=7)
+    for corpus, marker in zip(corpora, ("o", "s"), strict=True):
+        for row in rows:
+            if perplexity(row, corpus):
+                right.scatter(row.get("tokens") or 0, perplexity(row, corpus), marker=marker)
+                right.annotate(f"{row['name']} ({corpus})", (row.get("tokens") or 0,
+                               perplexity(row, corpus)), fontsize=6)  # fmt: skip
+    right.set_xlabel("training tokens")
+    right.set_ylabel("perplexity (o wiki-test, s lee)")
+    right.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+
+
+PLOTS: dict[str, Callable[[Record, Path, Path, list[str]], None]] = {
+    "int8": int8,
+    "subnet": subnet,
+    "learned": learned,
+    "maskllm": maskllm_plot.plot,
+    "lowrank": lowrank_rows.plot,
+}

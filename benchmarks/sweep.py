@@ -13,7 +13,8 @@ table's settings as flags (:func:`job_flags`), its output's ``compression.json``
 ``eval`` row scores the checkpoint itself (``compress-model eval CHECKPOINT --json``); a
 ``peer`` row prunes with llm-compressor (``benchmarks.peers.run_peer``, in its venv). With
 ``score: apart`` every output is scored by ``compress-model eval OUT --json`` in a process of
-its own (and the row's wall and RSS are the compression's alone). The results are
+its own (and the row's wall and RSS are the compression's alone). A ``learned`` row is a recipe
+row that also keeps the method's training record (``benchmarks.learned_rows``). The results are
 ``benchmarks/results/NAME.{json,md}``: ``settings`` and ``results`` (one record a row,
 :func:`record_of`), drawn by :func:`render` (``benchmarks.columns``).
 """
@@ -30,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from benchmarks.columns import CAPTION_VARIABLES, Context, row_name
+from benchmarks.columns import CAPTION_VARIABLES, Context, perplexity, row_name
 from benchmarks.harness import (
     add_harness_args,
     add_merge_arg,
@@ -38,6 +39,10 @@ from benchmarks.harness import (
     row_table,
     run_table,
 )
+from benchmarks.learned_rows import keep_curves, learned_of, record_of_rows, run_stages
+from benchmarks.lowrank_rows import KINDS as LOWRANK_KINDS
+from benchmarks.lowrank_rows import run_lowrank
+from benchmarks.notes import NOTES
 from benchmarks.plots import PLOTS
 from benchmarks.render import RESULTS_DIR, markdown_table
 from benchmarks.runner import CLI, PYTHON, ROOT, STDOUT, Job, Run, run_job, slug
@@ -126,6 +131,14 @@ def run_row(row: Row, settings: Record, work: Path, peer_venv: Path, keep: bool 
         run = run_job(score_job(row.name, checkpoint, settings), work)
         scored = {} if apart else _measured(run)
         return {**record, **scored, "ppl": run.result["perplexity"]}
+    if row.kind in LOWRANK_KINDS:
+        return run_lowrank(
+            row.name, row.kind, row.recipe, settings, work, lambda job: run_job(job, work)
+        )
+    if row.kind == "stages":
+        run_stage = lambda job: run_job(job, work)  # noqa: E731
+        stages = run_stages(row.name, row.recipe, settings, work, run_stage, _compress_job)
+        return {**record, "baseline": row.baseline, "note": row.note, **stages}
     out = work / "outputs" / slug(row.name)
     if row.kind == "peer":
         peer = run_job(_peer_job(row, out, settings, peer_venv), work).result
@@ -135,6 +148,8 @@ def run_row(row: Row, settings: Record, work: Path, peer_venv: Path, keep: bool 
         run = run_job(job, work)
         record.update(_measured(run))
         record.update(record_of(run.result, out))
+        if row.kind == "learned":
+            record.update(learned_of(run.result, row.recipe), note=row.note)
         if row.kind == "readme":
             record["command"] = "compress-model " + " ".join(_as_flags(row.recipe))
     if apart:
@@ -231,9 +246,11 @@ def _caption(text: str, settings: Record, payload: Record) -> str:
 def render(table: Table, payload: Record) -> str:
     """The md of a results file: the caption (settings of the file over the table's), then a
     line per row (``dense_line`` first; a line per runtime it is reloaded in, with ``reload``;
-    and per earlier stage, with ``stage_rows``), then each section."""
-    results = payload["results"]
-    settings = {**table.settings, **payload.get("settings", {})}
+    and per earlier stage, with ``stage_rows`` or ``stage_lines``), then each section, then the
+    table's ``notes``; rows ``copy:`` copied (``baselines``) first."""
+    results = [*payload.get("baselines", []), *payload["results"]]
+    legacy = {k: payload[k] for k in SETTINGS if k in payload}  # lowrank.json: at the top
+    settings = {**table.settings, **legacy, **payload.get("settings", {})}
     rows = {row_name(r): r for r in results}
     corpora = tuple(settings.get("corpora", ()))
     context = Context(rows, table.baselines, table.baseline, corpora, settings)
@@ -250,6 +267,11 @@ def render(table: Table, payload: Record) -> str:
         for index, stage in enumerate(r.get("stages", [])[:-1] if table.stage_rows else [], 1):
             sub = {**stage, "name": f"↳ after stage {index} ({stage['method']})"}
             lines.append([c.cell(sub, context) if c.in_stage_rows else "" for c in columns])
+        for index, stage in enumerate(r.get("stages", [])[:-1] if table.stage_lines else [], 1):
+            if all(perplexity(stage, c) for c in corpora):  # a stage scored: a line of its own
+                sub = {**stage, "name": f"{row_name(r)} (stage {index})", "stage": index}
+                sub.update({k: r.get(k) for k in ("sparsity", "threads")})
+                lines.append([c.cell(sub, context) for c in columns])
     text = _caption(table.caption, settings, payload) + "\n\n"
     text += markdown_table([c.header for c in columns], lines)
     for section in table.sections:
@@ -263,9 +285,10 @@ def render(table: Table, payload: Record) -> str:
             header = [c.header for c in section.columns]
             cells = [[c.cell(r, context) for c in section.columns] for r in found]
         first = {**settings, **table.row(section.rows[0]).settings}
-        text += "\n" + _caption(section.caption, first, payload) + "\n\n"
+        text += "\n" * section.gap + _caption(section.caption, first, payload) + "\n\n"
         text += markdown_table(header, cells) + after
-    return text
+    main = [r for r in payload["results"] if row_name(r) not in hidden]
+    return text + (NOTES[table.notes](payload, main) if table.notes else "")
 
 
 def harness_table(table: Table, args: argparse.Namespace):
@@ -279,10 +302,12 @@ def harness_table(table: Table, args: argparse.Namespace):
         row = table.row(name)
         keep = name in sources  # a later row reads its output
         ours = {**settings, **row.settings, **args.settings}
-        return run_row(row, ours, args.work, args.peer_venv, keep)
+        record = run_row(row, ours, args.work, args.peer_venv, keep)
+        curves = args.results_dir / f"{table.file}_curves.json" if table.curves else None
+        return keep_curves(record, curves)  # in FILE_curves.json (curves: true), by row
 
-    def record(_args: argparse.Namespace, rows: list[Record]) -> Record:
-        return {"settings": settings, "results": rows}
+    def record(args: argparse.Namespace, rows: list[Record]) -> Record:
+        return record_of_rows(table.copy, settings, args.results_dir, rows)
 
     def draw(payload: Record) -> str:
         return render(table, payload)
@@ -291,7 +316,7 @@ def harness_table(table: Table, args: argparse.Namespace):
         PLOTS[table.plot or ""](payload, results_dir, path, list(settings.get("corpora", ())))
 
     drawn = plot if table.plot else None
-    return row_table(table.name, draw, names, run, record, plot=drawn, key=row_name)
+    return row_table(table.file, draw, names, run, record, plot=drawn, key=row_name)
 
 
 def _setting(text: str) -> tuple[str, Any]:
@@ -338,10 +363,11 @@ def main(argv: list[str] | None = None) -> int:
             merged = args.results_dir or RESULTS_DIR
             rows = [r.name for r in table.rows]
 
-            def empty(_dir: Path, table: Table = table) -> Record:
-                return {"settings": {**table.settings, **args.settings}, "results": []}
+            def empty(results_dir: Path, table: Table = table) -> Record:
+                settings = {**table.settings, **args.settings}
+                return record_of_rows(table.copy, settings, results_dir, [])
 
-            merge_results(merged, args.merge, table.name, rows, empty, ran.render, ran.plot)
+            merge_results(merged, args.merge, table.file, rows, empty, ran.render, ran.plot)
             continue
         status |= run_table(ran, args, parser)
     return status

@@ -11,7 +11,7 @@
     baseline: dense           # the row the ratio:* columns divide by (a row may name its own)
     columns: [name, ppl:wiki-test, ppl:lee, wall_s, peak_rss_mib]     # benchmarks.columns
     caption: SmolLM2-135M, scored tokens: {tokens}.    # settings and CAPTION_VARIABLES
-    plot: null                # one of PLOTS
+    plot: null                # one of PLOTS (benchmarks.plots)
 
 A row's ``recipe`` is the project's recipe format, what ``compress-model --config`` reads (a
 mapping, written to the work directory, or a path such as ``recipes/sparsegpt24-int8.yaml``);
@@ -24,19 +24,29 @@ the baseline row's dense scores; ``sections`` are tables of their own under the 
 :data:`benchmarks.sections.SECTIONS`). Every mistake is one line naming the file
 (:class:`TableError`): an unknown key, column, kind, setting, plot or render, a row name given
 twice, a baseline or source naming no row, a caption naming no setting.
+
+Beyond those: a row's ``note`` says what it is (a footer shows it: ``notes:``, one of
+:data:`benchmarks.notes.NOTES`); ``results: FILE`` names the results file where it is not the
+table's; ``copy: {from: TABLE(S), rows: {OURS: THEIRS}}`` copies rows of other results files into
+this one's (``baselines``, drawn first); ``anchors`` holds mappings the rows merge with YAML's
+``<<: *name``; ``stage_lines: true`` a line ``NAME (stage i)`` through every column for each
+earlier stage a ``stages`` row scored; ``curves: true`` keeps each row's curves in
+``results/FILE_curves.json``; a section's ``gap`` is the blank lines before it.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import string
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from benchmarks.columns import CAPTION_VARIABLES, Column, UnknownColumn, column
+from benchmarks.lowrank_rows import KINDS as LOWRANK_KINDS
+from benchmarks.notes import NOTES
 from benchmarks.plots import PLOTS
 from benchmarks.sections import SECTIONS
 
@@ -44,8 +54,11 @@ TABLES_DIR = Path(__file__).resolve().parent / "tables"
 # what a row runs: a recipe through compress-model; the checkpoint scored as it is; a peer
 # tool's pruning (llm-compressor, benchmarks/peers) scored like ours; the recipe as the README's
 # command (its options as flags) from an empty cache, with only the table's eval_tokens; the
-# source row's int8 output loaded by plain transformers (benchmarks.child.int8_interop)
-KINDS = ("recipe", "eval", "peer", "readme", "int8_interop")
+# source row's int8 output loaded by plain transformers (benchmarks.child.int8_interop); a
+# recipe of a learned mask, its training record kept too; recipes run one after another, each
+# a process of its own, a later one reading an earlier one's output (benchmarks.learned_rows);
+# the low-rank table's statistics, factorisations and end-to-end jobs (benchmarks.lowrank_rows)
+KINDS = ("recipe", "eval", "peer", "readme", "int8_interop", "learned", "stages", *LOWRANK_KINDS)
 NO_RECIPE = ("eval", "int8_interop")
 # setting -> what it is (the flags it becomes: benchmarks.sweep.job_flags)
 SETTINGS = {
@@ -71,6 +84,15 @@ TOP = {"settings", "rows", "baseline", "columns", "caption", "plot", "stage_rows
 TOP |= {"dense_line"}
 SECTION = {"caption", "rows", "columns", "render"}
 ROW = {"name", "kind", "recipe", "baseline", "settings", "source", "line"}
+# results: the results file's name where it is not the table's (subnet -> subnet_smollm2);
+# copy: rows of other results files drawn first; notes: a footer (benchmarks.notes);
+# anchors: mappings the rows merge (`<<: *name`), read by YAML alone;
+# stage_lines: each earlier stage scored, a line "NAME (stage i)" through every column;
+# curves: each row's curves kept apart, in results/FILE_curves.json (by row name)
+TOP |= {"results", "copy", "notes", "anchors", "stage_lines", "curves"}
+SECTION |= {"gap"}
+ROW |= {"note"}
+COPY = {"from", "rows"}
 
 
 class TableError(ValueError):
@@ -85,7 +107,8 @@ class Row:
     baseline: str | None = None
     settings: dict[str, Any] = field(default_factory=dict)  # over the table's, for this row
     source: str | None = None  # the row whose output this one reads (int8_interop)
-    line: bool = True  # a line of the main table (else only of a section)
+    line: bool = True  # a line of the main table (else only of a section, or of a footer)
+    note: str | None = None  # what the row is, in words (a footer's)
 
 
 @dataclass(frozen=True)
@@ -97,6 +120,17 @@ class Section:
     rows: tuple[str, ...]
     columns: tuple[Column, ...] = ()
     render: str | None = None  # instead of columns: one of benchmarks.sections.SECTIONS
+    gap: int = 1  # blank lines before its caption
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Rows of other tables' results files, copied into this one's record when it is written
+    (``baselines``) and drawn before its own: ``from`` the tables (the first file that has a row
+    gives it), ``rows`` our name -> its name there (or its names, one a file)."""
+
+    tables: list[str]
+    rows: dict[str, list[str]]
 
 
 @dataclass(frozen=True)
@@ -111,6 +145,16 @@ class Table:
     stage_rows: bool = False
     sections: tuple[Section, ...] = ()
     dense_line: str | None = None  # a first line: the baseline row's dense scores, so named
+    results: str | None = None  # the results file's name, where it is not the table's
+    copy: Copy | None = None
+    notes: str | None = None  # one of benchmarks.notes.NOTES, drawn after the tables
+    stage_lines: bool = False  # each earlier stage scored, a line "NAME (stage i)" of its own
+    curves: bool = False  # each row's curves kept in results/FILE_curves.json, by row
+
+    @property
+    def file(self) -> str:
+        """The results file's name: ``results/FILE.{json,md}``."""
+        return self.results or self.name
 
     def row(self, name: str) -> Row:
         return next(r for r in self.rows if r.name == name)
@@ -186,8 +230,32 @@ def _parse(name: str, data: Any) -> Table:
     stage_rows = bool(data.get("stage_rows", False))
     sections = tuple(_section(i, spec, names) for i, spec in enumerate(data.get("sections") or []))
     dense_line = data.get("dense_line")
-    return Table(
+    table = Table(
         name, settings, rows, columns, caption, baseline, plot, stage_rows, sections, dense_line
+    )
+    return _extras(table, data)
+
+
+def _extras(table: Table, data: dict[str, Any]) -> Table:
+    """The table with its ``results``, ``copy`` and ``notes``, checked."""
+    notes, copy = data.get("notes"), data.get("copy")
+    if notes is not None and notes not in NOTES:
+        raise TableError(f"notes: unknown notes {notes!r} (known: {', '.join(NOTES)})")
+    if copy is not None:
+        _unknown(copy, COPY, "copy")
+        if not isinstance(copy.get("rows"), dict) or not copy["rows"]:
+            raise TableError("copy: rows: a mapping of our name -> the row's name there")
+        sources = copy.get("from")
+        sources = [str(s) for s in (sources if isinstance(sources, list) else [sources])]
+        names = {str(k): [str(n) for n in (v if isinstance(v, list) else [v])]
+                 for k, v in copy["rows"].items()}  # fmt: skip
+        copy = Copy(sources, names)
+    results = data.get("results")
+    stage_lines = bool(data.get("stage_lines", False))
+    results = results and str(results)
+    curves = bool(data.get("curves", False))
+    return replace(
+        table, results=results, copy=copy, notes=notes, stage_lines=stage_lines, curves=curves
     )
 
 
@@ -204,7 +272,7 @@ def _section(index: int, spec: Any, names: list[str]) -> Section:
         raise TableError(f"{where}: unknown render {render!r} (known: {', '.join(SECTIONS)})")
     if not columns and not render:
         raise TableError(f"{where}: a section needs columns (or a render)")
-    return Section(str(spec.get("caption", "")), rows, columns, render)
+    return Section(str(spec.get("caption", "")), rows, columns, render, int(spec.get("gap", 1)))
 
 
 def _row(index: int, spec: Any) -> Row:
@@ -227,4 +295,5 @@ def _row(index: int, spec: Any) -> Row:
     settings = spec.get("settings") or {}
     _unknown(settings, set(SETTINGS), f"row {name!r}: settings")
     line = bool(spec.get("line", True))
-    return Row(name, kind, recipe, spec.get("baseline"), settings, spec.get("source"), line)
+    source, note = spec.get("source"), spec.get("note")
+    return Row(name, kind, recipe, spec.get("baseline"), settings, source, line, note)

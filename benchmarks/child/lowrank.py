@@ -1,13 +1,18 @@
-"""The jobs of ``benchmarks.lowrank``, each in a process of its own.
+"""The jobs of the ``lowrank`` table (``benchmarks/tables/lowrank.yaml``), each in a process of
+its own.
 
-    python -m benchmarks.child.lowrank stats JOB STATS_DIR               # collect, cache
-    python -m benchmarks.child.lowrank apply SPEC_JSON STATS_DIR EVAL_TOKENS   # one row
+    python -m benchmarks.child.lowrank stats KIND STATS_DIR SETTINGS_JSON    # collect, cache
+    python -m benchmarks.child.lowrank apply SPEC_JSON STATS_DIR SETTINGS_JSON   # one row
 
-``stats``: one calibration pass of the dense model (``stats:activations``: ASVD's and
-SVD-LLM's input statistics; ``stats:gradients``: FWSVD's and both GFWSVD variants' gradient
-statistics), saved as each method's Stats file. ``apply``: factorise with the cached statistics
-(``Method.apply``) and score with the library's evaluate step on the text a job reads
-(:class:`JobText`). Each prints its numbers as JSON.
+``stats``: one calibration pass of the dense model (``activations``: ASVD's and SVD-LLM's input
+statistics; ``gradients``: FWSVD's and both GFWSVD variants' gradient statistics), saved as each
+method's Stats file. ``apply``: factorise with the cached statistics (``Method.apply``; block by
+block with a ``variant``) and score with the library's evaluate step on the text a job reads
+(:class:`JobText`). A row's spec is its name and recipe: ``method`` (a key of :data:`METHODS`),
+its options (``ratio``, ``allocation``, ``distill_steps``, ...; ``calib`` and ``nsamples`` are
+the job's text), ``variant`` (its name: block by block) and ``residual`` (then SparseGPT on
+each factorised layer's residual). The settings are the table's (checkpoint, corpora, seq_len,
+nsamples, calib, seed, eval_tokens). Each prints its numbers as JSON.
 """
 
 from __future__ import annotations
@@ -21,15 +26,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.lowrank import (
-    CHECKPOINT,
-    CORPORA,
-    METHODS,
-    NSAMPLES,
-    SEED,
-    SEQ_LEN,
-    variant_options,
-)
 from lmcompress import compress
 from lmcompress.compressor.calibration.gradients import gradient_statistics
 from lmcompress.compressor.formats.low_rank import LowRankLinear
@@ -45,24 +41,37 @@ from lmcompress.methods.svd.activation import ASVD, SVDLLM, forward_statistics
 from lmcompress.methods.svd.fisher import SampleStore, fwsvd_stats, gfwsvd_stats, sample_count
 from lmcompress.methods.svd.sequential import compress_sequential
 
+# a row's method -> (its cached stats file, option overrides)
+METHODS = {
+    "svd": (None, {}),
+    "asvd": ("asvd", {}),
+    "svd-llm": ("svd-llm", {}),
+    "fwsvd": ("fwsvd", {}),
+    "gfwsvd": ("gfwsvd-kfac", {}),
+    "gfwsvd-nearest": ("gfwsvd-nearest", {"kronecker": "nearest"}),
+}
+JOB_KEYS = ("calib", "nsamples")  # a row's options that change the job's text
+NOT_OPTIONS = ("name", "method", "variant", "residual", *JOB_KEYS)
+SETTINGS = {"checkpoint": "smollm2-135m", "corpora": ["wiki-test", "lee"], "seq_len": 512,
+            "nsamples": 128, "calib": "wiki-calib", "seed": 0}  # fmt: skip
 
-def setup(
-    eval_tokens: int | None = None, calib: str = "wiki-calib", nsamples: int = NSAMPLES
-) -> tuple[nn.Module, JobText]:
+
+def setup(settings: dict[str, Any], evaluates: bool = True) -> tuple[nn.Module, JobText]:
     """The dense model and the text of the job: ``nsamples`` calibration windows (wiki-calib,
     or sampled from the dense model with ``calib="self"``), and the eval corpora."""
     torch.set_grad_enabled(False)
-    model, tokenizer = load_model(CHECKPOINT)
+    settings = {**SETTINGS, **settings}
+    model, tokenizer = load_model(settings["checkpoint"])
     options = RunOptions(
-        checkpoint=CHECKPOINT,
-        calib=calib,
-        nsamples=nsamples,
-        seq_len=SEQ_LEN,
-        seed=SEED,
-        eval=CORPORA,
-        eval_tokens=eval_tokens or 0,
+        checkpoint=settings["checkpoint"],
+        calib=settings["calib"],
+        nsamples=settings["nsamples"],
+        seq_len=settings["seq_len"],
+        seed=settings["seed"],
+        eval=tuple(settings["corpora"]),
+        eval_tokens=settings.get("eval_tokens") or 0,
     )
-    return model, JobText(tokenizer, options, evaluates=eval_tokens is not None, model=model)
+    return model, JobText(tokenizer, options, evaluates=evaluates, model=model)
 
 
 def activation_stats(model: nn.Module, calib: torch.Tensor, stats_dir: Path) -> dict[str, Any]:
@@ -78,19 +87,19 @@ def activation_stats(model: nn.Module, calib: torch.Tensor, stats_dir: Path) -> 
 
 
 def gradient_stats(model: nn.Module, calib: torch.Tensor, stats_dir: Path) -> dict[str, Any]:
-    start = time.perf_counter()
+    start, nsamples = time.perf_counter(), calib.shape[0]
     layers = LayerSelection().select(model)
-    samples = SampleStore(layers, sample_count(NSAMPLES, 8))
+    samples = SampleStore(layers, sample_count(nsamples, 8))
     torch.set_grad_enabled(True)
     found = gradient_statistics(
         model, calib, layers, batch_size=8, checkpointing=True, on_sample=samples
     )
     pass_seconds = time.perf_counter() - start
-    fwsvd_stats(found, NSAMPLES).save(stats_dir / "fwsvd.safetensors")
-    gfwsvd_stats(found, NSAMPLES).save(stats_dir / "gfwsvd-kfac.safetensors")
+    fwsvd_stats(found, nsamples).save(stats_dir / "fwsvd.safetensors")
+    gfwsvd_stats(found, nsamples).save(stats_dir / "gfwsvd-kfac.safetensors")
     for layer in found.values():  # free what the nearest product does not need
         layer.fisher = layer.dd = None  # (gfwsvd_stats reads only xx when given samples)
-    nearest = gfwsvd_stats(found, NSAMPLES, samples)
+    nearest = gfwsvd_stats(found, nsamples, samples)
     nearest.save(stats_dir / "gfwsvd-nearest.safetensors")
     return {
         "pass_seconds": round(pass_seconds, 1),
@@ -100,11 +109,11 @@ def gradient_stats(model: nn.Module, calib: torch.Tensor, stats_dir: Path) -> di
     }
 
 
-def stats(job: str, stats_dir: Path) -> dict[str, Any]:
-    """Collect the statistics of ``job`` once and save each method's Stats file."""
-    model, text = setup()
+def stats(kind: str, stats_dir: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """Collect the statistics of ``kind`` once and save each method's Stats file."""
+    model, text = setup(settings, evaluates=False)
     stats_dir.mkdir(parents=True, exist_ok=True)
-    collect = activation_stats if job == "stats:activations" else gradient_stats
+    collect = activation_stats if kind == "activations" else gradient_stats
     return collect(model, text.calibration(), stats_dir)
 
 
@@ -115,11 +124,10 @@ def factorise(model: nn.Module, spec: dict[str, Any], stats_dir: Path, text: Job
     name = "gfwsvd" if combined else spec["method"]
     stats_file, overrides = METHODS[name]
     method_class = get_method("gfwsvd" if name.startswith("gfwsvd") else name)
-    options = {"ratio": spec["ratio"], "allocation": spec.get("allocation", "uniform")}
+    options = {"allocation": "uniform", **{k: v for k, v in spec.items() if k not in NOT_OPTIONS}}
     if combined:
         options["include"] = ("model.layers.*.mlp.*",)
-    variant = variant_options(spec.get("variant"), job=False)
-    method = method_class(method_class.config_class(**options, **overrides, **variant))
+    method = method_class(method_class.config_class(**options, **overrides))
     cached = Stats() if stats_file is None else Stats.load(stats_dir / f"{stats_file}.safetensors")
     start = time.perf_counter()
     if spec.get("variant"):  # block by block on the compressed inputs (the calibration windows)
@@ -194,9 +202,9 @@ def sparsegpt_row(model: nn.Module, text: JobText) -> dict[str, Any]:
     }
 
 
-def apply(spec: dict[str, Any], stats_dir: Path, eval_tokens: int) -> dict[str, Any]:
+def apply(spec: dict[str, Any], stats_dir: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """Factorise (unless dense) and score; the row's numbers."""
-    model, text = setup(eval_tokens, **variant_options(spec.get("variant"), job=True))
+    model, text = setup({**settings, **{k: spec[k] for k in JOB_KEYS if k in spec}})
     if spec["method"] == "dense":
         result = {}
     elif spec["method"] == "sparsegpt":
@@ -213,6 +221,6 @@ def apply(spec: dict[str, Any], stats_dir: Path, eval_tokens: int) -> dict[str, 
 if __name__ == "__main__":
     command, *rest = sys.argv[1:]
     if command == "stats":
-        print(json.dumps(stats(rest[0], Path(rest[1]))))
+        print(json.dumps(stats(rest[0], Path(rest[1]), json.loads(rest[2]))))
     else:
-        print(json.dumps(apply(json.loads(rest[0]), Path(rest[1]), int(rest[2]))))
+        print(json.dumps(apply(json.loads(rest[0]), Path(rest[1]), json.loads(rest[2]))))

@@ -53,9 +53,10 @@ def test_lowrank_variant_rows_factorise_block_by_block(tiny_checkpoint, tmp_path
     text = JobText(None, RunOptions(checkpoint=str(tiny_checkpoint)), evaluates=False)
     monkeypatch.setattr(text, "calibration", lambda: data)
     found = {}
-    for variant in (None, "sequential+refit"):
+    variants = {None: {}, "sequential+refit": {"sequential": True, "refit": "output"}}
+    for variant, options in variants.items():
         spec = {"name": "x", "method": "svd-llm", "ratio": 0.8, "allocation": "greedy",
-                "variant": variant}  # fmt: skip
+                "variant": variant, **options}  # fmt: skip
         model = make_tiny_model("llama")
         found[variant] = lowrank.factorise(model, spec, tmp_path, text)
     plain, ours = found[None], found["sequential+refit"]

@@ -28,20 +28,25 @@ def test_committed_markdown_is_rendered_from_its_json(name):
 
 @pytest.mark.parametrize("name", table_names())
 def test_committed_markdown_of_every_table_is_rendered_from_its_json(name):
-    payload = json.loads((RESULTS_DIR / f"{name}.json").read_text())
-    assert sweep.render(load_table(name), payload) == (RESULTS_DIR / f"{name}.md").read_text()
+    table = load_table(name)
+    payload = json.loads((RESULTS_DIR / f"{table.file}.json").read_text())
+    assert sweep.render(table, payload) == (RESULTS_DIR / f"{table.file}.md").read_text()
 
 
-# tables of a benchmark run on another host than its main file's (benchmark, results JSON);
+# results of a table run on another host than its main file's (table, results JSON);
 # (speed_compiled*/ hold ``compress-model bench -o`` outputs, another format)
 OTHER_HOSTS = [("learned", "learned_epyc/learned.json")]
 
 
 @pytest.mark.parametrize(("name", "path"), OTHER_HOSTS)
-def test_the_tables_of_other_hosts_are_rendered_from_their_json(name, path):
-    module = importlib.import_module(f"benchmarks.{name}")
+def test_the_tables_of_other_hosts_are_rendered_from_their_json(tmp_path, name, path):
     payload = json.loads((RESULTS_DIR / path).read_text())
-    assert module.render(payload) == (RESULTS_DIR / path).with_suffix(".md").read_text()
+    md = (RESULTS_DIR / path).with_suffix(".md")
+    assert sweep.render(load_table(name), payload) == md.read_text()
+    shutil.copy(RESULTS_DIR / path, tmp_path)  # and its PNG
+    assert sweep.main([name, "--render-only", "--results-dir", str(tmp_path)]) == 0
+    png = md.with_name(f"{load_table(name).file}_curves.png")
+    assert (tmp_path / png.name).read_bytes() == png.read_bytes()
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)
@@ -70,8 +75,9 @@ def test_render_only_rewrites_the_md_and_png_and_nothing_else(tmp_path, name):
 def test_sweep_render_only_rewrites_the_md_of_its_tables_and_nothing_else(tmp_path, names):
     """``python -m benchmarks.sweep [TABLE] --render-only`` (no name: every table)."""
     shutil.copytree(RESULTS_DIR, tmp_path, dirs_exist_ok=True)
-    drawn = [f"{name}.md" for name in names or table_names()]
-    drawn += [p.name for name in names or table_names() for p in tmp_path.glob(f"{name}_*.png")]
+    files = [load_table(name).file for name in names or table_names()]
+    drawn = [f"{file}.md" for file in files]
+    drawn += [p.name for file in files for p in tmp_path.glob(f"{file}_*.png")]
     for file in drawn:
         (tmp_path / file).unlink()
     before = _files(tmp_path)
@@ -276,35 +282,6 @@ def test_fsdp_child_records_what_the_report_says(tiny_checkpoint, tmp_path):
     assert record["rank"] == 0 and len(record["losses"]) == 2
     assert record["logits_held"] == record["logits_total"] > 0
     assert record["peak_rss_mb"] > 0 and record["logits_abs_sum"] > 0
-
-
-def test_lowrank_end_to_end_rows_are_paragraphs_with_their_threads():
-    from benchmarks import lowrank
-
-    row = {"method": "gfwsvd", "ratio": 0.8, "command": "C", "wall_seconds": 10.0,
-           "peak_rss_mb": 5.0, "params_kept_fraction": 0.8, "compressed_bytes": 4004,
-           "expected_bytes": 4000, "ppl": {"wiki-test": 23.456, "lee": 39.123},
-           "reloaded_ppl": {"wiki-test": 23.456, "lee": 39.123}}  # fmt: skip
-    payload = {"nsamples": 128, "seq_len": 512, "eval_tokens": 16384, "results": [
-        {"name": "cli", **row},
-        {"name": "recipe", **row, "machine": {"torch_threads": 2}},
-    ]}  # fmt: skip
-    text = lowrank.render(payload)
-    assert "| GFWSVD" not in text  # no table row: paragraphs of their own
-    payload["results"] += [
-        {"name": "sparsegpt 2:4", **row, "method": "sparsegpt", "apply_seconds": 7.0},
-        {"name": lowrank.RESIDUAL.format("uniform"), **row, "ratio": 0.3, "allocation": "uniform",
-         "residual": "2:4", "apply_seconds": 9.0, "params_kept_fraction": 0.79},
-    ]  # fmt: skip
-    table = lowrank.render(payload)
-    assert "| SparseGPT 2:4 | - | - | 80.00 | 23.46 | 39.12 | 7.0 | 5 | - |" in table
-    assert (
-        "| GFWSVD (K-FAC factors), SparseGPT 2:4 on the residual | 0.3 | uniform | 79.00 |" in table
-    )
-    cli, recipe = text.split("End to end")[1:]
-    assert cli.startswith(": `C`") and "gradient pass on 32 windows" in cli
-    assert recipe.startswith(", 2 threads: `C`") and "distillation on 512" in recipe
-    assert "23.46 / lee 39.12" in recipe and "1.0010 ×" in recipe
 
 
 def test_runtime_reloads_each_output_in_every_runtime_and_runs_the_readme_command(

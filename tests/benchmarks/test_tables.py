@@ -69,6 +69,9 @@ def test_a_good_table_loads_with_its_baselines(tmp_path):
         ),
         ({"sections": [{"rows": ["dense"], "render": "x"}]}, "unknown render 'x'"),
         ({"sections": [{"rows": ["dnese"], "columns": ["name"]}]}, "sections[0]: rows: 'dnese'"),
+        ({"notes": "footer"}, "notes: unknown notes 'footer'"),
+        ({"copy": {"from": "pruning", "rows": []}}, "copy: rows: a mapping"),
+        ({"copy": {"form": "pruning", "rows": {"a": "b"}}}, "copy: unknown key(s) form"),
     ],
 )
 def test_a_mistake_is_one_line_naming_the_file(tmp_path, changes, message):
