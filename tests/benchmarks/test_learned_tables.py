@@ -23,9 +23,18 @@ from lmcompress.cli.terminal import Parser
 from lmcompress.jobs.recipe import job_from
 
 
-def job_of(argv):
+class LastWins(Parser):
+    """compress-model's parser as it was when the committed commands ran: an option given twice
+    kept its last value (the old programs passed a table default, then a row's override). The
+    parser now refuses a repeat; the table's own commands are parsed by the strict one."""
+
+    def refuse_repeats(self, args):
+        pass
+
+
+def job_of(argv, parser_class=Parser):
     """What compress-model runs for ``argv``: (RunOptions, [method config per stage])."""
-    parser = Parser(prog="compress-model")
+    parser = parser_class(prog="compress-model")
     flags = add_job_arguments(parser, argv)
     given = vars(parser.parse_args(argv))
     given.pop("quiet"), given.pop("config", None)
@@ -51,7 +60,7 @@ def test_a_subnet_row_is_the_job_the_old_program_ran(tmp_path, name, command):
     old[old.index("-o") + 1] = str(out)
     new = table_command(load_table("subnet"), name, tmp_path, out)
     assert "--config" in new and "--method" not in new
-    assert job_of(new) == job_of(old)
+    assert job_of(new) == job_of(old, LastWins)
 
 
 def test_the_job_comparison_sees_one_option_changed(tmp_path):
@@ -59,7 +68,7 @@ def test_the_job_comparison_sees_one_option_changed(tmp_path):
     old = [*command, "--lr", "0.31"]
     old[old.index("-o") + 1] = str(tmp_path / "out")
     new = table_command(load_table("subnet"), name, tmp_path, tmp_path / "out")
-    assert job_of(new) != job_of(old)
+    assert job_of(new) != job_of(old, LastWins)
 
 
 def _manifest(job):
@@ -151,7 +160,7 @@ def test_a_learned_stage_is_the_job_the_old_program_ran(tmp_path, name, index, c
     old[old.index("-o") + 1] = str(tmp_path / "out")
     job = sweep._compress_job(Row(name, "recipe", spec), tmp_path / "out", settings, tmp_path)
     new = [str(part) for part in job.command[len(sweep.CLI) :]]
-    assert job_of(new) == job_of(old)
+    assert job_of(new) == job_of(old, LastWins)
 
 
 def _stage_manifest(ppl, steps=10, batch=2, seconds=100.0):

@@ -106,3 +106,36 @@ def test_set_names_a_known_setting(capsys):
     with pytest.raises(SystemExit):
         sweep.main(["magnitude", "--set", "eval_token=64"])
     assert "--set: unknown setting(s) eval_token" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", table_names())
+def test_no_row_command_gives_an_option_twice(name, tmp_path):
+    """compress-model refuses an option given twice: a row whose own settings repeat a table
+    flag (the old programs relied on the last one winning) would fail only when it runs. Every
+    compress-model command a recipe, learned, readme or stages row builds is checked."""
+    from benchmarks.learned_rows import stage_job
+    from benchmarks.table import Row
+    from lmcompress.cli.compress import add_job_arguments
+    from lmcompress.cli.terminal import Parser
+
+    table, checked = load_table(name), 0
+    outs = {f"stage{i}": str(tmp_path / f"stage{i}") for i in range(1, 9)}
+    for row in table.rows:
+        settings = {**table.settings, **row.settings}
+        if row.kind == "stages":
+            jobs = [Row(row.name, "recipe", spec) for spec in row.recipe["stages"]]
+            jobs = [(job, *stage_job(job.recipe, outs, settings)) for job in jobs]
+            jobs = [(Row(job.name, "recipe", spec), given) for job, spec, given in jobs]
+        elif row.kind in ("recipe", "learned", "readme"):
+            jobs = [(row, settings)]
+        else:
+            continue
+        build = sweep._readme_job if row.kind == "readme" else sweep._compress_job
+        for job_row, given in jobs:
+            job = build(job_row, tmp_path / "out", given, tmp_path)
+            argv = [str(part) for part in job.command[len(sweep.CLI) :]]
+            parser = Parser(prog="compress-model")
+            add_job_arguments(parser, argv)
+            parser.refuse_repeats(argv)  # ConfigError on a repeat
+            checked += 1
+    assert checked or name == "lowrank", f"{name}: no command checked"
