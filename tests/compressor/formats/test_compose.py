@@ -76,7 +76,7 @@ def test_packed_int8_load_refuses_an_impossible_pattern():
     forged = {**tensors, "values": values, "indices": indices}
     with pytest.raises(ModelLoadError, match="invalid 4:4"):
         PackedNMInt8Linear.from_state(forged, {**meta, "n": 4, "m": 4})
-    with pytest.raises(ModelLoadError, match="invalid 0:4"):
+    with pytest.raises(ModelLoadError, match="meta field n is 0, expected >= 1"):
         PackedNMInt8Linear.from_state(tensors, {**meta, "n": 0})
 
 
