@@ -23,10 +23,8 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,12 +32,19 @@ from typing import Any
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file  # numpy: the driver imports no torch
 
+from benchmarks.bad_inputs_processes import (
+    make_row,
+    run_cli,
+    run_kill,
+    run_modes,
+    run_race,
+    run_writers,
+)
 from benchmarks.harness import add_harness_args, row_table, run_table
 from benchmarks.render import markdown_table
-from benchmarks.runner import CLI
+from benchmarks.tamperings import EDITS
 from lmcompress.cache import cache_dir
 from lmcompress.compressor.io.layout import COMPRESSED_TENSORS
-from lmcompress.compressor.util.locks import lock_path
 
 NAME = "bad_inputs"
 # the probe table, the set-ups' fixtures and the tampering edits
@@ -47,10 +52,9 @@ from benchmarks.bad_inputs_probes import (  # noqa: E402
     FIXTURES,
     KILLS,
     LAYER,
-    MODES,
     ORDER,
     PROBES,
-    QUICK,
+    RACES,
     STAGES,
     TAMPERED,
     WRITERS,
@@ -71,10 +75,6 @@ def _fingerprint(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _listing(work: Path) -> list[str]:
-    return sorted(str(p.relative_to(work)) for p in work.rglob("*"))
-
-
 def _state(work: Path) -> dict[str, tuple[int, int]]:
     """Every path under ``work`` with its size and mtime: what a probe added or changed."""
     state = {}
@@ -83,35 +83,6 @@ def _state(work: Path) -> dict[str, tuple[int, int]]:
         changes = not path.is_dir() or path.is_symlink()  # a directory: is it there
         state[str(path.relative_to(work))] = (stat.st_size, stat.st_mtime_ns) if changes else 0
     return state
-
-
-def _run(
-    argv: tuple[str, ...], work: Path, env: dict[str, str | None] | None = None, python=False
-) -> tuple[int, float, str]:
-    command = [sys.executable, "-c", argv[0]] if python else [*CLI, *argv]
-    environ = dict(os.environ)
-    for key, value in (env or {}).items():
-        if value is None:
-            environ.pop(key, None)
-        else:
-            environ[key] = value
-    start = time.perf_counter()
-    done = subprocess.run(
-        command, cwd=work, capture_output=True, text=True, check=False, env=environ
-    )
-    return done.returncode, time.perf_counter() - start, done.stderr
-
-
-def _row(name: str, code: int, seconds: float, stderr: str, left: list[str]) -> dict[str, Any]:
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    return {
-        "name": name,
-        "exit": code,
-        "seconds": round(seconds, 1),
-        "stderr_lines": len(lines),
-        "message": lines[-1] if lines else "",
-        "left_behind": left,
-    }
 
 
 # --- fixtures and set-ups -----------------------------------------------------------------------
@@ -126,7 +97,7 @@ def fixture(name: str, args: argparse.Namespace) -> Path:
         root.mkdir(parents=True, exist_ok=True)
         (root / "stages.yaml").write_text(STAGES)
         argv = tuple(a.format(fixtures=root) for a in FIXTURES[name])
-        code, _, stderr = _run((*argv, "-q", "-o", str(out)), root)
+        code, _, stderr = run_cli((*argv, "-q", "-o", str(out)), root)
         if code != 0:
             raise RuntimeError(f"fixture {name}: exit {code}: {stderr.strip()[-500:]}")
     return out
@@ -186,6 +157,13 @@ def set_up(setup: str, work: Path, args: argparse.Namespace) -> Callable[[], Non
         if setup.endswith("truncated"):
             state = work / "ckpt" / "trainer_state" / "state.safetensors"
             state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    elif setup.startswith("schema: "):  # a tampering of benchmarks.tamperings, in its process
+        name = setup.removeprefix("schema: ")
+        shutil.copytree(fixture(EDITS[name][0] if name in EDITS else "2:4", args), work / "t")
+        edit = [sys.executable, "-m", "benchmarks.tamperings", name, str(work / "t")]
+        subprocess.run(edit, check=True, cwd=Path(__file__).resolve().parent.parent)
+    elif setup.startswith("fixture: "):
+        fixture(setup.removeprefix("fixture: "), args)
     elif setup.startswith("tampered: "):
         kind, tensor, edit = TAMPERED[setup.removeprefix("tampered: ")]
         shutil.copytree(fixture(kind, args), work / "t")
@@ -206,7 +184,12 @@ def _verdict(probe: Probe, row: dict[str, Any]) -> bool:
         return False
     if probe.expect == 0:
         return row.get("same_as_uninterrupted", True)
-    return row["stderr_lines"] == probe.lines and not row["left_behind"] and row["seconds"] < 20
+    return (
+        row["stderr_lines"] == probe.lines
+        and not row["left_behind"]
+        and row["seconds"] < 20
+        and "\x1b" not in row["message"]  # a path's ANSI escapes reach no terminal raw
+    )
 
 
 def run_probe(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -224,7 +207,7 @@ def run_probe(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]
     env = {k: None if v is None else v.format(**fill) for k, v in probe.env.items()}
     before, cache_before = _state(work), _fingerprint(_cache())
     try:
-        code, seconds, stderr = _run(argv, work, env, probe.python)
+        code, seconds, stderr = run_cli(argv, work, env, probe.python)
         after = _state(work)
     finally:
         if undo:
@@ -233,7 +216,7 @@ def run_probe(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]
     left += sorted(f"{path} (changed)" for path in before if after.get(path) != before[path])
     if _fingerprint(_cache()) != cache_before:
         left.append(f"the input {_cache()} changed")
-    row = _row(name, code, seconds, stderr, left if probe.expect else [])
+    row = make_row(name, code, seconds, stderr, left if probe.expect else [])
     if probe.expect == 0 and probe.setup == "maskllm checkpoint":  # resumed = uninterrupted?
         mine = load_file(work / "out" / COMPRESSED_TENSORS)
         theirs = load_file(fixture("maskllm", args) / COMPRESSED_TENSORS)
@@ -243,78 +226,6 @@ def run_probe(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]
         )
     row["expect"] = probe.expect
     row["ok"] = _verdict(probe, row)
-    return row
-
-
-def run_writers(work: Path) -> dict[str, Any]:
-    """Two real runs name one output: the first (a long SparseGPT job) holds it; the second
-    starts once the first's lock exists, and must be refused naming the first."""
-    work.mkdir(parents=True)
-    first = subprocess.Popen(
-        [*CLI, "--method", "sparsegpt", "--eval", "-o", "out"],
-        cwd=work,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not lock_path(work / "out").exists():
-            if first.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the first run took no lock")
-            time.sleep(0.05)
-        code, seconds, stderr = _run((*QUICK, "-o", "out"), work)
-        first_running = first.poll() is None
-    finally:
-        first.send_signal(signal.SIGTERM)
-        first_code = first.wait()
-    row = _row(WRITERS, code, seconds, stderr, _listing(work))
-    row["first_run"] = {"still running": first_running, "exit after SIGTERM": first_code}
-    row["expect"] = 2
-    row["ok"] = code == 2 and row["stderr_lines"] == 1 and first_running and not _listing(work)
-    return row
-
-
-def run_kill(name: str, work: Path) -> dict[str, Any]:
-    """Start the quick job, signal it once its output's temporary sibling exists."""
-    work.mkdir(parents=True)
-    sig = signal.SIGKILL if name.startswith("SIGKILL") else signal.SIGTERM
-    argv = (*QUICK, "-o", "out")
-    start = time.perf_counter()
-    proc = subprocess.Popen([*CLI, *argv], cwd=work, stderr=subprocess.PIPE, text=True)
-    while proc.poll() is None and not list(work.glob(".out.tmp-*/*")):
-        time.sleep(0.05)
-    if proc.poll() is not None:
-        raise RuntimeError(f"{name}: the job ended before its save began")
-    time.sleep(0.3)  # inside the save
-    proc.send_signal(sig)
-    stderr = proc.communicate()[1]
-    row = _row(name, proc.returncode, time.perf_counter() - start, stderr, _listing(work))
-    if sig == signal.SIGKILL:  # nothing can clean up after SIGKILL: the next run must
-        code, seconds, again = _run((*argv, "-q"), work)
-        row["next_run"] = {
-            "exit": code,
-            "seconds": round(seconds, 1),
-            "warned": [line for line in again.splitlines() if "stale" in line],
-            "left_behind": [p for p in _listing(work) if not p.startswith("out")],
-        }
-    return row
-
-
-def run_modes(work: Path) -> dict[str, Any]:
-    work.mkdir(parents=True)
-    code, seconds, stderr = _run((*QUICK, "-o", "out", "-q"), work)
-    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in sorted((work / "out").iterdir())}
-    row = _row(MODES, code, seconds, stderr, [])
-    umask = os.umask(0)
-    os.umask(umask)
-    row["umask"] = oct(umask)
-    row["modes"] = modes
-    # what the output weighs with and without the dense copy (fp32, the model's own dtype)
-    _run((*QUICK, "--no-dense-copy", "-o", "lean", "-q"), work)
-    row["sizes_mb"] = {
-        out: {p.name: round(p.stat().st_size / 1e6, 1) for p in sorted((work / out).iterdir())}
-        for out in ("out", "lean")
-    }
     return row
 
 
@@ -376,6 +287,8 @@ def run_row(name: str, args: argparse.Namespace) -> dict[str, Any]:
         return run_probe(name, where, args)
     if name == WRITERS:
         return run_writers(where)
+    if name in RACES:
+        return run_race(name, where)
     if name in KILLS:
         return run_kill(name, where)
     return run_modes(where)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from benchmarks.tamperings import COMPACT, EDITS
+
 QUICK = ("--method", "magnitude", "--eval", "--skip-dense")  # the cheapest real job
 TEXT = "\n\n".join(
     f"Document {i}. The quick brown fox jumps over the lazy dog." for i in range(400)
@@ -218,10 +220,43 @@ for _name in TAMPERED:
     PROBES[f"from_pretrained: {_name}"] = Probe(
         _from_pretrained("t"), setup=f"tampered: {_name}", python=True
     )
+# --- issue 39: every tampering of benchmarks.tamperings (stored dtypes, manifest fields, the two
+# manifests, the dense part) on a real compact export, through eval and from_pretrained ---
+for _name in [*EDITS, *COMPACT]:
+    PROBES[f"eval: {_name}"] = Probe(
+        ("eval", "t", "--eval-tokens", "1024", "--seq-len", "128"), setup=f"schema: {_name}"
+    )
+    PROBES[f"from_pretrained: {_name}"] = Probe(
+        _from_pretrained("t"), setup=f"schema: {_name}", python=True
+    )
+# --- issue 39: the API given the wrong kind of argument, and a hostile path on the terminal ---
+API = "import sys, lmcompress as L\nfrom lmcompress.errors import LmcompressError\ntry:\n"
+API += "    {call}\nexcept LmcompressError as err:\n"
+API += "    print(f'{{{{type(err).__name__}}}}: {{{{err}}}}', file=sys.stderr)\n    sys.exit(2)\n"
+for _name, _call in {
+    "API: run() given a dict config": "L.run(L.RunOptions(), {{'method': 'magnitude'}})",
+    "API: run() given a string config": "L.run(L.RunOptions(), 'magnitude')",
+    "API: run() given None options": "L.run(None, L.MagnitudeConfig())",
+    "API: load_compressed(None)": "L.load_compressed(None)",
+    "API: load_compressed(device='cuda') without a GPU": (
+        "L.load_compressed('{fixtures}/2-4', device='cuda')"
+    ),
+}.items():
+    PROBES[_name] = Probe((API.format(call=_call),), python=True, setup="fixture: 2:4")
+PROBES["a newline and ANSI escapes in the checkpoint path"] = Probe(
+    ("./no-such\n\x1b[2J\x1b[31mmodel", "-o", "out")
+)
 KILLS = ("SIGKILL while saving", "SIGTERM while saving")
 WRITERS = "two runs writing one -o at once"
+# issue 39: two real processes on one output tree (bad_inputs.run_race)
+RACES = {
+    "a file written into -o during the job": ("written", ()),
+    "a file written into -o during an --overwrite job": ("written", ("--overwrite",)),
+    "-o a/b while -o a runs": ("nested", ("a", "a/b")),
+    "-o a --overwrite while -o a/b runs, then a third -o a/b": ("nested", ("a/b", "a")),
+}
 MODES = "exported file modes"
-ORDER = [*PROBES, WRITERS, *KILLS, MODES]
+ORDER = [*PROBES, WRITERS, *RACES, *KILLS, MODES]
 
 # the exports and checkpoints the probes start from, built once per --work
 FIXTURES: dict[str, tuple[str, ...]] = {

@@ -28,8 +28,8 @@ The names (``__all__``; ``dir(lmcompress)`` lists them too):
 - whole jobs: ``run``, ``RunOptions``;
 - methods: ``METHODS`` (the registry: name -> method class, each with its ``config_class``),
   ``MethodConfig``, ``parse_sparsity`` and every method's config (``MagnitudeConfig``, ...);
-- errors a caller can catch: ``LmcompressError`` and its ``ConfigError``, ``ModelLoadError``,
-  ``DataError``.
+- errors a caller can catch: ``LmcompressError`` and its ``ConfigError`` (with
+  ``ArgumentError``: an API argument of the wrong kind), ``ModelLoadError``, ``DataError``.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ _EXPORTS = {
     "ConfigError": "lmcompress.errors",
     "ModelLoadError": "lmcompress.errors",
     "DataError": "lmcompress.errors",
+    "ArgumentError": "lmcompress.errors",
     "METHODS": "lmcompress.methods",
     "MagnitudeConfig": "lmcompress.methods.magnitude",
     "WandaConfig": "lmcompress.methods.wanda",

@@ -9,6 +9,7 @@ from torch import nn
 from lmcompress.compressor.config import MethodConfig
 from lmcompress.compressor.method import Stats
 from lmcompress.compressor.report import CompressionReport
+from lmcompress.compressor.util.arguments import require
 from lmcompress.methods import get_method
 
 
@@ -26,6 +27,9 @@ def compress(
         device: where calibration computes (default: where the model is).
         return_stats: also return the calibration statistics (learned mask logits, ...).
     """
+    require("model", model, nn.Module, "a torch.nn.Module (a transformers model)")
+    require("config", config, MethodConfig, "a method config (MagnitudeConfig(...), ...)")
+    require("data", data, (torch.Tensor, type(None)), "a tensor of token ids or None")
     method = get_method(config.method)(config, device=device)
     report, stats = method.compress(model, data)
     return (report, stats) if return_stats else report

@@ -1,5 +1,6 @@
 """Errors a user can cause and fix: the CLI prints them as one line and exits 2."""
 
+import re
 import reprlib
 
 
@@ -9,6 +10,12 @@ class LmcompressError(Exception):
 
 class ConfigError(LmcompressError, ValueError):
     """An option value that cannot work (impossible N:M, ratio outside (0, 1), ...)."""
+
+
+class ArgumentError(ConfigError, TypeError):
+    """A Python API argument of the wrong kind (a dict where a config goes, ``None`` where a
+    path goes): one line naming the argument, caught as a :class:`ConfigError` or a
+    ``TypeError``."""
 
 
 class ModelLoadError(LmcompressError):
@@ -48,3 +55,27 @@ def shown(value: object, limit: int = MESSAGE_VALUE_CHARS) -> str:
 def cut(text: str, limit: int = MESSAGE_VALUE_CHARS) -> str:
     """``text`` cut to ``limit`` characters, the cut marked with an ellipsis."""
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+# What must not reach a terminal as it is: C0 and C1 controls (a newline splits a one-line error,
+# ESC starts an ANSI sequence that recolours or rewrites the screen), DEL, the bidirectional
+# overrides that reorder what is shown, and lone surrogates (a path's bytes that are not UTF-8,
+# which ``print`` cannot even encode).
+_UNPRINTABLE = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
+)
+
+
+def _escaped(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    if 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8, as os.fsdecode keeps it
+        return f"\\x{code - 0xDC00:02x}"
+    return match.group().encode("unicode_escape").decode("ascii")
+
+
+def printable(text: object) -> str:
+    """``str(text)`` safe to write on one terminal line: every character of
+    :data:`_UNPRINTABLE` written as Python escapes it (``\\n``, ``\\x1b``, ``\\u202e``; an
+    undecodable byte as ``\\xff``). A path named by a user reaches the screen through an error,
+    a log line or the end summary: each goes through this."""
+    return _UNPRINTABLE.sub(_escaped, str(text))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from lmcompress.cli.summary import say
 from lmcompress.cli.terminal import PROG, Parser, setup_logging
 from lmcompress.compressor.io.load import RUNTIMES
 from lmcompress.jobs.evaluate import EvalOptions, eval_options, evaluate_checkpoint
@@ -82,17 +83,17 @@ def evaluate_command(argv: Sequence[str]) -> int:
     load = results["load"]
     if "runtime" in load:
         ratio = load["ratio_to_dense_fp16"]
-        print(
+        say(
             f"{load['runtime']} runtime: {load['layers']} compressed layers hold "
             f"{load['resident_bytes'] / 2**20:.1f} MiB"
             + (f" ({ratio:.1%} of their dense fp16 bytes)" if ratio is not None else "")
             + f"; peak RSS {load['peak_rss_mib']:.0f} MiB after loading"
         )
     for corpus, res in results["perplexity"].items():
-        print(
+        say(
             f"{corpus}: perplexity {res['perplexity']:.3f} over {res['tokens']} tokens "
             f"({res['seconds']:.1f} s)"
         )
     for name, metrics in results.get("lm_eval", {}).items():
-        print(f"lm-eval {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        say(f"lm-eval {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
     return 0

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from lmcompress.cli.help_spec import add_spec_arguments, job_epilog, job_spec, wants_help
 from lmcompress.cli.terminal import guarded, quiet_environment
-from lmcompress.errors import LmcompressError
+from lmcompress.errors import LmcompressError, printable
 
 COMMAND = "lmcompress"
 PROG = f"optimum-cli {COMMAND}"
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
     try:
         flags = add_job_arguments(parser, argv, prog=PROG)
     except LmcompressError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {printable(err)}", file=sys.stderr)
         sys.exit(2)
     parser.set_defaults(**{_FLAGS: flags})
 

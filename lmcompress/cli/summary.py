@@ -7,39 +7,48 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lmcompress.compressor.io.layout import COMPRESSED_TENSORS, MANIFEST, output_sizes
+from lmcompress.compressor.io.layout import COMPRESSED_TENSORS, MANIFEST, STATS, output_sizes
 from lmcompress.compressor.io.speed_report import speed_table
 from lmcompress.compressor.report import CompressionReport
+from lmcompress.errors import printable
 from lmcompress.methods import get_method
+
+
+def say(line: str) -> None:
+    """Print one line of the summary, :func:`printable` (a path or corpus name a user gave
+    may hold a newline or an ANSI escape)."""
+    print(printable(line))
 
 
 def print_summary(results: dict[str, Any]) -> None:
     """One row per corpus (dense and compressed perplexity), then what was kept and saved."""
     report = results["report"]
     summary = report.summary()
-    print(f"\n{report.method} on {results['checkpoint']}: {changed_options(report)}")
+    print()
+    say(f"{report.method} on {results['checkpoint']}: {changed_options(report)}")
     if results["compressed"]:
-        print(f"{'corpus':<14}{'dense ppl':>12}{'compressed ppl':>16}{'tokens':>9}")
+        say(f"{'corpus':<14}{'dense ppl':>12}{'compressed ppl':>16}{'tokens':>9}")
     else:
-        print("no corpus scored (--eval with none)")
+        say("no corpus scored (--eval with none)")
     for corpus, res in results["compressed"].items():
         dense = results.get("dense", {}).get(corpus)
         dense_text = f"{dense['perplexity']:.3f}" if dense else "-"
-        print(f"{corpus:<14}{dense_text:>12}{res['perplexity']:>16.3f}{res['tokens']:>9}")
+        say(f"{corpus:<14}{dense_text:>12}{res['perplexity']:>16.3f}{res['tokens']:>9}")
     kept = summary["params_kept"] / max(summary["params_compressed_layers"], 1)
     dtype = results["options"]["dtype"]
-    print(
+    say(
         f"{_layer_count(report)} in {results['seconds']:.1f} s: {kept:.1%} of "
         f"their weights kept; their compressed form takes "
         f"{summary['bytes_compressed'] / max(summary['bytes_dense'], 1):.1%} of their dense "
         f"{dtype} bytes (values plus their metadata: N:M positions or scales)"
     )
     for name, metrics in results.get("lm_eval", {}).items():
-        print(f"lm-eval {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        say(f"lm-eval {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
     if results.get("output"):
-        print(f"saved to {results['output']}: {describe_output(Path(results['output']))}")
+        say(f"saved to {results['output']}: {describe_output(Path(results['output']))}")
     if results.get("speed"):
-        print("\n" + speed_table(results["speed"]), end="")
+        print()
+        print(speed_table(results["speed"]), end="")
 
 
 def _layer_count(report: CompressionReport) -> str:
@@ -64,34 +73,36 @@ def _layer_count(report: CompressionReport) -> str:
 def print_stages_summary(results: dict[str, Any]) -> None:
     """One row per corpus and stage: the perplexity after each stage, then bytes per stage."""
     stages = results["stages"]
-    print(f"\n{len(stages)} stages on {results['checkpoint']}: {results['report'].method}")
+    print()
+    say(f"{len(stages)} stages on {results['checkpoint']}: {results['report'].method}")
     corpora = list(results.get("compressed") or {})
     if corpora:
         heads = ["dense", *(f"{i}:{s['method']}" for i, s in enumerate(stages, 1))]
-        print(f"{'corpus':<14}" + "".join(f"{h:>16}" for h in heads))
+        say(f"{'corpus':<14}" + "".join(f"{h:>16}" for h in heads))
         for corpus in corpora:
             dense = results.get("dense", {}).get(corpus)
             cells = [f"{dense['perplexity']:.3f}" if dense else "-"]
             cells += [f"{s['compressed'][corpus]['perplexity']:.3f}" for s in stages]
-            print(f"{corpus:<14}" + "".join(f"{c:>16}" for c in cells))
+            say(f"{corpus:<14}" + "".join(f"{c:>16}" for c in cells))
     else:
-        print("no corpus scored (--eval with none)")
+        say("no corpus scored (--eval with none)")
     for index, stage in enumerate(stages, 1):
         summary = stage["summary"]
-        print(
+        say(
             f"stage {index} ({stage['method']}): {summary['layers']} layers in "
             f"{stage['seconds']:.1f} s, {stage['skipped_layers']} left to earlier stages"
         )
     total = results["summary"]
-    print(
+    say(
         f"{total['layers']} layers compressed in {results['seconds']:.1f} s; their stored form "
         f"takes {total['bytes_compressed'] / max(total['bytes_dense'], 1):.1%} of their dense "
         f"{results['options']['dtype']} bytes"
     )
     if results.get("output"):
-        print(f"saved to {results['output']}: {describe_output(Path(results['output']))}")
+        say(f"saved to {results['output']}: {describe_output(Path(results['output']))}")
     if results.get("speed"):
-        print("\n" + speed_table(results["speed"]), end="")
+        print()
+        print(speed_table(results["speed"]), end="")
 
 
 def changed_options(report: CompressionReport) -> str:
@@ -123,4 +134,6 @@ def describe_output(out: Path) -> str:
         text += (
             f"; dense copy {dense:.1f} MB for plain transformers (--no-dense-copy leaves it out)"
         )
+    if sizes["stats"]:
+        text += f"; learned statistics {sizes['stats']:.1f} MB ({STATS}, for --prior-from)"
     return text + "; per-layer detail in compression.json"

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from lmcompress.errors import ConfigError, LmcompressError
+from lmcompress.errors import ConfigError, LmcompressError, printable
 
 PROG = "compress-model"
 
@@ -60,12 +60,20 @@ class Parser(argparse.ArgumentParser):
             seen[action.dest] = name
 
 
+class PrintableFormatter(logging.Formatter):
+    """Log lines with :func:`printable` messages (the traceback of an exception, if logged,
+    keeps its lines)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return printable(super().formatMessage(record))
+
+
 def setup_logging(quiet: bool) -> None:
-    logging.basicConfig(
-        level=logging.WARNING if quiet else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        PrintableFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     )
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, handlers=[handler])
 
 
 def quiet_environment(argv: Sequence[str]) -> None:
@@ -89,7 +97,7 @@ def guarded(prog: str, command: Callable[..., int], *args: Any) -> int:
     try:
         return command(*args)
     except LmcompressError as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {printable(err)}", file=sys.stderr)
         return 2
     except Terminated:
         print(f"{prog}: terminated", file=sys.stderr)

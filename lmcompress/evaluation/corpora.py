@@ -38,6 +38,7 @@ import mwparserfromhell
 import torch
 
 from lmcompress.cache import cache_dir
+from lmcompress.compressor.util.arguments import require
 from lmcompress.compressor.util.fsutil import atomic_file
 from lmcompress.errors import ConfigError, DataError
 from lmcompress.evaluation.wikitext import parse_wiki_dump
@@ -80,6 +81,7 @@ def tokenize(tokenizer, source: str, max_tokens: int | None = None) -> torch.Ten
     BOS per window where a family needs it), so the ids are exactly the protocol's;
     ``verbose=False`` silences the "longer than the maximum sequence length" warning.
     """
+    require("source", source, str, "a corpus name or a text file's path")
     if max_tokens is not None and max_tokens < 0:
         raise ConfigError(f"max_tokens must be >= 0 (0 means all), got {max_tokens}")
     ids = tokenizer(load_text(source), add_special_tokens=False, verbose=False)["input_ids"]

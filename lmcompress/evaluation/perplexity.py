@@ -24,6 +24,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from lmcompress.compressor.model.loss import IGNORE_INDEX, chunked_nll
+from lmcompress.compressor.util.arguments import require
 from lmcompress.compressor.util.progress import bar_disabled
 from lmcompress.errors import ConfigError, DataError
 
@@ -72,6 +73,11 @@ def perplexity(
         chunk_tokens: positions whose logits exist at once (default: ~64 MB of them, see
             :func:`lmcompress.compressor.model.loss.default_chunk_tokens`).
     """
+    require("model", model, nn.Module, "a torch.nn.Module (a transformers model)")
+    require("token_ids", token_ids, torch.Tensor, "a 1-D tensor of token ids")
+    require("seq_len", seq_len, int, "an int")
+    if token_ids.dim() != 1:
+        raise ConfigError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
     if seq_len < 2:
         raise ConfigError(f"seq_len must be at least 2, got {seq_len}")
     body = seq_len - (bos_token_id is not None)  # corpus tokens per window

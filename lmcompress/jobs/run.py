@@ -32,6 +32,7 @@ from lmcompress.compressor.model.loading import load_model
 from lmcompress.compressor.options import command_line
 from lmcompress.compressor.report import CompressionReport
 from lmcompress.compressor.training import distributed
+from lmcompress.compressor.util.arguments import one_or_more, path_argument, require
 from lmcompress.errors import ConfigError, ModelLoadError
 from lmcompress.evaluation.lm_eval_adapter import run_lm_eval
 from lmcompress.evaluation.speed import SpeedOptions
@@ -124,7 +125,8 @@ def run(
     Every check that needs no weights runs first (:mod:`lmcompress.jobs.preflight`), so a bad
     input fails in about a second: device, checkpoint, output path, lm-eval tasks, each stage's
     method on a meta-device skeleton, sequence length, memory, corpora."""
-    configs = [config] if isinstance(config, MethodConfig) else list(config)
+    require("options", options, RunOptions, "a RunOptions(checkpoint=..., output=...)")
+    configs = one_or_more("config", config, MethodConfig, "a method config (SparseGPTConfig(...))")
     stages = not isinstance(config, MethodConfig) if stages is None else stages
     if not configs:
         raise ConfigError("a recipe needs at least one stage")
@@ -134,6 +136,7 @@ def run(
     # stage's preflight, the save). A second run writing the same output waits for nothing: it
     # is refused, naming the first. (An empty ``-o`` takes no lock: the preflight refuses it in
     # its place among the checks.)
+    reads = [path_argument(f"reads[{i}]", path) for i, path in enumerate(reads)]
     output = output_of(options, reads)
     locked = output.lock() if output and options.output else contextlib.nullcontext()
     with locked:

@@ -27,6 +27,7 @@ LAZY = {  # (module, import) -> why it is inside a function
     ("benchmarks.kernels", "lmcompress.kernels"): "Triton: once TRITON_INTERPRET is set",
     ("benchmarks.kernels", "benchmarks.kernels_sweep"): "imports Triton (the library), likewise",
     ("benchmarks.kernels_sweep", "lmcompress.kernels.nm_linear_triton"): "Triton, likewise",
+    ("benchmarks.tamperings", "safetensors.torch"): "the edits' torch, in their own process",
 }
 TORCH_AT_THE_TOP = {
     "int8_speed": "measured in the driver's own process",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from lmcompress.compressor.util.arguments import require
 from lmcompress.errors import ConfigError, DataError
 
 
@@ -17,6 +18,9 @@ def calibration_windows(
     Starts are uniform in ``[0, n - seq_len - 1]`` like SparseGPT's ``random.randint``, drawn
     from a ``torch.Generator`` seeded with ``seed``; windows may overlap.
     """
+    require("token_ids", token_ids, torch.Tensor, "a 1-D tensor of token ids")
+    require("nsamples", nsamples, int, "an int")
+    require("seq_len", seq_len, int, "an int")
     if nsamples < 1 or seq_len < 1:
         raise ConfigError(f"nsamples and seq_len must be >= 1, got {nsamples} and {seq_len}")
     if token_ids.dim() != 1:

@@ -136,8 +136,8 @@ class LmcompressHfQuantizer(HfQuantizer):
 
     def check_dense_keys(self, model, layers: dict[str, Any]) -> None:
         """Every tensor of the skeleton outside the compressed layers is stored (or tied to
-        one that is): transformers would initialise a missing one at random and only say so
-        in its load report."""
+        one that is), and nothing else is: transformers would initialise a missing one at
+        random and skip an unknown one, and only say so in its load report."""
         from lmcompress.compressor.io.load import key_renaming
 
         rename = key_renaming(model)
@@ -153,6 +153,16 @@ class LmcompressHfQuantizer(HfQuantizer):
             raise ModelLoadError(
                 f"{QUANT_METHOD} checkpoint: {len(missing)} tensor(s) of the "
                 f"{model.config.model_type} model are stored nowhere, e.g. {missing[0]}"
+            )
+        # and no stored tensor the model does not have (load_compressed's rule, read_dense)
+        known = set(model.state_dict())
+        extra = sorted(
+            key for key in present - known if not key.startswith((*skip, TRANSFORMS_PREFIX))
+        )
+        if extra:
+            raise ModelLoadError(
+                f"{QUANT_METHOD} checkpoint: the dense weights hold {len(extra)} tensor(s) the "
+                f"{model.config.model_type} model does not have, e.g. {extra[0]}"
             )
 
     def compare_manifest(self, directory: Path) -> None:

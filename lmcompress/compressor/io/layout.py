@@ -35,7 +35,8 @@ def update_config_json(out_dir: Path, **fields: Any) -> None:
 
 
 def output_sizes(out: str | Path) -> dict[str, int]:
-    """Bytes of an output directory: ``total``, ``compressed`` (:data:`COMPRESSED_TENSORS`) and
+    """Bytes of an output directory: ``total``, ``compressed`` (:data:`COMPRESSED_TENSORS`),
+    ``stats`` (:data:`STATS`: a learned method's statistics, not part of the model) and
     ``dense`` (every other ``*.safetensors``: the dense copy, or the uncompressed layers)."""
     out = Path(out)
 
@@ -45,5 +46,8 @@ def output_sizes(out: str | Path) -> dict[str, int]:
     return {
         "total": size(out.rglob("*")),
         "compressed": size([out / COMPRESSED_TENSORS]),
-        "dense": size(p for p in out.glob("*.safetensors") if p.name != COMPRESSED_TENSORS),
+        "stats": size([out / STATS]),
+        "dense": size(
+            p for p in out.glob("*.safetensors") if p.name not in (COMPRESSED_TENSORS, STATS)
+        ),
     }

@@ -46,9 +46,10 @@ from lmcompress.compressor.io.replay import (
 )
 from lmcompress.compressor.io.shards import TensorFiles, open_safetensors
 from lmcompress.compressor.model.checkpoint import check_local_dir
-from lmcompress.compressor.model.loading import load_tokenizer, resolve_dtype
+from lmcompress.compressor.model.loading import check_device, load_tokenizer, resolve_dtype
 from lmcompress.compressor.model.surgery import in_out_features, replace_modules
 from lmcompress.compressor.report import CompressionReport
+from lmcompress.compressor.util.arguments import path_argument
 from lmcompress.errors import ConfigError, ModelLoadError, first_line, shown
 
 logger = logging.getLogger(__name__)
@@ -127,9 +128,10 @@ def load_compressed(
     :class:`ConfigError` for an unknown runtime, :class:`ModelLoadError` for a missing,
     corrupt or foreign directory, or a format this version does not know.
     """
-    if runtime not in RUNTIMES:
-        raise ConfigError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
-    out_dir = Path(out_dir)
+    out_dir = Path(path_argument("out_dir", out_dir))
+    if not isinstance(runtime, str) or runtime not in RUNTIMES:
+        raise ConfigError(f"unknown runtime {shown(runtime)}; choose one of {', '.join(RUNTIMES)}")
+    device = check_device(device)  # cuda without a GPU: one line, before reading anything
     manifest = read_manifest(out_dir)
     model = build_model(out_dir, manifest, device)
     if runtime == "dense":

@@ -67,6 +67,7 @@ from lmcompress.compressor.io.report_plot import write_report_png
 from lmcompress.compressor.io.shards import TensorFiles, cast_state, cast_tensor, merge_safetensors
 from lmcompress.compressor.model.surgery import replace_modules
 from lmcompress.compressor.report import CompressionReport, LayerReport
+from lmcompress.compressor.util.arguments import path_argument, require
 from lmcompress.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,10 @@ def save_compressed(
             directory that :func:`load_compressed` reads, and ``from_pretrained`` too once
             ``lmcompress`` is imported (:mod:`lmcompress.compressor.io.hf_quantizer`).
     """
+    require("model", model, nn.Module, "a torch.nn.Module (a transformers model)")
+    require("report", report, CompressionReport, "the CompressionReport that compress returned")
+    if not isinstance(out_dir, OutputDir):
+        out_dir = path_argument("out_dir", out_dir)
     output = OutputDir.of(out_dir, overwrite).check()
     dtype = dtype or next(model.parameters()).dtype
     compressed = compressed_modules(model, report.layers)

@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from lmcompress.errors import printable
+
 SPEED_JSON, SPEED_MD, SPEED_PNG = "speed.json", "speed.md", "speed.png"
 
 
@@ -23,7 +25,8 @@ def speed_table(record: dict[str, Any]) -> str:
     batch, tokens = options["prefill"]
     bandwidth = record.get("bandwidth_bytes_per_s")
     isa = ", ".join(host.get("isa") or []) or "no listed ISA"
-    where = f"Host: {host.get('cpu_model')} ({isa}), {host.get('torch_threads')} threads, "
+    cpu = printable(host.get("cpu_model"))
+    where = f"Host: {cpu} ({isa}), {host.get('torch_threads')} threads, "
     where += f"device {options['device']}, torch {host.get('torch')}"
     if bandwidth:
         where += f"; memory read bandwidth {bandwidth / 1e9:.1f} GB/s"
@@ -41,7 +44,7 @@ def speed_table(record: dict[str, Any]) -> str:
     for row in record["rows"]:
         fraction = row.get("decode_fraction_of_limit")
         lines.append(
-            f"| {row['name']} | {row['dtype']} | {row['prefill_tokens_per_s']:,.0f} "
+            f"| {printable(row['name'])} | {row['dtype']} | {row['prefill_tokens_per_s']:,.0f} "
             f"| {_ratio(row['prefill_vs_best_dense'])} | {row['decode_tokens_per_s']:.1f} "
             f"| {_ratio(row['decode_vs_best_dense'])} "
             f"| {f'{fraction:.0%}' if fraction is not None else '-'} "

@@ -25,6 +25,7 @@ from lmcompress.compressor.model.checkpoint import (
     model_config,
     read_config,
 )
+from lmcompress.compressor.util.arguments import path_argument
 from lmcompress.compressor.util.fsutil import atomic_dir, disk_full_as_error, format_bytes
 from lmcompress.errors import ConfigError, ModelLoadError, first_line
 
@@ -83,7 +84,7 @@ def load_model(
     such a model can still be compressed and exported, just not evaluated on text.
     Raises :class:`ModelLoadError` (or :class:`ConfigError` for a bad dtype/device).
     """
-    checkpoint, dtype = os.fspath(checkpoint), resolve_dtype(dtype)
+    checkpoint, dtype = path_argument("checkpoint", checkpoint), resolve_dtype(dtype)
     device = check_device(device)
     kind = checkpoint_kind(checkpoint)
     if kind == "alias":
