@@ -108,7 +108,7 @@ def run_race(name: str, work: Path) -> dict[str, Any]:
             (work / "out").mkdir()
             (work / "out" / "old.txt").write_text("old")
         job = subprocess.Popen(
-            [*CLI, *QUICK, "-o", "out", *spec], cwd=work, stderr=subprocess.PIPE, text=True
+            [*CLI, *QUICK, "-o", "out", "-q", *spec], cwd=work, stderr=subprocess.PIPE, text=True
         )
         _wait_for_lock(job, work / "out", settle=3.0)  # the job is past its checks
         writer = "import os; os.makedirs('out', exist_ok=True); open('out/notes.txt', 'w')"
