@@ -27,6 +27,7 @@ HOSTILE = "out\n\x1b[2J\x1b[31mred\u202eevil\x07\x7f"
         ("\u202egnp.exe", "\\u202egnp.exe"),
         ("del\x7f c1\x9b", "del\\x7f c1\\x9b"),
         (os.fsdecode(b"caf\xe9"), "caf\\xe9"),  # Latin-1 bytes, not UTF-8
+        (os.fsdecode(b"\x80\xff"), "\\x80\\xff"),  # the first and last such byte
         ("café ünïcode 中文 ✓", "café ünïcode 中文 ✓"),  # printable text is left alone
     ],
 )
