@@ -80,6 +80,11 @@ SIGNATURES = {
     "lmc_soft_mask_backward": [_VOID, _VOID, _I64, _INT, _INT, _F32, _F32, _VOID, _I64, _I64]
     + [_U64, _VOID, _VOID, _VOID, _INT],
     "lmc_group_argmax": [_VOID, _I64, _INT, _VOID, _INT],
+    "lmc_int4_vector": [],
+    "lmc_int4_linear": [_VOID, _INT, _I64, _I64, _VOID, _I64, _VOID, _VOID, _I64, _I64, _VOID]
+    + [_I64, _INT, _INT, _INT, _I64, _VOID, _INT, _VOID, _INT, _INT, _INT],
+    "lmc_int4_dequant": [_VOID, _I64, _VOID, _VOID, _I64, _I64, _VOID, _I64, _INT, _INT, _INT]
+    + [_I64, _I64, _I64, _VOID, _INT, _INT],
 }
 
 
@@ -104,7 +109,12 @@ def library() -> ctypes.CDLL | None:
         return None
     for name, args in SIGNATURES.items():
         getattr(lib, name).argtypes = args
-        returns_int = name in ("lmc_nm_simd", "lmc_nm_first_bad_byte", "lmc_all_finite")
+        returns_int = name in (
+            "lmc_nm_simd",
+            "lmc_nm_first_bad_byte",
+            "lmc_all_finite",
+            "lmc_int4_vector",
+        )
         getattr(lib, name).restype = _INT if returns_int else None
     logger.debug("compiled CPU kernels loaded (AVX-512 2:4 loops: %s)", bool(lib.lmc_nm_simd()))
     return lib

@@ -1,0 +1,214 @@
+"""The weight-only int4 (and int3, int8) linear on CPU: what ``Int4Linear.forward`` calls.
+
+Storage (``int4_reference``'s module doc, the shared spec): codes ``q`` two a byte (one a byte at
+8 bits), float32 ``scales`` and uint8 ``zeros`` per group of ``group_size`` input columns,
+``W = (q - z) · s``; for packed N:M (``nm_packed_int4``) ``qweight`` holds the kept codes, packed
+the same way over the kept axis, and ``nm = (indices, n, m)`` their positions
+(``reference.pack_nm``'s layout).
+
+:func:`linear` takes one of two paths:
+
+- **decode** (at most ``MAX_TOKENS`` tokens, bits ≤ 4, fp32 or bf16 activations, eager on CPU,
+  the kernels built): ``lmc_int4_linear`` reads the packed codes directly. Each token's
+  activations are quantized per weight group to **int16** (``absmax / 32767``), the group's
+  products are exact integers on 16-bit lanes (AVX-512 ``vpdpwssd`` with VNNI, ``vpmaddwd`` +
+  add without; a plain loop without AVX-512 BW/VL), and the float part (per group
+  ``(D · s) · x_scale``, summed in group order, then the bias) is fixed, so the kernel equals
+  :func:`int4_reference.decode_linear` bit for bit on every path.
+- **prefill** (everything else): the weight is dequantized ``BLOCK_BYTES`` of output rows at a
+  time into the activations' dtype (by ``lmc_int4_dequant``, bit-identical to
+  :func:`int4_reference.dequantize_any`; by torch where the kernel does not apply) and each block
+  multiplied by torch's BLAS matmul (``F.linear``): never a whole-matrix dequantization.
+
+Why int16 activations and not int8 (``vpdpbusd``, twice the products an instruction): W4A16
+means the activations keep their precision; int8 codes per group of 128 (absmax / 127) add a
+rounding of ~0.4 % of a group's largest value to every activation, an error of the same order
+as bf16's own rounding, larger where one outlier sets a group's scale, and unlike the prefill
+path (exact float activations) — decode and prefill would give visibly different logits.
+int16 codes (absmax / 32767) are 256× finer: the decode output stays within float32-like
+distance of the float dequantized matmul (measured in ``tests/kernels/test_int4_kernels.py``
+and ``benchmarks/results/int4_speed.md``), and at batch 1 the kernel reads 4-bit weights, so it
+is bound by the weight bytes, not by the number of multiply instructions.
+
+Where there is no compiler (``cpu_kernels.library()`` is ``None``) or while ``torch.compile``
+traces, every call takes the prefill path in torch ops: the same dequantized weight, float
+activations (equal to the decode kernel to ~1e-5 relative, not bit for bit).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lmcompress.kernels import cpu_kernels, int4_reference, reference
+
+MAX_TOKENS = cpu_kernels.MAX_TOKENS  # the decode kernel up to this many tokens
+BLOCK_BYTES = 1 << 20  # dequantized weight per prefill block (stays in L2 for the matmul)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+NM = tuple[torch.Tensor, int, int]  # (indices, n, m)
+
+
+def linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    *,
+    bits: int,
+    group_size: int,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+    nm: NM | None = None,
+) -> torch.Tensor:
+    """``x @ Wᵀ + bias`` for ``x`` (..., in) and the packed weight (module doc): (..., out) in
+    ``x``'s dtype. ``qweight`` uint8, ``scales`` float32 (out, groups), ``zeros`` uint8
+    (out, groups), ``bias`` (out,) or ``None``; ``nm = (indices, n, m)`` for packed N:M kept
+    codes (groups counted over the original columns; ``group_size`` a multiple of ``m``).
+    Trusts its arguments (the format checks them at load)."""
+    out_features = scales.shape[0]
+    x2 = x.reshape(-1, in_features)
+    if use_decode_kernel(x2, bits):
+        y = decode(x2, qweight, scales, zeros, bits, group_size, in_features, bias, nm)
+    else:
+        y = prefill(x2, qweight, scales, zeros, bits, group_size, in_features, bias, nm)
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+def use_decode_kernel(x2: torch.Tensor, bits: int) -> bool:
+    """Whether :func:`linear` runs the compiled decode kernel on ``x2`` (tokens, in)."""
+    return (
+        x2.shape[0] <= MAX_TOKENS
+        and bits <= 4
+        and x2.dtype in KERNEL_DTYPES
+        and _eager_cpu(x2)
+        and cpu_kernels.library() is not None
+    )
+
+
+def _eager_cpu(x: torch.Tensor) -> bool:
+    return (
+        x.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and not (x.requires_grad and torch.is_grad_enabled())
+    )
+
+
+def _layout(group_size: int, in_features: int, nm: NM | None):
+    width = int4_reference.group_width(group_size, in_features)
+    if nm is None:
+        return width, in_features // width, None, 0, 1, 1, 0
+    indices, n, m = nm
+    indices = indices.contiguous()
+    return width, in_features // width, indices, indices.shape[1], n, m, _index_bits(m)
+
+
+def _index_bits(m: int) -> int:
+    return reference.index_bits(m)
+
+
+def decode(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bits: int,
+    group_size: int,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+    nm: NM | None = None,
+    vector: bool = True,
+) -> torch.Tensor:
+    """The compiled decode kernel on ``x`` (T, in) fp32 or bf16 (bits ≤ 4): equal to
+    :func:`int4_reference.decode_linear` bit for bit. ``vector=False`` runs its plain loops
+    (what a CPU without AVX-512 runs), for tests."""
+    torch._check(bits <= 4, lambda: f"int4 decode kernel: {bits}-bit codes (3 or 4 only)")
+    lib = cpu_kernels.library()
+    x, qweight = x.contiguous(), qweight.contiguous()
+    scales, zeros = scales.contiguous(), zeros.contiguous()
+    width, groups, indices, idx_stride, n, m, idx_bits = _layout(group_size, in_features, nm)
+    if bias is not None:
+        bias = bias.contiguous()
+    tokens, out_features = x.shape[0], scales.shape[0]
+    y = x.new_empty((tokens, out_features))
+    lib.lmc_int4_linear(
+        x.data_ptr(), cpu_kernels.FLOAT_KINDS[x.dtype], tokens, in_features,
+        qweight.data_ptr(), qweight.shape[1], scales.data_ptr(), zeros.data_ptr(), groups, width,
+        None if indices is None else indices.data_ptr(), idx_stride, n, m, idx_bits,
+        out_features,
+        None if bias is None else bias.data_ptr(),
+        0 if bias is None else cpu_kernels.FLOAT_KINDS[bias.dtype],
+        y.data_ptr(), cpu_kernels.FLOAT_KINDS[y.dtype], int(vector), torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
+def dequantize_rows(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bits: int,
+    group_size: int,
+    in_features: int,
+    start: int,
+    end: int,
+    dtype: torch.dtype,
+    nm: NM | None = None,
+) -> torch.Tensor:
+    """Rows ``start:end`` of the weight (end - start, in) in ``dtype``: the compiled kernel for
+    bits ≤ 4 and fp32 / bf16 on CPU (bit-identical), else :func:`int4_reference.dequantize_any`
+    of those rows."""
+    if (
+        bits <= 4
+        and dtype in KERNEL_DTYPES
+        and qweight.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and cpu_kernels.library() is not None
+    ):
+        qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
+        width, groups, indices, idx_stride, n, m, idx_bits = _layout(group_size, in_features, nm)
+        W = torch.empty((end - start, in_features), dtype=dtype)
+        cpu_kernels.library().lmc_int4_dequant(
+            qweight.data_ptr(), qweight.shape[1], scales.data_ptr(), zeros.data_ptr(), groups,
+            width, None if indices is None else indices.data_ptr(), idx_stride, n, m, idx_bits,
+            start, end - start, in_features, W.data_ptr(), cpu_kernels.FLOAT_KINDS[dtype],
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return W
+    rows = slice(start, end)
+    part_nm = None if nm is None else (nm[0][rows], nm[1], nm[2])
+    W = int4_reference.dequantize_any(
+        qweight[rows], scales[rows], zeros[rows], bits, group_size, in_features, part_nm
+    )
+    return W.to(dtype)
+
+
+def block_rows(in_features: int, dtype: torch.dtype) -> int:
+    """Output rows per prefill block: ``BLOCK_BYTES`` of dequantized weight, a multiple of 16."""
+    elem = torch.finfo(dtype).bits // 8
+    return max(16, BLOCK_BYTES // (in_features * elem) // 16 * 16)
+
+
+def prefill(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bits: int,
+    group_size: int,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+    nm: NM | None = None,
+) -> torch.Tensor:
+    """:func:`int4_reference.prefill_linear` with :func:`dequantize_rows`: (T, out) in ``x``'s
+    dtype (float dtypes; other inputs are computed in float32)."""
+    dtype = x.dtype if x.dtype.is_floating_point else torch.float32
+    x = x.to(dtype)
+
+    def rows(start: int, end: int) -> torch.Tensor:
+        return dequantize_rows(
+            qweight, scales, zeros, bits, group_size, in_features, start, end, dtype, nm
+        )
+
+    return int4_reference.prefill_linear(
+        x, scales.shape[0], block_rows(in_features, dtype), rows, bias
+    )
