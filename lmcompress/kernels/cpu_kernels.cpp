@@ -1227,6 +1227,36 @@ extern "C" void lmc_int4_linear(const void* x_in, int x_kind, int64_t T, int64_t
   int4_free(&a);
 }
 
+#ifdef LMC_INT4_VECTOR
+// (q - z) * s of a group's nbytes (a multiple of 16) packed bytes into fp32 or bf16 (rounded to
+// nearest even as f32_to_bf16 does: the values are finite).
+static void int4_dequant_group(const uint8_t* row, int64_t nbytes, int z, float s, void* out,
+                               bool f32) {
+  const __m512i even = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(8));
+  const __m512i low4 = _mm512_set1_epi32(15), zv = _mm512_set1_epi32(z);
+  const __m512i round = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+  const __m512 sv = _mm512_set1_ps(s);
+  for (int64_t b = 0; b < nbytes; b += 16) {
+    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + b)));
+    __m512i lo = _mm512_sub_epi32(_mm512_and_si512(c, low4), zv);
+    __m512i hi = _mm512_sub_epi32(_mm512_srli_epi32(c, 4), zv);
+    __m512i halves[2] = {_mm512_permutex2var_epi32(lo, even, hi), _mm512_permutex2var_epi32(lo, odd, hi)};
+    for (int k = 0; k < 2; k++) {
+      __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(halves[k]), sv);
+      if (f32) {
+        _mm512_storeu_ps((float*)out + 2 * b + 16 * k, w);
+      } else {
+        __m512i u = _mm512_castps_si512(w);
+        u = _mm512_add_epi32(u, _mm512_add_epi32(round, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+        _mm256_storeu_si256((__m256i*)((uint16_t*)out + 2 * b + 16 * k),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+      }
+    }
+  }
+}
+#endif
+
 extern "C" void lmc_int4_dequant(const uint8_t* codes, int64_t code_stride, const float* scales,
                                  const uint8_t* zeros, int64_t groups, int64_t G,
                                  const uint8_t* idx, int64_t idx_stride, int n, int m, int bits,
@@ -1256,6 +1286,12 @@ extern "C" void lmc_int4_dequant(const uint8_t* codes, int64_t code_stride, cons
     for (int64_t g = 0; g < groups; g++) {
       float s = scales[o * groups + g];
       int z = zeros[o * groups + g];
+#ifdef LMC_INT4_VECTOR
+      if (G % 32 == 0) {  // 32 columns (16 bytes) a step
+        int4_dequant_group(row + g * G / 2, G / 2, z, s, wf ? (void*)(wf + g * G) : (void*)(wb + g * G), wf != 0);
+        continue;
+      }
+#endif
       if (wf) {
         for (int64_t i = g * G; i < (g + 1) * G; i++) wf[i] = (float)(int4_code(row, i) - z) * s;
       } else {

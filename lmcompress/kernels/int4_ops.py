@@ -42,7 +42,7 @@ import torch
 from lmcompress.kernels import cpu_kernels, int4_reference, reference
 
 MAX_TOKENS = cpu_kernels.MAX_TOKENS  # the decode kernel up to this many tokens
-BLOCK_BYTES = 1 << 20  # dequantized weight per prefill block (stays in L2 for the matmul)
+BLOCK_BYTES = 4 << 20  # dequantized weight per prefill block (stays in cache for the matmul)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 NM = tuple[torch.Tensor, int, int]  # (indices, n, m)
@@ -153,10 +153,12 @@ def dequantize_rows(
     end: int,
     dtype: torch.dtype,
     nm: NM | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows ``start:end`` of the weight (end - start, in) in ``dtype``: the compiled kernel for
-    bits ≤ 4 and fp32 / bf16 on CPU (bit-identical), else :func:`int4_reference.dequantize_any`
-    of those rows."""
+    bits ≤ 4 and fp32 / bf16 on CPU (bit-identical; written into ``out``, a contiguous buffer of
+    at least that many rows, where given), else :func:`int4_reference.dequantize_any` of those
+    rows."""
     if (
         bits <= 4
         and dtype in KERNEL_DTYPES
@@ -166,7 +168,10 @@ def dequantize_rows(
     ):
         qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
         width, groups, indices, idx_stride, n, m, idx_bits = _layout(group_size, in_features, nm)
-        W = torch.empty((end - start, in_features), dtype=dtype)
+        if out is None:
+            W = torch.empty((end - start, in_features), dtype=dtype)
+        else:
+            W = out[: end - start]
         cpu_kernels.library().lmc_int4_dequant(
             qweight.data_ptr(), qweight.shape[1], scales.data_ptr(), zeros.data_ptr(), groups,
             width, None if indices is None else indices.data_ptr(), idx_stride, n, m, idx_bits,
@@ -203,12 +208,12 @@ def prefill(
     dtype (float dtypes; other inputs are computed in float32)."""
     dtype = x.dtype if x.dtype.is_floating_point else torch.float32
     x = x.to(dtype)
+    out_features, block = scales.shape[0], block_rows(in_features, dtype)
+    buffer = torch.empty((min(block, out_features), in_features), dtype=dtype)  # reused
 
     def rows(start: int, end: int) -> torch.Tensor:
         return dequantize_rows(
-            qweight, scales, zeros, bits, group_size, in_features, start, end, dtype, nm
+            qweight, scales, zeros, bits, group_size, in_features, start, end, dtype, nm, buffer
         )
 
-    return int4_reference.prefill_linear(
-        x, scales.shape[0], block_rows(in_features, dtype), rows, bias
-    )
+    return int4_reference.prefill_linear(x, out_features, block, rows, bias)
