@@ -1133,13 +1133,21 @@ static void int4_row_dense_fast(const Int4Acts& a, int64_t t0, int64_t groups, i
       for (int t = 0; t < TN; t++) acc[t] = acc2[t] = _mm512_setzero_si512();
       const int64_t b0 = (g0 + gi) * group_bytes;
       const int64_t nb = pairs ? (gn - gi >= 2 ? 32 : 16) : group_bytes;
-      const __mmask32 mk = nb == 16 ? (__mmask32)0xffffu : (__mmask32)0xffffffffu;
-      for (int64_t b = b0; b < b0 + nb; b += 32) {
-        __m512i v = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mk, row + b));
+      if (nb == 16) {  // a last single group of 32 columns: half a step, masked loads
+        const __mmask32 mk = (__mmask32)0xffffu;
+        __m512i v = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mk, row + b0));
         __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
         for (int t = 0; t < TN; t++) {
-          acc[t] = madd16(acc[t], lo, _mm512_maskz_loadu_epi16(mk, xe[t] + b));
-          acc2[t] = madd16(acc2[t], hi, _mm512_maskz_loadu_epi16(mk, xo[t] + b));
+          acc[t] = madd16(acc[t], lo, _mm512_maskz_loadu_epi16(mk, xe[t] + b0));
+          acc2[t] = madd16(acc2[t], hi, _mm512_maskz_loadu_epi16(mk, xo[t] + b0));
+        }
+      }
+      for (int64_t b = b0; b + 32 <= b0 + nb; b += 32) {  // plain loads (no mask uops)
+        __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(row + b)));
+        __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
+        for (int t = 0; t < TN; t++) {
+          acc[t] = madd16(acc[t], lo, _mm512_loadu_si512(xe[t] + b));
+          acc2[t] = madd16(acc2[t], hi, _mm512_loadu_si512(xo[t] + b));
         }
       }
       for (int t = 0; t < TN; t++) {

@@ -65,13 +65,12 @@ def linear(
     (out, groups), ``bias`` (out,) or ``None``; ``nm = (indices, n, m)`` for packed N:M kept
     codes (groups counted over the original columns; ``group_size`` a multiple of ``m``).
     Trusts its arguments (the format checks them at load)."""
-    out_features = scales.shape[0]
-    x2 = x.reshape(-1, in_features)
+    x2 = x if x.dim() == 2 else x.reshape(-1, in_features)
     if use_decode_kernel(x2, bits):
         y = decode(x2, qweight, scales, zeros, bits, group_size, in_features, bias, nm)
     else:
         y = prefill(x2, qweight, scales, zeros, bits, group_size, in_features, bias, nm)
-    return y.reshape(*x.shape[:-1], out_features)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[1])
 
 
 def use_decode_kernel(x2: torch.Tensor, bits: int) -> bool:
@@ -121,25 +120,35 @@ def decode(
     """The compiled decode kernel on ``x`` (T, in) fp32 or bf16 (bits ≤ 4): equal to
     :func:`int4_reference.decode_linear` bit for bit. ``vector=False`` runs its plain loops
     (what a CPU without AVX-512 runs), for tests."""
-    torch._check(bits <= 4, lambda: f"int4 decode kernel: {bits}-bit codes (3 or 4 only)")
-    lib = cpu_kernels.library()
-    x, qweight = x.contiguous(), qweight.contiguous()
-    scales, zeros = scales.contiguous(), zeros.contiguous()
-    width, groups, indices, idx_stride, n, m, idx_bits = _layout(group_size, in_features, nm)
-    if bias is not None:
-        bias = bias.contiguous()
+    if bits > 4:
+        raise ValueError(f"int4 decode kernel: {bits}-bit codes (3 or 4 only)")
+    x, qweight, scales, zeros = _c(x), _c(qweight), _c(scales), _c(zeros)
     tokens, out_features = x.shape[0], scales.shape[0]
-    y = x.new_empty((tokens, out_features))
-    lib.lmc_int4_linear(
-        x.data_ptr(), cpu_kernels.FLOAT_KINDS[x.dtype], tokens, in_features,
-        qweight.data_ptr(), qweight.shape[1], scales.data_ptr(), zeros.data_ptr(), groups, width,
-        None if indices is None else indices.data_ptr(), idx_stride, n, m, idx_bits,
-        out_features,
-        None if bias is None else bias.data_ptr(),
-        0 if bias is None else cpu_kernels.FLOAT_KINDS[bias.dtype],
-        y.data_ptr(), cpu_kernels.FLOAT_KINDS[y.dtype], int(vector), torch.get_num_threads(),
+    width = in_features if group_size == -1 else group_size
+    if nm is None:
+        idx_ptr, idx_stride, n, m, idx_bits = None, 0, 1, 1, 0
+    else:
+        indices, n, m = nm
+        indices = _c(indices)
+        idx_ptr, idx_stride, idx_bits = indices.data_ptr(), indices.shape[1], _index_bits(m)
+    kinds = cpu_kernels.FLOAT_KINDS
+    if bias is None:
+        bias_ptr, bias_kind = None, 0
+    else:
+        bias = _c(bias)
+        bias_ptr, bias_kind = bias.data_ptr(), kinds[bias.dtype]
+    y = torch.empty((tokens, out_features), dtype=x.dtype)
+    cpu_kernels.library().lmc_int4_linear(
+        x.data_ptr(), kinds[x.dtype], tokens, in_features, qweight.data_ptr(), qweight.shape[1],
+        scales.data_ptr(), zeros.data_ptr(), in_features // width, width, idx_ptr, idx_stride, n,
+        m, idx_bits, out_features, bias_ptr, bias_kind, y.data_ptr(), kinds[y.dtype],
+        int(vector), torch.get_num_threads(),
     )  # fmt: skip
     return y
+
+
+def _c(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def dequantize_rows(
