@@ -1106,17 +1106,18 @@ static inline __m512i int4_sum16(const __m512i* v) {
   return _mm512_add_epi32(_mm512_shuffle_i32x4(w0, w1, 0x88), _mm512_shuffle_i32x4(w0, w1, 0xDD));
 }
 
-// A dense row, 16 groups at a time, for G a multiple of 64 up to 4096 or G = 32 (every D fits
-// in int32, so its lanes may wrap): each group's products in one vector, the 16 groups' sums
-// by one transposing tree, and the float part in 16 lanes.
-template <int TN>
-static void int4_row_dense_fast(const Int4Acts& a, int64_t t0, int64_t groups, int64_t G,
-                                const uint8_t* row, const float* srow, const uint8_t* zrow,
-                                float* part) {
-  __m512 vpart[TN];
-  for (int t = 0; t < TN; t++) vpart[t] = _mm512_setzero_ps();
+// R dense rows (sharing each activation load), 16 groups at a time, for G a multiple of 64 up
+// to 4096 or G = 32 (every D fits in int32, so its lanes may wrap): each group's products in
+// one vector, the 16 groups' sums by one transposing tree, and the float part in 16 lanes.
+template <int TN, int R>
+static void int4_rows_fast(const Int4Acts& a, int64_t t0, int64_t groups, int64_t G,
+                           const uint8_t* const* row, const float* const* srow,
+                           const uint8_t* const* zrow, float* part /* R * TN * 16 */) {
+  __m512 vpart[R][TN];
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < TN; t++) vpart[r][t] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi16(15);
-  __m512i vec[TN][16];
+  __m512i vec[R][TN][16];
   const int16_t* xe[TN];
   const int16_t* xo[TN];
   for (int t = 0; t < TN; t++) {
@@ -1129,51 +1130,89 @@ static void int4_row_dense_fast(const Int4Acts& a, int64_t t0, int64_t groups, i
     int64_t gn = groups - g0 < 16 ? groups - g0 : 16;
     __mmask16 gm = (__mmask16)((1u << gn) - 1);
     for (int64_t gi = 0; gi < gn; gi += pairs ? 2 : 1) {
-      __m512i acc[TN], acc2[TN];  // even and odd columns: two independent chains
-      for (int t = 0; t < TN; t++) acc[t] = acc2[t] = _mm512_setzero_si512();
+      __m512i acc[R][TN], acc2[R][TN];  // even and odd columns: independent chains
+      for (int r = 0; r < R; r++)
+        for (int t = 0; t < TN; t++) acc[r][t] = acc2[r][t] = _mm512_setzero_si512();
       const int64_t b0 = (g0 + gi) * group_bytes;
       const int64_t nb = pairs ? (gn - gi >= 2 ? 32 : 16) : group_bytes;
       if (nb == 16) {  // a last single group of 32 columns: half a step, masked loads
         const __mmask32 mk = (__mmask32)0xffffu;
-        __m512i v = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mk, row + b0));
-        __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
-        for (int t = 0; t < TN; t++) {
-          acc[t] = madd16(acc[t], lo, _mm512_maskz_loadu_epi16(mk, xe[t] + b0));
-          acc2[t] = madd16(acc2[t], hi, _mm512_maskz_loadu_epi16(mk, xo[t] + b0));
+        for (int r = 0; r < R; r++) {
+          __m512i v = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mk, row[r] + b0));
+          __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
+          for (int t = 0; t < TN; t++) {
+            acc[r][t] = madd16(acc[r][t], lo, _mm512_maskz_loadu_epi16(mk, xe[t] + b0));
+            acc2[r][t] = madd16(acc2[r][t], hi, _mm512_maskz_loadu_epi16(mk, xo[t] + b0));
+          }
         }
       }
       for (int64_t b = b0; b + 32 <= b0 + nb; b += 32) {  // plain loads (no mask uops)
-        __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(row + b)));
-        __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
+        __m512i lo[R], hi[R];
+        for (int r = 0; r < R; r++) {
+          __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(row[r] + b)));
+          lo[r] = _mm512_and_si512(v, low4);
+          hi[r] = _mm512_srli_epi16(v, 4);
+        }
         for (int t = 0; t < TN; t++) {
-          acc[t] = madd16(acc[t], lo, _mm512_loadu_si512(xe[t] + b));
-          acc2[t] = madd16(acc2[t], hi, _mm512_loadu_si512(xo[t] + b));
+          __m512i e = _mm512_loadu_si512(xe[t] + b), o = _mm512_loadu_si512(xo[t] + b);
+          for (int r = 0; r < R; r++) {
+            acc[r][t] = madd16(acc[r][t], lo[r], e);
+            acc2[r][t] = madd16(acc2[r][t], hi[r], o);
+          }
         }
       }
-      for (int t = 0; t < TN; t++) {
-        __m512i sum = _mm512_add_epi32(acc[t], acc2[t]);
-        if (pairs) {
-          vec[t][gi] = _mm512_maskz_mov_epi32(0x00ff, sum);
-          vec[t][gi + 1] = _mm512_maskz_mov_epi32(0xff00, sum);
-        } else {
-          vec[t][gi] = sum;
+      for (int r = 0; r < R; r++) {
+        for (int t = 0; t < TN; t++) {
+          __m512i sum = _mm512_add_epi32(acc[r][t], acc2[r][t]);
+          if (pairs) {
+            vec[r][t][gi] = _mm512_maskz_mov_epi32(0x00ff, sum);
+            vec[r][t][gi + 1] = _mm512_maskz_mov_epi32(0xff00, sum);
+          } else {
+            vec[r][t][gi] = sum;
+          }
         }
       }
     }
     for (int64_t gi = gn + (pairs && gn % 2); gi < 16; gi++)
-      for (int t = 0; t < TN; t++) vec[t][gi] = _mm512_setzero_si512();
-    __m512 s = _mm512_maskz_loadu_ps(gm, srow + g0);
-    __m512i z = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(gm, zrow + g0));
-    for (int t = 0; t < TN; t++) {
-      __m512i sx = _mm512_maskz_loadu_epi32(gm, a.sum32 + (t0 + t) * groups + g0);
-      __m512i D = _mm512_sub_epi32(int4_sum16(vec[t]), _mm512_mullo_epi32(z, sx));
-      __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(D), s);
-      p = _mm512_mul_ps(p, _mm512_maskz_loadu_ps(gm, a.scale + (t0 + t) * groups + g0));
-      LMC_OPAQUE_V(p);  // rounded here: never contracted with the sum into an FMA
-      vpart[t] = _mm512_add_ps(vpart[t], p);
+      for (int r = 0; r < R; r++)
+        for (int t = 0; t < TN; t++) vec[r][t][gi] = _mm512_setzero_si512();
+    for (int r = 0; r < R; r++) {
+      __m512 s = _mm512_maskz_loadu_ps(gm, srow[r] + g0);
+      __m512i z = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(gm, zrow[r] + g0));
+      for (int t = 0; t < TN; t++) {
+        __m512i sx = _mm512_maskz_loadu_epi32(gm, a.sum32 + (t0 + t) * groups + g0);
+        __m512i D = _mm512_sub_epi32(int4_sum16(vec[r][t]), _mm512_mullo_epi32(z, sx));
+        __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(D), s);
+        p = _mm512_mul_ps(p, _mm512_maskz_loadu_ps(gm, a.scale + (t0 + t) * groups + g0));
+        LMC_OPAQUE_V(p);  // rounded here: never contracted with the sum into an FMA
+        vpart[r][t] = _mm512_add_ps(vpart[r][t], p);
+      }
     }
   }
-  for (int t = 0; t < TN; t++) _mm512_storeu_ps(part + 16 * t, vpart[t]);
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < TN; t++) _mm512_storeu_ps(part + 16 * (r * TN + t), vpart[r][t]);
+}
+
+// Rows o .. o + R - 1 (R = 1 or 2) for tokens t0 .. t0 + tn: acc[r * TILE + t].
+template <int R>
+static void int4_rows_fast_tn(const Int4Acts& a, int64_t t0, int64_t tn, int64_t groups,
+                              int64_t G, const uint8_t* codes, int64_t code_stride,
+                              const float* scales, const uint8_t* zeros, int64_t o, float* acc) {
+  const uint8_t* row[R];
+  const float* srow[R];
+  const uint8_t* zrow[R];
+  for (int r = 0; r < R; r++) {
+    row[r] = codes + (o + r) * code_stride;
+    srow[r] = scales + (o + r) * groups;
+    zrow[r] = zeros + (o + r) * groups;
+  }
+  float part[R * TILE * 16];
+  if (tn == 4) int4_rows_fast<4, R>(a, t0, groups, G, row, srow, zrow, part);
+  else if (tn == 3) int4_rows_fast<3, R>(a, t0, groups, G, row, srow, zrow, part);
+  else if (tn == 2) int4_rows_fast<2, R>(a, t0, groups, G, row, srow, zrow, part);
+  else int4_rows_fast<1, R>(a, t0, groups, G, row, srow, zrow, part);
+  for (int r = 0; r < R; r++)
+    for (int64_t t = 0; t < tn; t++) acc[r * TILE + t] = int4_tree(part + 16 * (r * tn + t));
 }
 #endif
 
@@ -1184,13 +1223,6 @@ static void int4_row(const Int4Acts& a, int64_t t0, int64_t in, const uint8_t* c
                      int m, int bits, int64_t o, int vector, float* acc) {
   const uint8_t* row = codes + o * code_stride;
   float part[TN * 16] = {0};
-#ifdef LMC_INT4_VECTOR
-  if (vector && !idx && (G == 32 || (G % 64 == 0 && G <= 4096))) {
-    int4_row_dense_fast<TN>(a, t0, groups, G, row, scales + o * groups, zeros + o * groups, part);
-    for (int t = 0; t < TN; t++) acc[t] = int4_tree(part + 16 * t);
-    return;
-  }
-#endif
   for (int64_t g = 0; g < groups; g++) {
     int64_t D[TN];
     int z = zeros[o * groups + g];
@@ -1212,6 +1244,30 @@ extern "C" void lmc_int4_linear(const void* x_in, int x_kind, int64_t T, int64_t
                                 int64_t out, const void* bias, int b_kind, void* y, int y_kind,
                                 int vector, int threads) {
   Int4Acts a = int4_prepare(x_in, x_kind, T, in, groups, G);
+#ifdef LMC_INT4_VECTOR
+  if (vector && !idx && (G == 32 || (G % 64 == 0 && G <= 4096))) {  // two rows at a time
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t pair = 0; pair < (out + 1) / 2; pair++) {
+      int64_t o = 2 * pair;
+      for (int64_t t0 = 0; t0 < T; t0 += TILE) {
+        int64_t tn = T - t0 < TILE ? T - t0 : TILE;
+        float acc[2 * TILE];
+        int R = o + 1 < out ? 2 : 1;
+        if (R == 2) int4_rows_fast_tn<2>(a, t0, tn, groups, G, codes, code_stride, scales, zeros, o, acc);
+        else int4_rows_fast_tn<1>(a, t0, tn, groups, G, codes, code_stride, scales, zeros, o, acc);
+        for (int r = 0; r < R; r++) {
+          for (int64_t t = 0; t < tn; t++) {
+            float v = acc[r * TILE + t];
+            if (bias) v = v + load_value(bias, b_kind, o + r);
+            store_value(y, y_kind, (t0 + t) * out + o + r, v);
+          }
+        }
+      }
+    }
+    int4_free(&a);
+    return;
+  }
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t o = 0; o < out; o++) {
     for (int64_t t0 = 0; t0 < T; t0 += TILE) {
