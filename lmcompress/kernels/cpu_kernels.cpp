@@ -17,6 +17,8 @@
 //                        product between them is torch._int_mm).
 //   lmc_lowrank_float    y = (x A^T) B^T + bias.
 //   lmc_nm_unpack        the dense (out, in) weight, any 1, 2 or 4-byte element (prefill).
+//   lmc_int4_linear,     weight-only int4 / int3 (packed nibbles, per-group scales and zeros):
+//   lmc_int4_dequant     the decode linear and the prefill dequantization (their section below).
 //
 // 2:4 on AVX-512 takes 32 inputs at a time: their 16 kept values, their 16 2-bit positions
 // (4 bytes) turned into lane indices 0..31, and one two-register permute of x per token
@@ -1193,6 +1195,57 @@ static void int4_rows_fast(const Int4Acts& a, int64_t t0, int64_t groups, int64_
     for (int t = 0; t < TN; t++) _mm512_storeu_ps(part + 16 * (r * TN + t), vpart[r][t]);
 }
 
+#ifdef __AVX512VBMI2__
+#define LMC_INT4_NM_FAST 1
+// A packed 2:4 row, 16 groups at a time, for G a multiple of 64 up to 4096: each 64-input step
+// widens its 32 kept codes to 16-bit lanes, subtracts z, and expands them (vpexpandw, the keep
+// mask from the positions) into the 64 inputs' lanes, zeros where pruned: then the dense
+// step's multiply-adds with the contiguous activations. D = sum (q - z) x, exact in int32.
+template <int TN>
+static void int4_row_nm_fast(const Int4Acts& a, int64_t t0, int64_t in, int64_t groups,
+                             int64_t G, const uint8_t* codes, const uint8_t* row_idx,
+                             const float* srow, const uint8_t* zrow, float* part) {
+  __m512 vpart[TN];
+  for (int t = 0; t < TN; t++) vpart[t] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi32(15);
+  __m512i vec[TN][16];
+  const int16_t* x[TN];
+  for (int t = 0; t < TN; t++) x[t] = a.xq + (t0 + t) * in;
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    int64_t gn = groups - g0 < 16 ? groups - g0 : 16;
+    __mmask16 gm = (__mmask16)((1u << gn) - 1);
+    for (int64_t gi = 0; gi < gn; gi++) {
+      __m512i acc[TN], acc2[TN];
+      for (int t = 0; t < TN; t++) acc[t] = acc2[t] = _mm512_setzero_si512();
+      const __m512i zv = _mm512_set1_epi16((short)zrow[g0 + gi]);
+      for (int64_t c = (g0 + gi) * G; c < (g0 + gi + 1) * G; c += 64) {  // c: first input
+        int64_t j = c / 2;  // first kept value
+        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + j / 2)));
+        __m512i q = _mm512_or_si512(_mm512_and_si512(b, low4), _mm512_slli_epi32(_mm512_srli_epi32(b, 4), 16));
+        q = _mm512_sub_epi16(q, zv);
+        __m512i w0 = _mm512_maskz_expand_epi16(mask_24(row_idx + j / 4), q);
+        __m512i w1 = _mm512_maskz_expand_epi16(mask_24(row_idx + j / 4 + 4), _mm512_shuffle_i64x2(q, q, 0xEE));
+        for (int t = 0; t < TN; t++) {
+          acc[t] = madd16(acc[t], w0, _mm512_loadu_si512(x[t] + c));
+          acc2[t] = madd16(acc2[t], w1, _mm512_loadu_si512(x[t] + c + 32));
+        }
+      }
+      for (int t = 0; t < TN; t++) vec[t][gi] = _mm512_add_epi32(acc[t], acc2[t]);
+    }
+    for (int64_t gi = gn; gi < 16; gi++)
+      for (int t = 0; t < TN; t++) vec[t][gi] = _mm512_setzero_si512();
+    __m512 s = _mm512_maskz_loadu_ps(gm, srow + g0);
+    for (int t = 0; t < TN; t++) {
+      __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(int4_sum16(vec[t])), s);
+      p = _mm512_mul_ps(p, _mm512_maskz_loadu_ps(gm, a.scale + (t0 + t) * groups + g0));
+      LMC_OPAQUE_V(p);  // rounded here: never contracted with the sum into an FMA
+      vpart[t] = _mm512_add_ps(vpart[t], p);
+    }
+  }
+  for (int t = 0; t < TN; t++) _mm512_storeu_ps(part + 16 * t, vpart[t]);
+}
+#endif
+
 // Rows o .. o + R - 1 (R = 1 or 2) for tokens t0 .. t0 + tn: acc[r * TILE + t].
 template <int R>
 static void int4_rows_fast_tn(const Int4Acts& a, int64_t t0, int64_t tn, int64_t groups,
@@ -1223,6 +1276,14 @@ static void int4_row(const Int4Acts& a, int64_t t0, int64_t in, const uint8_t* c
                      int m, int bits, int64_t o, int vector, float* acc) {
   const uint8_t* row = codes + o * code_stride;
   float part[TN * 16] = {0};
+#ifdef LMC_INT4_NM_FAST
+  if (vector && idx && n == 2 && m == 4 && G % 64 == 0 && G <= 4096) {
+    int4_row_nm_fast<TN>(a, t0, in, groups, G, row, idx + o * idx_stride, scales + o * groups,
+                         zeros + o * groups, part);
+    for (int t = 0; t < TN; t++) acc[t] = int4_tree(part + 16 * t);
+    return;
+  }
+#endif
   for (int64_t g = 0; g < groups; g++) {
     int64_t D[TN];
     int z = zeros[o * groups + g];

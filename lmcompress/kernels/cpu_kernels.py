@@ -9,7 +9,9 @@ each compressed weight once per call for up to four tokens at a time:
   bf16: 56 % of the dense bytes); and the unpacking itself, for more tokens;
 - int8 W8A8: activation quantization, the integer products and the rescale in one pass,
   bit-identical to the torch computation;
-- low rank: both factors' products in one call.
+- low rank: both factors' products in one call;
+- weight-only int4 (``lmc_int4_*``, called by :mod:`lmcompress.kernels.int4_ops`): the packed
+  4-bit codes for a few tokens, their dequantization by blocks for more.
 
 On SmolLM2's 210 decoder linears at one token they run 2–4× faster than torch's
 (``benchmarks/results/speed.md``).

@@ -21,14 +21,15 @@ the same way over the kept axis, and ``nm = (indices, n, m)`` their positions
   multiplied by torch's BLAS matmul (``F.linear``): never a whole-matrix dequantization.
 
 Why int16 activations and not int8 (``vpdpbusd``, twice the products an instruction): W4A16
-means the activations keep their precision; int8 codes per group of 128 (absmax / 127) add a
-rounding of ~0.4 % of a group's largest value to every activation, an error of the same order
-as bf16's own rounding, larger where one outlier sets a group's scale, and unlike the prefill
-path (exact float activations) — decode and prefill would give visibly different logits.
-int16 codes (absmax / 32767) are 256× finer: the decode output stays within float32-like
-distance of the float dequantized matmul (measured in ``tests/kernels/test_int4_kernels.py``
-and ``benchmarks/results/int4_speed.md``), and at batch 1 the kernel reads 4-bit weights, so it
-is bound by the weight bytes, not by the number of multiply instructions.
+means the activations keep their precision. Measured on SmolLM2's shapes
+(``benchmarks/results/int4_speed.md``, max |y - y_float| / max |y_float| over 16 tokens against
+the float dequantized matmul): int16 codes per group (what the kernel computes) 2e-5, 1e-4 with
+one activation 100x the others; int8 codes per group (absmax / 127) 5e-3 to 6e-3, and 2e-2 to
+3e-2 with the outlier; merely rounding the activations to bf16 1e-3 (5e-4 with the outlier).
+int8 activations would be 3-60x further from W4A16 than bf16's own rounding, and decode would
+visibly disagree with prefill (float activations); int16 stays 10-50x inside bf16's rounding.
+The price is two 16-bit multiply-adds per 64 weights instead of one 8-bit one: the kernel is
+bound by its instructions on weights held in cache, by the weight bytes from memory.
 
 Where there is no compiler (``cpu_kernels.library()`` is ``None``) or while ``torch.compile``
 traces, every call takes the prefill path in torch ops: the same dequantized weight, float
