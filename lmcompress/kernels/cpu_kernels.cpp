@@ -1353,30 +1353,49 @@ extern "C" void lmc_int4_linear(const void* x_in, int x_kind, int64_t T, int64_t
 }
 
 #ifdef LMC_INT4_VECTOR
-// (q - z) * s of a group's nbytes (a multiple of 16) packed bytes into fp32 or bf16 (rounded to
-// nearest even as f32_to_bf16 does: the values are finite).
+// (q - z) * s of a group's nbytes (a multiple of 16) packed bytes into fp32 or bf16: the 16
+// possible values are computed once a group (the same product, and for bf16 the same rounding
+// to nearest even as f32_to_bf16: the values are finite), then looked up by code (vpermw /
+// vpermps), 64 columns a step, the codes put in column order by byte unpacks.
 static void int4_dequant_group(const uint8_t* row, int64_t nbytes, int z, float s, void* out,
                                bool f32) {
-  const __m512i even = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(8));
-  const __m512i low4 = _mm512_set1_epi32(15), zv = _mm512_set1_epi32(z);
-  const __m512i round = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
-  const __m512 sv = _mm512_set1_ps(s);
-  for (int64_t b = 0; b < nbytes; b += 16) {
-    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + b)));
-    __m512i lo = _mm512_sub_epi32(_mm512_and_si512(c, low4), zv);
-    __m512i hi = _mm512_sub_epi32(_mm512_srli_epi32(c, 4), zv);
-    __m512i halves[2] = {_mm512_permutex2var_epi32(lo, even, hi), _mm512_permutex2var_epi32(lo, odd, hi)};
-    for (int k = 0; k < 2; k++) {
-      __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(halves[k]), sv);
+  __m512 table = _mm512_mul_ps(
+      _mm512_cvtepi32_ps(_mm512_sub_epi32(
+          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(z))),
+      _mm512_set1_ps(s));
+  __m512i u = _mm512_castps_si512(table);
+  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                           _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+  const __m512i table16 = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+  const __m256i low4 = _mm256_set1_epi8(15);
+  int64_t b = 0;
+  for (; b + 32 <= nbytes; b += 32) {
+    __m256i v = _mm256_loadu_si256((const __m256i*)(row + b));
+    __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    __m256i a = _mm256_unpacklo_epi8(lo, hi), c = _mm256_unpackhi_epi8(lo, hi);
+    __m256i cols[2] = {_mm256_permute2x128_si256(a, c, 0x20), _mm256_permute2x128_si256(a, c, 0x31)};
+    for (int k = 0; k < 2; k++) {  // 32 columns each, in order
       if (f32) {
-        _mm512_storeu_ps((float*)out + 2 * b + 16 * k, w);
+        float* dst = (float*)out + 2 * b + 32 * k;
+        _mm512_storeu_ps(dst, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(cols[k])), table));
+        _mm512_storeu_ps(dst + 16, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(cols[k], 1)), table));
       } else {
-        __m512i u = _mm512_castps_si512(w);
-        u = _mm512_add_epi32(u, _mm512_add_epi32(round, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-        _mm256_storeu_si256((__m256i*)((uint16_t*)out + 2 * b + 16 * k),
-                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+        _mm512_storeu_si512((uint16_t*)out + 2 * b + 32 * k,
+                            _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(cols[k]), table16));
       }
+    }
+  }
+  if (b < nbytes) {  // 16 bytes left: 32 columns
+    __m128i v = _mm_loadu_si128((const __m128i*)(row + b));
+    const __m128i low4x = _mm_set1_epi8(15);
+    __m128i lo = _mm_and_si128(v, low4x), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4x);
+    __m256i cols = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+    if (f32) {
+      float* dst = (float*)out + 2 * b;
+      _mm512_storeu_ps(dst, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(cols)), table));
+      _mm512_storeu_ps(dst + 16, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(cols, 1)), table));
+    } else {
+      _mm512_storeu_si512((uint16_t*)out + 2 * b, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(cols), table16));
     }
   }
 }

@@ -38,6 +38,8 @@ activations (equal to the decode kernel to ~1e-5 relative, not bit for bit).
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from lmcompress.kernels import cpu_kernels, int4_reference, reference
@@ -197,6 +199,21 @@ def dequantize_rows(
     return W.to(dtype)
 
 
+_BUFFERS = threading.local()  # per thread: the last prefill block buffer of each dtype
+
+
+def _buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat buffer of at least ``numel`` elements of ``dtype``, kept between calls (a fresh
+    one of a few MiB costs its page faults on every call: ~10 % of a 512-token prefill)."""
+    kept = getattr(_BUFFERS, "by_dtype", None)
+    if kept is None:
+        kept = _BUFFERS.by_dtype = {}
+    buffer = kept.get(dtype)
+    if buffer is None or buffer.numel() < numel:
+        buffer = kept[dtype] = torch.empty(numel, dtype=dtype)
+    return buffer[:numel]
+
+
 def block_rows(in_features: int, dtype: torch.dtype) -> int:
     """Output rows per prefill block: ``BLOCK_BYTES`` of dequantized weight, a multiple of 16."""
     elem = torch.finfo(dtype).bits // 8
@@ -219,7 +236,7 @@ def prefill(
     dtype = x.dtype if x.dtype.is_floating_point else torch.float32
     x = x.to(dtype)
     out_features, block = scales.shape[0], block_rows(in_features, dtype)
-    buffer = torch.empty((min(block, out_features), in_features), dtype=dtype)  # reused
+    buffer = _buffer(min(block, out_features) * in_features, dtype).view(-1, in_features)
 
     def rows(start: int, end: int) -> torch.Tensor:
         return dequantize_rows(
