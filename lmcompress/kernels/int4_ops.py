@@ -8,8 +8,8 @@ the same way over the kept axis, and ``nm = (indices, n, m)`` their positions
 
 :func:`linear` takes one of two paths:
 
-- **decode** (at most ``MAX_TOKENS`` tokens, bits ≤ 4, fp32 or bf16 activations, eager on CPU,
-  the kernels built): ``lmc_int4_linear`` reads the packed codes directly. Each token's
+- **decode** (at most ``MAX_TOKENS`` = 6 tokens, bits ≤ 4, fp32 or bf16 activations, eager on
+  CPU, the kernels built): ``lmc_int4_linear`` reads the packed codes directly. Each token's
   activations are quantized per weight group to **int16** (``absmax / 32767``), the group's
   products are exact integers on 16-bit lanes (AVX-512 ``vpdpwssd`` with VNNI, ``vpmaddwd`` +
   add without; a plain loop without AVX-512 BW/VL), and the float part (per group
@@ -44,7 +44,11 @@ import torch
 
 from lmcompress.kernels import cpu_kernels, int4_reference, reference
 
-MAX_TOKENS = cpu_kernels.MAX_TOKENS  # the decode kernel up to this many tokens
+# The decode kernel up to this many tokens: its cost grows with each token (16-bit products),
+# the prefill path's hardly (one dequantization, then the bf16 matmul). Over SmolLM2's 210
+# decoder linears in bf16, one thread (ms, decode / prefill): 4 tokens 58 / 89, 6 tokens
+# 43 / 46, 8 tokens 76 / 65, 12 tokens 154 / 92 (a CPU shared with other processes).
+MAX_TOKENS = 6
 BLOCK_BYTES = 4 << 20  # dequantized weight per prefill block (stays in cache for the matmul)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
