@@ -1357,16 +1357,23 @@ extern "C" void lmc_int4_linear(const void* x_in, int x_kind, int64_t T, int64_t
 // possible values are computed once a group (the same product, and for bf16 the same rounding
 // to nearest even as f32_to_bf16: the values are finite), then looked up by code (vpermw /
 // vpermps), 64 columns a step, the codes put in column order by byte unpacks.
-static void int4_dequant_group(const uint8_t* row, int64_t nbytes, int z, float s, void* out,
-                               bool f32) {
-  __m512 table = _mm512_mul_ps(
+// The 16 values (q - z) * s of a group, fp32, and rounded to bf16 (in 16-bit lanes).
+static inline void int4_tables(int z, float s, __m512* table, __m512i* table16) {
+  *table = _mm512_mul_ps(
       _mm512_cvtepi32_ps(_mm512_sub_epi32(
           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(z))),
       _mm512_set1_ps(s));
-  __m512i u = _mm512_castps_si512(table);
+  __m512i u = _mm512_castps_si512(*table);
   u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
                                            _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-  const __m512i table16 = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+  *table16 = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+
+static void int4_dequant_group(const uint8_t* row, int64_t nbytes, int z, float s, void* out,
+                               bool f32) {
+  __m512 table;
+  __m512i table16;
+  int4_tables(z, s, &table, &table16);
   const __m256i low4 = _mm256_set1_epi8(15);
   int64_t b = 0;
   for (; b + 32 <= nbytes; b += 32) {
@@ -1401,6 +1408,44 @@ static void int4_dequant_group(const uint8_t* row, int64_t nbytes, int z, float 
 }
 #endif
 
+#ifdef LMC_INT4_NM_FAST
+// A packed 2:4 group of G (a multiple of 64) inputs starting at input c0: the kept values
+// looked up by code, then expanded by the keep mask into the inputs' lanes (zeros where pruned).
+static void int4_dequant_24_group(const uint8_t* codes, const uint8_t* row_idx, int64_t c0,
+                                  int64_t G, int z, float s, void* out, bool f32) {
+  __m512 table;
+  __m512i table16;
+  int4_tables(z, s, &table, &table16);
+  const __m128i low4 = _mm_set1_epi8(15);
+  for (int64_t c = c0; c < c0 + G; c += 64) {
+    int64_t j = c / 2;
+    __m128i v = _mm_loadu_si128((const __m128i*)(codes + j / 2));
+    __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+    __m128i k0 = _mm_unpacklo_epi8(lo, hi), k1 = _mm_unpackhi_epi8(lo, hi);  // kept order
+    uint32_t m0 = mask_24(row_idx + j / 4), m1 = mask_24(row_idx + j / 4 + 4);
+    if (f32) {
+      alignas(64) float vals[32];
+      _mm512_store_ps(vals, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(k0), table));
+      _mm512_store_ps(vals + 16, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(k1), table));
+      float* dst = (float*)out + c;
+      const float* src = vals;
+      uint32_t masks[2] = {m0, m1};
+      for (int h = 0; h < 4; h++) {
+        __mmask16 mk = (__mmask16)(masks[h / 2] >> (16 * (h % 2)));
+        _mm512_storeu_ps(dst + 16 * h, _mm512_maskz_expandloadu_ps(mk, src));
+        src += _mm_popcnt_u32(mk);
+      }
+    } else {
+      __m512i vals = _mm512_permutexvar_epi16(
+          _mm512_cvtepu8_epi16(_mm256_set_m128i(k1, k0)), table16);
+      uint16_t* dst = (uint16_t*)out + c;
+      _mm512_storeu_si512(dst, _mm512_maskz_expand_epi16(m0, vals));
+      _mm512_storeu_si512(dst + 32, _mm512_maskz_expand_epi16(m1, _mm512_shuffle_i64x2(vals, vals, 0xEE)));
+    }
+  }
+}
+#endif
+
 extern "C" void lmc_int4_dequant(const uint8_t* codes, int64_t code_stride, const float* scales,
                                  const uint8_t* zeros, int64_t groups, int64_t G,
                                  const uint8_t* idx, int64_t idx_stride, int n, int m, int bits,
@@ -1412,6 +1457,14 @@ extern "C" void lmc_int4_dequant(const uint8_t* codes, int64_t code_stride, cons
     const uint8_t* row = codes + o * code_stride;
     float* wf = w_kind == F32 ? (float*)W + r * in : 0;
     uint16_t* wb = w_kind == F32 ? 0 : (uint16_t*)W + r * in;
+#ifdef LMC_INT4_NM_FAST
+    if (idx && n == 2 && m == 4 && G % 64 == 0) {
+      for (int64_t g = 0; g < groups; g++)
+        int4_dequant_24_group(row, idx + o * idx_stride, g * G, G, zeros[o * groups + g],
+                              scales[o * groups + g], wf ? (void*)wf : (void*)wb, wf != 0);
+      continue;
+    }
+#endif
     if (idx) {
       if (wf) memset(wf, 0, sizeof(float) * in);
       else memset(wb, 0, sizeof(uint16_t) * in);
