@@ -24,10 +24,10 @@ Why int16 activations and not int8 (``vpdpbusd``, twice the products an instruct
 means the activations keep their precision. Measured on SmolLM2's shapes
 (``benchmarks/results/int4_speed.md``, max |y - y_float| / max |y_float| over 16 tokens against
 the float dequantized matmul): int16 codes per group (what the kernel computes) 2e-5, 1e-4 with
-one activation 100x the others; int8 codes per group (absmax / 127) 5e-3 to 6e-3, and 2e-2 to
-3e-2 with the outlier; merely rounding the activations to bf16 1e-3 (5e-4 with the outlier).
-int8 activations would be 3-60x further from W4A16 than bf16's own rounding, and decode would
-visibly disagree with prefill (float activations); int16 stays 10-50x inside bf16's rounding.
+one activation 100x the others; int8 codes per group (absmax / 127) 6e-3, and 2e-2 to 3e-2 with
+the outlier; merely rounding the activations to bf16 2e-3 (4e-4 to 7e-4 with the outlier).
+int8 activations would be 3-80x further from W4A16 than bf16's own rounding, and decode would
+visibly disagree with prefill (float activations); int16 stays 4-90x inside bf16's rounding.
 The price is two 16-bit multiply-adds per 64 weights instead of one 8-bit one: the kernel is
 bound by its instructions on weights held in cache, by the weight bytes from memory.
 
