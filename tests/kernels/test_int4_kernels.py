@@ -220,3 +220,34 @@ def test_the_vector_loops_are_built_where_the_cpu_has_them():
     if not {"avx512bw", "avx512vl"} <= flags:
         pytest.skip("no AVX-512 BW/VL here")
     assert cpu_kernels.library().lmc_int4_vector() == 1
+
+
+def test_the_avx512_loops_without_vnni_are_the_reference_too(tmp_path, monkeypatch):
+    """The library built without VNNI (as on an AVX-512 CPU that lacks it): the 16-bit
+    products by ``vpmaddwd`` + add instead of ``vpdpwssd``, still bit for bit."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    if not {"avx512bw", "avx512vl", "avx512_vbmi2"} <= flags:
+        pytest.skip("no AVX-512 BW/VL/VBMI2 here")
+    no_vnni = ["-O3", "-march=native", "-mno-avx512vnni", "-mno-avxvnni", "-fopenmp"]
+    monkeypatch.setenv("LMCOMPRESS_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "FLAG_SETS", (no_vnni,))
+    monkeypatch.setattr(cpu_kernels, "_cpu_identity", lambda: "this CPU without VNNI")
+    cpu_kernels.library.cache_clear()
+    try:
+        assert cpu_kernels.library().lmc_int4_vector() == 1
+        g = torch.Generator().manual_seed(8)
+        for out, in_features, group_size in [(9, 576, 64), (7, 1056, 32), (5, 192, 96)]:
+            qweight, scales, zeros = _weight(out, in_features, 4, group_size)
+            x = torch.randn(5, in_features, generator=g)
+            want = R4.decode_linear(x, qweight, scales, zeros, 4, group_size, in_features)
+            got = int4_ops.decode(x, qweight, scales, zeros, 4, group_size, in_features)
+            assert torch.equal(got, want)
+        qweight, scales, zeros, nm = _nm_weight(7, 512, 4, 128, 2, 4)
+        x = torch.randn(3, 512, generator=g).bfloat16()
+        want = R4.decode_linear(x, qweight, scales, zeros, 4, 128, 512, None, nm)
+        assert torch.equal(int4_ops.decode(x, qweight, scales, zeros, 4, 128, 512, None, nm), want)
+    finally:
+        cpu_kernels.library.cache_clear()
