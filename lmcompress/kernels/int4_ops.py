@@ -240,7 +240,9 @@ def prefill(
     dtype = x.dtype if x.dtype.is_floating_point else torch.float32
     x = x.to(dtype)
     out_features, block = scales.shape[0], block_rows(in_features, dtype)
-    buffer = _buffer(min(block, out_features) * in_features, dtype).view(-1, in_features)
+    buffer = None  # autograd keeps each block's weight for the backward: a new one each
+    if not (x.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling():
+        buffer = _buffer(min(block, out_features) * in_features, dtype).view(-1, in_features)
 
     def rows(start: int, end: int) -> torch.Tensor:
         return dequantize_rows(

@@ -251,3 +251,17 @@ def test_the_avx512_loops_without_vnni_are_the_reference_too(tmp_path, monkeypat
         assert torch.equal(int4_ops.decode(x, qweight, scales, zeros, 4, 128, 512, None, nm), want)
     finally:
         cpu_kernels.library.cache_clear()
+
+
+def test_gradients_through_prefill_blocks_are_the_dequantized_linear_s(monkeypatch):
+    """A block's weight is saved for the backward: blocks are not written into one reused
+    buffer when the input needs a gradient (they would all be the last block's)."""
+    monkeypatch.setattr(int4_ops, "BLOCK_BYTES", 16 * 64 * 4)
+    qweight, scales, zeros = _weight(40, 64, 4, 32)
+    W = R4.dequantize(qweight, scales, zeros, 4, 32, 64)
+    x = torch.randn(20, 64, requires_grad=True)
+    kw = {"bits": 4, "group_size": 32, "in_features": 64}
+    int4_ops.linear(x, qweight, scales, zeros, **kw).square().sum().backward()
+    x2 = x.detach().clone().requires_grad_(True)
+    F.linear(x2, W).square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
