@@ -17,6 +17,8 @@
 //                        product between them is torch._int_mm).
 //   lmc_lowrank_float    y = (x A^T) B^T + bias.
 //   lmc_nm_unpack        the dense (out, in) weight, any 1, 2 or 4-byte element (prefill).
+//   lmc_int4_linear,     weight-only int4 / int3 (packed nibbles, per-group scales and zeros):
+//   lmc_int4_dequant     the decode linear and the prefill dequantization (their section below).
 //
 // 2:4 on AVX-512 takes 32 inputs at a time: their 16 kept values, their 16 2-bit positions
 // (4 bytes) turned into lane indices 0..31, and one two-register permute of x per token
@@ -823,5 +825,675 @@ extern "C" void lmc_group_argmax(const float* logits, int64_t G, int C, uint8_t*
     for (int c = 1; c < C && l[best] == l[best]; c++)
       if (l[c] > l[best] || l[c] != l[c]) best = c;
     out[g] = (uint8_t)best;
+  }
+}
+
+// ---- weight-only int4 / int3 (packed nibbles) ---------------------------------------------
+//
+//   lmc_int4_linear   y (T, out) = x (T, in) @ W^T + bias, W = (q - z) * s per group of G input
+//                     columns (lmcompress/kernels/int4_reference.py), for a few tokens: the packed
+//                     codes are read directly. Each token's activations are quantized per group
+//                     to int16 (absmax / 32767, half to even), the group's products
+//                     D = sum (q - z) * x16 are exact integers (vpdpwssd, or vpmaddwd + add, on
+//                     16-bit lanes; a plain loop without AVX-512), and the float part is fixed:
+//                     acc = acc + ((float)D * s) * x_scale, group after group, then + bias. So
+//                     every path (vector, scalar) equals int4_reference.decode_linear bit for bit.
+//                     Dense codes: 2 codes a byte, low nibble the even column; the even and odd
+//                     columns' activations are stored apart, so one byte load widened to 16 bits
+//                     gives both (& 15, >> 4) and D = sum q x - z * sum x. Packed 2:4 (idx not
+//                     null): kept codes packed the same way, positions as pack_nm's; 64 inputs a
+//                     step gathered with vpermt2w as the int8 2:4 loop does, D = sum (q - z) x.
+//   lmc_int4_dequant  rows [row0, row0 + rows) of W into fp32 or bf16 (prefill: blocks of rows
+//                     that stay in cache for the BLAS matmul). (q - z) * s is one rounded product,
+//                     as in the reference.
+
+static const float INT4_ACT_QMAX = 32767.0f;
+// The compilers may fuse a product and a later sum into one FMA (GCC's default
+// -ffp-contract=fast for C++): an empty asm that "changes" the value keeps it rounded.
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+#define LMC_OPAQUE(v) __asm__("" : "+x"(v))
+#define LMC_OPAQUE_V(v) __asm__("" : "+v"(v))
+#elif (defined(__GNUC__) || defined(__clang__)) && defined(__aarch64__)
+#define LMC_OPAQUE(v) __asm__("" : "+w"(v))
+#else
+#define LMC_OPAQUE(v) \
+  do {                \
+    volatile float lmc_v = (v); \
+    (v) = lmc_v;      \
+  } while (0)
+#endif
+static const int INT4_FLUSH_STEPS = 256;  // int32 lanes: < 256 * 4 * 15 * 32768 < 2^31
+
+struct Int4Acts {  // the quantized activations of T tokens
+  int16_t* xq;     // (T, in)
+  int16_t* xe;     // (T, half): even columns
+  int16_t* xo;     // (T, half): odd columns (0 past the end)
+  float* scale;    // (T, groups)
+  int64_t* sum;    // (T, groups): sum of the group's codes
+  int32_t* sum32;  // the same, as int32 (exact for G <= 65536)
+  int64_t half;
+};
+
+static void int4_quantize_group(const float* x, int64_t len, float s, int16_t* q) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-32768.0f), hi = _mm512_set1_ps(32767.0f);
+  for (; i + 16 <= len; i += 16) {
+    __m512 c = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), vs),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    c = _mm512_min_ps(_mm512_max_ps(c, lo), hi);
+    _mm256_storeu_si256((__m256i*)(q + i), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(c)));
+  }
+#endif
+  for (; i < len; i++) {
+    float c = nearbyintf(x[i] / s);
+    q[i] = (int16_t)(c < -32768.0f ? -32768.0f : (c > 32767.0f ? 32767.0f : c));
+  }
+}
+
+static Int4Acts int4_prepare(const void* x_in, int x_kind, int64_t T, int64_t in, int64_t groups,
+                             int64_t G) {
+  Int4Acts a;
+  a.half = (in + 1) / 2;
+  a.xq = (int16_t*)malloc(sizeof(int16_t) * T * in);
+  a.xe = (int16_t*)malloc(sizeof(int16_t) * T * a.half);
+  a.xo = (int16_t*)malloc(sizeof(int16_t) * T * a.half);
+  a.scale = (float*)malloc(sizeof(float) * T * groups);
+  a.sum = (int64_t*)malloc(sizeof(int64_t) * T * groups);
+  a.sum32 = (int32_t*)malloc(sizeof(int32_t) * T * groups);
+  float* x = (float*)malloc(sizeof(float) * in);
+  for (int64_t t = 0; t < T; t++) {
+    for (int64_t i = 0; i < in; i++) x[i] = load_value(x_in, x_kind, t * in + i);
+    for (int64_t g = 0; g < groups; g++) {
+      const float* xg = x + g * G;
+      float hi = -INFINITY, lo = INFINITY;
+      for (int64_t i = 0; i < G; i++) {
+        hi = xg[i] > hi ? xg[i] : hi;
+        lo = xg[i] < lo ? xg[i] : lo;
+      }
+      float absmax = hi > -lo ? hi : -lo;
+      float s = absmax / INT4_ACT_QMAX;
+      if (s < 1e-12f) s = 1e-12f;
+      int16_t* q = a.xq + t * in + g * G;
+      int4_quantize_group(xg, G, s, q);
+      int64_t total = 0;
+      for (int64_t i = 0; i < G; i++) total += q[i];
+      a.scale[t * groups + g] = s;
+      a.sum[t * groups + g] = total;
+      a.sum32[t * groups + g] = (int32_t)total;
+    }
+    for (int64_t j = 0; j < a.half; j++) {
+      a.xe[t * a.half + j] = a.xq[t * in + 2 * j];
+      a.xo[t * a.half + j] = 2 * j + 1 < in ? a.xq[t * in + 2 * j + 1] : 0;
+    }
+  }
+  free(x);
+  return a;
+}
+
+static void int4_free(Int4Acts* a) {
+  free(a->xq);
+  free(a->xe);
+  free(a->xo);
+  free(a->scale);
+  free(a->sum);
+  free(a->sum32);
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#define LMC_INT4_VECTOR 1
+static inline int64_t reduce_epi32_to_64(__m512i v) {
+  __m512i lo = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(v));
+  __m512i hi = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(v, 1));
+  return _mm512_reduce_add_epi64(_mm512_add_epi64(lo, hi));
+}
+
+// sum[t] += sum over bytes [0, nbytes) of (c & 15) * xe[t] + (c >> 4) * xo[t]: 32 bytes (64
+// inputs) a step, the last step masked.
+template <int TN>
+static void int4_bytes_vector(const uint8_t* row, const int16_t* xe, const int16_t* xo,
+                              int64_t stride, int64_t nbytes, int64_t* sum) {
+  __m512i acc[TN];
+  for (int t = 0; t < TN; t++) acc[t] = _mm512_setzero_si512();
+  const __m512i low4 = _mm512_set1_epi16(15);
+  int steps = 0;
+  for (int64_t b = 0; b < nbytes; b += 32) {
+    int64_t k = nbytes - b;
+    __mmask32 mk = k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << k) - 1);
+    __m512i v = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mk, row + b));
+    __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
+    for (int t = 0; t < TN; t++) {
+      acc[t] = madd16(acc[t], lo, _mm512_maskz_loadu_epi16(mk, xe + t * stride + b));
+      acc[t] = madd16(acc[t], hi, _mm512_maskz_loadu_epi16(mk, xo + t * stride + b));
+    }
+    if (++steps == INT4_FLUSH_STEPS) {
+      for (int t = 0; t < TN; t++) {
+        sum[t] += reduce_epi32_to_64(acc[t]);
+        acc[t] = _mm512_setzero_si512();
+      }
+      steps = 0;
+    }
+  }
+  for (int t = 0; t < TN; t++) sum[t] += reduce_epi32_to_64(acc[t]);
+}
+
+// 2:4 kept codes of one group: 64 inputs (32 kept, 16 code bytes, 8 position bytes) a step;
+// returns the kept values consumed. sum[t] += sum (q - z) * x[t] at the kept positions.
+template <int TN>
+static int64_t int4_24_vector(const uint8_t* codes, const uint8_t* row_idx, const int16_t* x,
+                              int64_t stride, int64_t cols, int z, int64_t* sum) {
+  __m512i acc[TN];
+  for (int t = 0; t < TN; t++) acc[t] = _mm512_setzero_si512();
+  const __m512i upper = _mm512_set1_epi32(32), low4 = _mm512_set1_epi32(15);
+  const __m512i zv = _mm512_set1_epi16((short)z);
+  int64_t steps = cols / 64;
+  for (int64_t b = 0; b < steps; b++) {
+    __m256i plo = _mm512_cvtepi32_epi16(positions_24(row_idx + 8 * b));
+    __m256i phi = _mm512_cvtepi32_epi16(_mm512_add_epi32(positions_24(row_idx + 8 * b + 4), upper));
+    __m512i pos = _mm512_inserti64x4(_mm512_castsi256_si512(plo), phi, 1);
+    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + 16 * b)));
+    __m512i q = _mm512_or_si512(_mm512_and_si512(c, low4), _mm512_slli_epi32(_mm512_srli_epi32(c, 4), 16));
+    q = _mm512_sub_epi16(q, zv);
+    for (int t = 0; t < TN; t++) {
+      const int16_t* xb = x + t * stride + 64 * b;
+      __m512i xg = _mm512_permutex2var_epi16(_mm512_loadu_si512(xb), pos, _mm512_loadu_si512(xb + 32));
+      acc[t] = madd16(acc[t], q, xg);
+    }
+    if ((b + 1) % INT4_FLUSH_STEPS == 0) {
+      for (int t = 0; t < TN; t++) {
+        sum[t] += reduce_epi32_to_64(acc[t]);
+        acc[t] = _mm512_setzero_si512();
+      }
+    }
+  }
+  for (int t = 0; t < TN; t++) sum[t] += reduce_epi32_to_64(acc[t]);
+  return 32 * steps;
+}
+#endif
+
+extern "C" int lmc_int4_vector(void) {  // 1: the AVX-512 int4 loops were compiled in
+#ifdef LMC_INT4_VECTOR
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+static inline int int4_code(const uint8_t* codes, int64_t j) {
+  return (codes[j >> 1] >> ((j & 1) * 4)) & 15;
+}
+
+// D[t] for group g of dense row `row` (tokens t0 .. t0 + TN): exact integers.
+template <int TN>
+static void int4_group_dense(const Int4Acts& a, int64_t t0, int64_t in, int64_t groups, int64_t G,
+                             const uint8_t* row, int z, int64_t g, int vector, int64_t* D) {
+  int64_t sum[TN] = {0};
+  if (G % 2 == 0 || groups == 1) {  // the group is whole bytes
+    int64_t b0 = g * G / 2, b1 = g == groups - 1 ? a.half : (g + 1) * G / 2;
+    const int16_t* xe = a.xe + t0 * a.half + b0;
+    const int16_t* xo = a.xo + t0 * a.half + b0;
+#ifdef LMC_INT4_VECTOR
+    if (vector) {
+      int4_bytes_vector<TN>(row + b0, xe, xo, a.half, b1 - b0, sum);
+    } else
+#endif
+    {
+      for (int64_t b = 0; b < b1 - b0; b++) {
+        int32_t lo = row[b0 + b] & 15, hi = row[b0 + b] >> 4;
+        for (int t = 0; t < TN; t++) sum[t] += lo * xe[t * a.half + b] + hi * xo[t * a.half + b];
+      }
+    }
+  } else {
+    for (int64_t i = g * G; i < (g + 1) * G; i++) {
+      int32_t q = int4_code(row, i);
+      for (int t = 0; t < TN; t++) sum[t] += q * a.xq[(t0 + t) * in + i];
+    }
+  }
+  for (int t = 0; t < TN; t++) D[t] = sum[t] - (int64_t)z * a.sum[(t0 + t) * groups + g];
+  (void)vector;
+}
+
+// The same for packed N:M kept codes (groups over the original columns; G a multiple of m).
+template <int TN>
+static void int4_group_nm(const Int4Acts& a, int64_t t0, int64_t in, int64_t groups, int64_t G,
+                          const uint8_t* codes, const uint8_t* row_idx, int n, int m, int bits,
+                          int z, int64_t g, int vector, int64_t* D) {
+  int64_t sum[TN] = {0};
+  int64_t c0 = g * G, j0 = c0 / m * n, j1 = (c0 + G) / m * n, done = 0;
+#ifdef LMC_INT4_VECTOR
+  if (vector && n == 2 && m == 4 && c0 % 8 == 0)
+    done = int4_24_vector<TN>(codes + j0 / 2, row_idx + j0 / 4, a.xq + t0 * in + c0, in, G, z, sum);
+#endif
+  (void)vector;
+  for (int64_t j = j0 + done; j < j1; j++) {
+    int pos = position(row_idx, j, bits);
+    if (pos >= m) continue;  // never stored by pack_nm; loaders refuse it (memory safety)
+    int32_t q = int4_code(codes, j) - z;
+    int64_t col = j / n * m + pos;
+    for (int t = 0; t < TN; t++) sum[t] += q * a.xq[(t0 + t) * in + col];
+  }
+  for (int t = 0; t < TN; t++) D[t] = sum[t];
+}
+
+// The float part (int4_reference.decode_linear): p_g = ((float)D_g * s_g) * x_scale_g goes
+// into partial g % 16; the 16 partials are then added in a fixed tree (i + 8, i + 4, i + 2,
+// i + 1), so that 16 groups at a time can run in vector lanes.
+static inline void int4_add_partial(float* part, int64_t g, int64_t D, float s, float xs) {
+  float p = (float)D * s;
+  p = p * xs;
+  LMC_OPAQUE(p);  // rounded here: never contracted with the sum into an FMA
+  part[g & 15] = part[g & 15] + p;
+}
+
+static inline float int4_tree(const float* part) {
+  float s8[8], s4[4];
+  for (int i = 0; i < 8; i++) s8[i] = part[i] + part[i + 8];
+  for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+  float a = s4[0] + s4[2], b = s4[1] + s4[3];
+  return a + b;
+}
+
+#ifdef LMC_INT4_VECTOR
+// r[i] = the sum of the 16 lanes of v[i] (modulo 2^32): a transposing tree of adds.
+static inline __m512i int4_sum16(const __m512i* v) {
+  __m512i u[4];
+  for (int q = 0; q < 4; q++) {
+    const __m512i* w = v + 4 * q;
+    __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(w[0], w[1]), _mm512_unpackhi_epi32(w[0], w[1]));
+    __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(w[2], w[3]), _mm512_unpackhi_epi32(w[2], w[3]));
+    u[q] = _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+  }  // u[q], 128-bit lane j: the lane-j sums of v[4q .. 4q + 3]
+  __m512i w0 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x88), _mm512_shuffle_i32x4(u[0], u[1], 0xDD));
+  __m512i w1 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], 0x88), _mm512_shuffle_i32x4(u[2], u[3], 0xDD));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(w0, w1, 0x88), _mm512_shuffle_i32x4(w0, w1, 0xDD));
+}
+
+// R dense rows (sharing each activation load), 16 groups at a time, for G a multiple of 64 up
+// to 4096 or G = 32 (every D fits in int32, so its lanes may wrap): each group's products in
+// one vector, the 16 groups' sums by one transposing tree, and the float part in 16 lanes.
+template <int TN, int R>
+static void int4_rows_fast(const Int4Acts& a, int64_t t0, int64_t groups, int64_t G,
+                           const uint8_t* const* row, const float* const* srow,
+                           const uint8_t* const* zrow, float* part /* R * TN * 16 */) {
+  __m512 vpart[R][TN];
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < TN; t++) vpart[r][t] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi16(15);
+  __m512i vec[R][TN][16];
+  const int16_t* xe[TN];
+  const int16_t* xo[TN];
+  for (int t = 0; t < TN; t++) {
+    xe[t] = a.xe + (t0 + t) * a.half;
+    xo[t] = a.xo + (t0 + t) * a.half;
+  }
+  const bool pairs = G == 32;  // one 32-byte step holds two groups
+  const int64_t group_bytes = G / 2;
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    int64_t gn = groups - g0 < 16 ? groups - g0 : 16;
+    __mmask16 gm = (__mmask16)((1u << gn) - 1);
+    for (int64_t gi = 0; gi < gn; gi += pairs ? 2 : 1) {
+      __m512i acc[R][TN], acc2[R][TN];  // even and odd columns: independent chains
+      for (int r = 0; r < R; r++)
+        for (int t = 0; t < TN; t++) acc[r][t] = acc2[r][t] = _mm512_setzero_si512();
+      const int64_t b0 = (g0 + gi) * group_bytes;
+      const int64_t nb = pairs ? (gn - gi >= 2 ? 32 : 16) : group_bytes;
+      if (nb == 16) {  // a last single group of 32 columns: half a step, masked loads
+        const __mmask32 mk = (__mmask32)0xffffu;
+        for (int r = 0; r < R; r++) {
+          __m512i v = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mk, row[r] + b0));
+          __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
+          for (int t = 0; t < TN; t++) {
+            acc[r][t] = madd16(acc[r][t], lo, _mm512_maskz_loadu_epi16(mk, xe[t] + b0));
+            acc2[r][t] = madd16(acc2[r][t], hi, _mm512_maskz_loadu_epi16(mk, xo[t] + b0));
+          }
+        }
+      }
+      for (int64_t b = b0; b + 32 <= b0 + nb; b += 32) {  // plain loads (no mask uops)
+        __m512i lo[R], hi[R];
+        for (int r = 0; r < R; r++) {
+          __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(row[r] + b)));
+          lo[r] = _mm512_and_si512(v, low4);
+          hi[r] = _mm512_srli_epi16(v, 4);
+        }
+        for (int t = 0; t < TN; t++) {
+          __m512i e = _mm512_loadu_si512(xe[t] + b), o = _mm512_loadu_si512(xo[t] + b);
+          for (int r = 0; r < R; r++) {
+            acc[r][t] = madd16(acc[r][t], lo[r], e);
+            acc2[r][t] = madd16(acc2[r][t], hi[r], o);
+          }
+        }
+      }
+      for (int r = 0; r < R; r++) {
+        for (int t = 0; t < TN; t++) {
+          __m512i sum = _mm512_add_epi32(acc[r][t], acc2[r][t]);
+          if (pairs) {
+            vec[r][t][gi] = _mm512_maskz_mov_epi32(0x00ff, sum);
+            vec[r][t][gi + 1] = _mm512_maskz_mov_epi32(0xff00, sum);
+          } else {
+            vec[r][t][gi] = sum;
+          }
+        }
+      }
+    }
+    for (int64_t gi = gn + (pairs && gn % 2); gi < 16; gi++)
+      for (int r = 0; r < R; r++)
+        for (int t = 0; t < TN; t++) vec[r][t][gi] = _mm512_setzero_si512();
+    for (int r = 0; r < R; r++) {
+      __m512 s = _mm512_maskz_loadu_ps(gm, srow[r] + g0);
+      __m512i z = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(gm, zrow[r] + g0));
+      for (int t = 0; t < TN; t++) {
+        __m512i sx = _mm512_maskz_loadu_epi32(gm, a.sum32 + (t0 + t) * groups + g0);
+        __m512i D = _mm512_sub_epi32(int4_sum16(vec[r][t]), _mm512_mullo_epi32(z, sx));
+        __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(D), s);
+        p = _mm512_mul_ps(p, _mm512_maskz_loadu_ps(gm, a.scale + (t0 + t) * groups + g0));
+        LMC_OPAQUE_V(p);  // rounded here: never contracted with the sum into an FMA
+        vpart[r][t] = _mm512_add_ps(vpart[r][t], p);
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < TN; t++) _mm512_storeu_ps(part + 16 * (r * TN + t), vpart[r][t]);
+}
+
+#ifdef __AVX512VBMI2__
+#define LMC_INT4_NM_FAST 1
+// A packed 2:4 row, 16 groups at a time, for G a multiple of 64 up to 4096: each 64-input step
+// widens its 32 kept codes to 16-bit lanes, subtracts z, and expands them (vpexpandw, the keep
+// mask from the positions) into the 64 inputs' lanes, zeros where pruned: then the dense
+// step's multiply-adds with the contiguous activations. D = sum (q - z) x, exact in int32.
+template <int TN>
+static void int4_row_nm_fast(const Int4Acts& a, int64_t t0, int64_t in, int64_t groups,
+                             int64_t G, const uint8_t* codes, const uint8_t* row_idx,
+                             const float* srow, const uint8_t* zrow, float* part) {
+  __m512 vpart[TN];
+  for (int t = 0; t < TN; t++) vpart[t] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi32(15);
+  __m512i vec[TN][16];
+  const int16_t* x[TN];
+  for (int t = 0; t < TN; t++) x[t] = a.xq + (t0 + t) * in;
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    int64_t gn = groups - g0 < 16 ? groups - g0 : 16;
+    __mmask16 gm = (__mmask16)((1u << gn) - 1);
+    for (int64_t gi = 0; gi < gn; gi++) {
+      __m512i acc[TN], acc2[TN];
+      for (int t = 0; t < TN; t++) acc[t] = acc2[t] = _mm512_setzero_si512();
+      const __m512i zv = _mm512_set1_epi16((short)zrow[g0 + gi]);
+      for (int64_t c = (g0 + gi) * G; c < (g0 + gi + 1) * G; c += 64) {  // c: first input
+        int64_t j = c / 2;  // first kept value
+        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + j / 2)));
+        __m512i q = _mm512_or_si512(_mm512_and_si512(b, low4), _mm512_slli_epi32(_mm512_srli_epi32(b, 4), 16));
+        q = _mm512_sub_epi16(q, zv);
+        __m512i w0 = _mm512_maskz_expand_epi16(mask_24(row_idx + j / 4), q);
+        __m512i w1 = _mm512_maskz_expand_epi16(mask_24(row_idx + j / 4 + 4), _mm512_shuffle_i64x2(q, q, 0xEE));
+        for (int t = 0; t < TN; t++) {
+          acc[t] = madd16(acc[t], w0, _mm512_loadu_si512(x[t] + c));
+          acc2[t] = madd16(acc2[t], w1, _mm512_loadu_si512(x[t] + c + 32));
+        }
+      }
+      for (int t = 0; t < TN; t++) vec[t][gi] = _mm512_add_epi32(acc[t], acc2[t]);
+    }
+    for (int64_t gi = gn; gi < 16; gi++)
+      for (int t = 0; t < TN; t++) vec[t][gi] = _mm512_setzero_si512();
+    __m512 s = _mm512_maskz_loadu_ps(gm, srow + g0);
+    for (int t = 0; t < TN; t++) {
+      __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(int4_sum16(vec[t])), s);
+      p = _mm512_mul_ps(p, _mm512_maskz_loadu_ps(gm, a.scale + (t0 + t) * groups + g0));
+      LMC_OPAQUE_V(p);  // rounded here: never contracted with the sum into an FMA
+      vpart[t] = _mm512_add_ps(vpart[t], p);
+    }
+  }
+  for (int t = 0; t < TN; t++) _mm512_storeu_ps(part + 16 * t, vpart[t]);
+}
+#endif
+
+// Rows o .. o + R - 1 (R = 1 or 2) for tokens t0 .. t0 + tn: acc[r * TILE + t].
+template <int R>
+static void int4_rows_fast_tn(const Int4Acts& a, int64_t t0, int64_t tn, int64_t groups,
+                              int64_t G, const uint8_t* codes, int64_t code_stride,
+                              const float* scales, const uint8_t* zeros, int64_t o, float* acc) {
+  const uint8_t* row[R];
+  const float* srow[R];
+  const uint8_t* zrow[R];
+  for (int r = 0; r < R; r++) {
+    row[r] = codes + (o + r) * code_stride;
+    srow[r] = scales + (o + r) * groups;
+    zrow[r] = zeros + (o + r) * groups;
+  }
+  float part[R * TILE * 16];
+  if (tn == 4) int4_rows_fast<4, R>(a, t0, groups, G, row, srow, zrow, part);
+  else if (tn == 3) int4_rows_fast<3, R>(a, t0, groups, G, row, srow, zrow, part);
+  else if (tn == 2) int4_rows_fast<2, R>(a, t0, groups, G, row, srow, zrow, part);
+  else int4_rows_fast<1, R>(a, t0, groups, G, row, srow, zrow, part);
+  for (int r = 0; r < R; r++)
+    for (int64_t t = 0; t < tn; t++) acc[r * TILE + t] = int4_tree(part + 16 * (r * tn + t));
+}
+#endif
+
+template <int TN>
+static void int4_row(const Int4Acts& a, int64_t t0, int64_t in, const uint8_t* codes,
+                     int64_t code_stride, const float* scales, const uint8_t* zeros,
+                     int64_t groups, int64_t G, const uint8_t* idx, int64_t idx_stride, int n,
+                     int m, int bits, int64_t o, int vector, float* acc) {
+  const uint8_t* row = codes + o * code_stride;
+  float part[TN * 16] = {0};
+#ifdef LMC_INT4_NM_FAST
+  if (vector && idx && n == 2 && m == 4 && G % 64 == 0 && G <= 4096) {
+    int4_row_nm_fast<TN>(a, t0, in, groups, G, row, idx + o * idx_stride, scales + o * groups,
+                         zeros + o * groups, part);
+    for (int t = 0; t < TN; t++) acc[t] = int4_tree(part + 16 * t);
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < groups; g++) {
+    int64_t D[TN];
+    int z = zeros[o * groups + g];
+    if (idx)
+      int4_group_nm<TN>(a, t0, in, groups, G, row, idx + o * idx_stride, n, m, bits, z, g, vector, D);
+    else
+      int4_group_dense<TN>(a, t0, in, groups, G, row, z, g, vector, D);
+    float s = scales[o * groups + g];
+    for (int t = 0; t < TN; t++)
+      int4_add_partial(part + 16 * t, g, D[t], s, a.scale[(t0 + t) * groups + g]);
+  }
+  for (int t = 0; t < TN; t++) acc[t] = int4_tree(part + 16 * t);
+}
+
+extern "C" void lmc_int4_linear(const void* x_in, int x_kind, int64_t T, int64_t in,
+                                const uint8_t* codes, int64_t code_stride, const float* scales,
+                                const uint8_t* zeros, int64_t groups, int64_t G,
+                                const uint8_t* idx, int64_t idx_stride, int n, int m, int bits,
+                                int64_t out, const void* bias, int b_kind, void* y, int y_kind,
+                                int vector, int threads) {
+  Int4Acts a = int4_prepare(x_in, x_kind, T, in, groups, G);
+#ifdef LMC_INT4_VECTOR
+  if (vector && !idx && (G == 32 || (G % 64 == 0 && G <= 4096))) {  // two rows at a time
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t pair = 0; pair < (out + 1) / 2; pair++) {
+      int64_t o = 2 * pair;
+      for (int64_t t0 = 0; t0 < T; t0 += TILE) {
+        int64_t tn = T - t0 < TILE ? T - t0 : TILE;
+        float acc[2 * TILE];
+        int R = o + 1 < out ? 2 : 1;
+        if (R == 2) int4_rows_fast_tn<2>(a, t0, tn, groups, G, codes, code_stride, scales, zeros, o, acc);
+        else int4_rows_fast_tn<1>(a, t0, tn, groups, G, codes, code_stride, scales, zeros, o, acc);
+        for (int r = 0; r < R; r++) {
+          for (int64_t t = 0; t < tn; t++) {
+            float v = acc[r * TILE + t];
+            if (bias) v = v + load_value(bias, b_kind, o + r);
+            store_value(y, y_kind, (t0 + t) * out + o + r, v);
+          }
+        }
+      }
+    }
+    int4_free(&a);
+    return;
+  }
+#endif
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t o = 0; o < out; o++) {
+    for (int64_t t0 = 0; t0 < T; t0 += TILE) {
+      int64_t tn = T - t0 < TILE ? T - t0 : TILE;
+      float acc[TILE] = {0};
+      if (tn == 4)
+        int4_row<4>(a, t0, in, codes, code_stride, scales, zeros, groups, G, idx, idx_stride, n, m, bits, o, vector, acc);
+      else if (tn == 3)
+        int4_row<3>(a, t0, in, codes, code_stride, scales, zeros, groups, G, idx, idx_stride, n, m, bits, o, vector, acc);
+      else if (tn == 2)
+        int4_row<2>(a, t0, in, codes, code_stride, scales, zeros, groups, G, idx, idx_stride, n, m, bits, o, vector, acc);
+      else
+        int4_row<1>(a, t0, in, codes, code_stride, scales, zeros, groups, G, idx, idx_stride, n, m, bits, o, vector, acc);
+      for (int64_t t = 0; t < tn; t++) {
+        float v = acc[t];
+        if (bias) v = v + load_value(bias, b_kind, o);
+        store_value(y, y_kind, (t0 + t) * out + o, v);
+      }
+    }
+  }
+  int4_free(&a);
+}
+
+#ifdef LMC_INT4_VECTOR
+// (q - z) * s of a group's nbytes (a multiple of 16) packed bytes into fp32 or bf16: the 16
+// possible values are computed once a group (the same product, and for bf16 the same rounding
+// to nearest even as f32_to_bf16: the values are finite), then looked up by code (vpermw /
+// vpermps), 64 columns a step, the codes put in column order by byte unpacks.
+// The 16 values (q - z) * s of a group, fp32, and rounded to bf16 (in 16-bit lanes).
+static inline void int4_tables(int z, float s, __m512* table, __m512i* table16) {
+  *table = _mm512_mul_ps(
+      _mm512_cvtepi32_ps(_mm512_sub_epi32(
+          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(z))),
+      _mm512_set1_ps(s));
+  __m512i u = _mm512_castps_si512(*table);
+  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                           _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+  *table16 = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+
+static void int4_dequant_group(const uint8_t* row, int64_t nbytes, int z, float s, void* out,
+                               bool f32) {
+  __m512 table;
+  __m512i table16;
+  int4_tables(z, s, &table, &table16);
+  const __m256i low4 = _mm256_set1_epi8(15);
+  int64_t b = 0;
+  for (; b + 32 <= nbytes; b += 32) {
+    __m256i v = _mm256_loadu_si256((const __m256i*)(row + b));
+    __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    __m256i a = _mm256_unpacklo_epi8(lo, hi), c = _mm256_unpackhi_epi8(lo, hi);
+    __m256i cols[2] = {_mm256_permute2x128_si256(a, c, 0x20), _mm256_permute2x128_si256(a, c, 0x31)};
+    for (int k = 0; k < 2; k++) {  // 32 columns each, in order
+      if (f32) {
+        float* dst = (float*)out + 2 * b + 32 * k;
+        _mm512_storeu_ps(dst, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(cols[k])), table));
+        _mm512_storeu_ps(dst + 16, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(cols[k], 1)), table));
+      } else {
+        _mm512_storeu_si512((uint16_t*)out + 2 * b + 32 * k,
+                            _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(cols[k]), table16));
+      }
+    }
+  }
+  if (b < nbytes) {  // 16 bytes left: 32 columns
+    __m128i v = _mm_loadu_si128((const __m128i*)(row + b));
+    const __m128i low4x = _mm_set1_epi8(15);
+    __m128i lo = _mm_and_si128(v, low4x), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4x);
+    __m256i cols = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+    if (f32) {
+      float* dst = (float*)out + 2 * b;
+      _mm512_storeu_ps(dst, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(cols)), table));
+      _mm512_storeu_ps(dst + 16, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(cols, 1)), table));
+    } else {
+      _mm512_storeu_si512((uint16_t*)out + 2 * b, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(cols), table16));
+    }
+  }
+}
+#endif
+
+#ifdef LMC_INT4_NM_FAST
+// A packed 2:4 group of G (a multiple of 64) inputs starting at input c0: the kept values
+// looked up by code, then expanded by the keep mask into the inputs' lanes (zeros where pruned).
+static void int4_dequant_24_group(const uint8_t* codes, const uint8_t* row_idx, int64_t c0,
+                                  int64_t G, int z, float s, void* out, bool f32) {
+  __m512 table;
+  __m512i table16;
+  int4_tables(z, s, &table, &table16);
+  const __m128i low4 = _mm_set1_epi8(15);
+  for (int64_t c = c0; c < c0 + G; c += 64) {
+    int64_t j = c / 2;
+    __m128i v = _mm_loadu_si128((const __m128i*)(codes + j / 2));
+    __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+    __m128i k0 = _mm_unpacklo_epi8(lo, hi), k1 = _mm_unpackhi_epi8(lo, hi);  // kept order
+    uint32_t m0 = mask_24(row_idx + j / 4), m1 = mask_24(row_idx + j / 4 + 4);
+    if (f32) {
+      alignas(64) float vals[32];
+      _mm512_store_ps(vals, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(k0), table));
+      _mm512_store_ps(vals + 16, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(k1), table));
+      float* dst = (float*)out + c;
+      const float* src = vals;
+      uint32_t masks[2] = {m0, m1};
+      for (int h = 0; h < 4; h++) {
+        __mmask16 mk = (__mmask16)(masks[h / 2] >> (16 * (h % 2)));
+        _mm512_storeu_ps(dst + 16 * h, _mm512_maskz_expandloadu_ps(mk, src));
+        src += _mm_popcnt_u32(mk);
+      }
+    } else {
+      __m512i vals = _mm512_permutexvar_epi16(
+          _mm512_cvtepu8_epi16(_mm256_set_m128i(k1, k0)), table16);
+      uint16_t* dst = (uint16_t*)out + c;
+      _mm512_storeu_si512(dst, _mm512_maskz_expand_epi16(m0, vals));
+      _mm512_storeu_si512(dst + 32, _mm512_maskz_expand_epi16(m1, _mm512_shuffle_i64x2(vals, vals, 0xEE)));
+    }
+  }
+}
+#endif
+
+extern "C" void lmc_int4_dequant(const uint8_t* codes, int64_t code_stride, const float* scales,
+                                 const uint8_t* zeros, int64_t groups, int64_t G,
+                                 const uint8_t* idx, int64_t idx_stride, int n, int m, int bits,
+                                 int64_t row0, int64_t rows, int64_t in, void* W, int w_kind,
+                                 int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t r = 0; r < rows; r++) {
+    int64_t o = row0 + r;
+    const uint8_t* row = codes + o * code_stride;
+    float* wf = w_kind == F32 ? (float*)W + r * in : 0;
+    uint16_t* wb = w_kind == F32 ? 0 : (uint16_t*)W + r * in;
+#ifdef LMC_INT4_NM_FAST
+    if (idx && n == 2 && m == 4 && G % 64 == 0) {
+      for (int64_t g = 0; g < groups; g++)
+        int4_dequant_24_group(row, idx + o * idx_stride, g * G, G, zeros[o * groups + g],
+                              scales[o * groups + g], wf ? (void*)wf : (void*)wb, wf != 0);
+      continue;
+    }
+#endif
+    if (idx) {
+      if (wf) memset(wf, 0, sizeof(float) * in);
+      else memset(wb, 0, sizeof(uint16_t) * in);
+      const uint8_t* row_idx = idx + o * idx_stride;
+      int64_t kept = in / m * n;
+      for (int64_t j = 0; j < kept; j++) {
+        int pos = position(row_idx, j, bits);
+        if (pos >= m) continue;
+        int64_t col = j / n * m + pos, g = col / G;
+        float v = (float)(int4_code(row, j) - zeros[o * groups + g]) * scales[o * groups + g];
+        if (wf) wf[col] = v;
+        else wb[col] = f32_to_bf16(v);
+      }
+      continue;
+    }
+    for (int64_t g = 0; g < groups; g++) {
+      float s = scales[o * groups + g];
+      int z = zeros[o * groups + g];
+#ifdef LMC_INT4_VECTOR
+      if (G % 32 == 0) {  // 32 columns (16 bytes) a step
+        int4_dequant_group(row + g * G / 2, G / 2, z, s, wf ? (void*)(wf + g * G) : (void*)(wb + g * G), wf != 0);
+        continue;
+      }
+#endif
+      if (wf) {
+        for (int64_t i = g * G; i < (g + 1) * G; i++) wf[i] = (float)(int4_code(row, i) - z) * s;
+      } else {
+        for (int64_t i = g * G; i < (g + 1) * G; i++) wb[i] = f32_to_bf16((float)(int4_code(row, i) - z) * s);
+      }
+    }
   }
 }

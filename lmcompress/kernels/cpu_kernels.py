@@ -9,7 +9,9 @@ each compressed weight once per call for up to four tokens at a time:
   bf16: 56 % of the dense bytes); and the unpacking itself, for more tokens;
 - int8 W8A8: activation quantization, the integer products and the rescale in one pass,
   bit-identical to the torch computation;
-- low rank: both factors' products in one call.
+- low rank: both factors' products in one call;
+- weight-only int4 (``lmc_int4_*``, called by :mod:`lmcompress.kernels.int4_ops`): the packed
+  4-bit codes for a few tokens, their dequantization by blocks for more.
 
 On SmolLM2's 210 decoder linears at one token they run 2–4× faster than torch's
 (``benchmarks/results/speed.md``).
@@ -80,6 +82,11 @@ SIGNATURES = {
     "lmc_soft_mask_backward": [_VOID, _VOID, _I64, _INT, _INT, _F32, _F32, _VOID, _I64, _I64]
     + [_U64, _VOID, _VOID, _VOID, _INT],
     "lmc_group_argmax": [_VOID, _I64, _INT, _VOID, _INT],
+    "lmc_int4_vector": [],
+    "lmc_int4_linear": [_VOID, _INT, _I64, _I64, _VOID, _I64, _VOID, _VOID, _I64, _I64, _VOID]
+    + [_I64, _INT, _INT, _INT, _I64, _VOID, _INT, _VOID, _INT, _INT, _INT],
+    "lmc_int4_dequant": [_VOID, _I64, _VOID, _VOID, _I64, _I64, _VOID, _I64, _INT, _INT, _INT]
+    + [_I64, _I64, _I64, _VOID, _INT, _INT],
 }
 
 
@@ -104,7 +111,12 @@ def library() -> ctypes.CDLL | None:
         return None
     for name, args in SIGNATURES.items():
         getattr(lib, name).argtypes = args
-        returns_int = name in ("lmc_nm_simd", "lmc_nm_first_bad_byte", "lmc_all_finite")
+        returns_int = name in (
+            "lmc_nm_simd",
+            "lmc_nm_first_bad_byte",
+            "lmc_all_finite",
+            "lmc_int4_vector",
+        )
         getattr(lib, name).restype = _INT if returns_int else None
     logger.debug("compiled CPU kernels loaded (AVX-512 2:4 loops: %s)", bool(lib.lmc_nm_simd()))
     return lib
