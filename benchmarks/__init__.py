@@ -75,6 +75,7 @@ BENCHMARKS = (
     "maskllm_fsdp",
     "bad_inputs",
     "int8_speed",
+    "int4_speed",
     "subnet_digits",
     "streaming",
     "layer_speed",

@@ -31,6 +31,7 @@ LAZY = {  # (module, import) -> why it is inside a function
 }
 TORCH_AT_THE_TOP = {
     "int8_speed": "measured in the driver's own process",
+    "int4_speed": "measured in the driver's own process",
     "subnet_digits": "measured in the driver's own process",
     "layer_speed": "measured in the driver's own process",
     "load_checks": "measured in the driver's own process",
