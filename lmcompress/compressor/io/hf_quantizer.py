@@ -28,7 +28,6 @@ imports it.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -49,7 +48,7 @@ from lmcompress.compressor.io.layout import (
     TRANSFORMS_PREFIX,
 )
 from lmcompress.compressor.io.shards import TensorFiles  # torch and safetensors only
-from lmcompress.errors import ModelLoadError, first_line
+from lmcompress.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +106,7 @@ class LmcompressHfQuantizer(HfQuantizer):
         self.stored = TensorFiles.of_files(checkpoint_files)
         layers = self.quantization_config.compressed_layers
         transforms = self.quantization_config.transforms
-        self.compare_manifest(Path(checkpoint_files[0]).parent)
+        manifest = self.compare_manifest(Path(checkpoint_files[0]).parent)
         # a stored tensor under a compressed layer or a transform must be one the config lists
         prefixes = (TRANSFORMS_PREFIX, *(f"{name}." for name in layers))
         found = {key for key in self.stored.files if key.startswith(prefixes)}
@@ -120,6 +119,8 @@ class LmcompressHfQuantizer(HfQuantizer):
                     f"compressed layer {name} is not in the {model.config.model_type} model"
                 ) from None
         self.check_dense_keys(model, layers)
+        if manifest is not None:
+            self.check_stored_dtypes(model, layers, manifest["dtype"])
         skeleton = _MetaTensors(self.stored, layers, model.dtype)
         replace_modules(
             model, layers, lambda name, old: replay_layer(name, old, layers[name], skeleton, None)
@@ -165,31 +166,58 @@ class LmcompressHfQuantizer(HfQuantizer):
                 f"{model.config.model_type} model does not have, e.g. {extra[0]}"
             )
 
-    def compare_manifest(self, directory: Path) -> None:
-        """``compression.json`` beside the weights, if any, says what the config says (the
-        other loaders read it: both must build the same model)."""
-        from lmcompress.compressor.io.replay import (
-            check_layers,
-            check_transforms,
-            compare_manifests,
-        )
+    def compare_manifest(self, directory: Path) -> dict[str, Any] | None:
+        """``compression.json`` beside the weights, if any, checked as ``load_compressed``
+        checks it (its ``dtype``, transforms and report well formed, and its loading entry equal
+        to the config's: the other loaders read it, and both must build the same model);
+        returned, or ``None`` where there is none."""
+        from lmcompress.compressor.io.load import read_manifest
 
-        path = directory / MANIFEST
-        if not path.is_file():
-            return
-        try:
-            manifest = json.loads(path.read_text())
-            version = manifest["format_version"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
-            raise ModelLoadError(f"{path}: unreadable manifest ({first_line(err)})") from None
-        where = str(path)
-        layers = check_layers(manifest.get("compressed_layers", {}), version, where)
-        transforms = check_transforms(manifest.get("transforms", []), where)
-        config = {
-            "compressed_layers": self.quantization_config.compressed_layers,
-            "transforms": self.quantization_config.transforms,
-        }  # checked and upgraded already: today's format version
-        compare_manifests(config, layers, transforms, where)
+        if not (directory / MANIFEST).is_file():
+            return None
+        return read_manifest(directory)
+
+    def check_stored_dtypes(self, model, layers: dict[str, Any], dtype_name: str) -> None:
+        """Every stored floating tensor in the export's dtype, as ``load_compressed`` requires
+        (a format's scales excepted): the loader would cast a float16 tensor of a float32
+        export into the model's dtype without a word, hiding a tampered or foreign file. And
+        every dense tensor of the shape ``config.json`` builds (one line, not transformers'
+        size-mismatch traceback)."""
+        from lmcompress.compressor.formats.catalog import format_class
+        from lmcompress.compressor.io.load import key_renaming
+        from lmcompress.compressor.model.loading import resolve_dtype
+
+        dtype = resolve_dtype(dtype_name)
+        for name, entry in layers.items():
+            cls = format_class(entry["format"])
+            tensors = {
+                key: torch.empty(0, dtype=self.stored.header(f"{name}.{key}")[1], device="meta")
+                for key in entry["tensors"]
+                if f"{name}.{key}" in self.stored.headers
+                and self.stored.header(f"{name}.{key}")[1].is_floating_point
+            }  # an integer one: the schema's own message, from from_state below
+            try:
+                cls.schema.check_stored_dtypes(cls.format, tensors, dtype)
+            except ModelLoadError as err:
+                raise ModelLoadError(f"compressed layer {name}: {err}") from None
+        rename, skip = key_renaming(model), tuple(f"{name}." for name in layers)
+        expected = model.state_dict()
+        for key in sorted(self.stored.files):
+            target = expected.get(rename(key))
+            stored = self.stored.header(key)[1]
+            if key.startswith(skip) or target is None:
+                continue
+            shape = list(self.stored.header(key)[0])
+            if shape != list(target.shape):  # transformers' own error is a traceback
+                raise ModelLoadError(
+                    f"{QUANT_METHOD} checkpoint: {rename(key)} is {shape} in the dense weights "
+                    f"but {list(target.shape)} by config.json"
+                )
+            if target.is_floating_point() and stored != dtype:
+                raise ModelLoadError(
+                    f"{QUANT_METHOD} checkpoint: dense {rename(key)} is "
+                    f"{str(stored).removeprefix('torch.')}, but the export's dtype is {dtype_name}"
+                )
 
     def _process_model_after_weight_loading(self, model, **_):
         """Check the loaded values as ``from_state`` does; install the transforms."""

@@ -204,3 +204,31 @@ def test_int8_dense_runtime_computes_in_the_exports_dtype(tmp_path, edited):
     assert dense.get_submodule(LAYER).weight.dtype == torch.bfloat16
     with torch.no_grad():
         torch.testing.assert_close(dense(ids).logits, packed(ids).logits, rtol=0.05, atol=0.05)
+
+
+# transformers' config class refuses this one itself (a ValueError) before any loader runs
+NOT_THROUGH_FROM_PRETRAINED = {"hidden_size 640"}
+
+
+@pytest.mark.parametrize("case", sorted(set(TAMPERED) - NOT_THROUGH_FROM_PRETRAINED))
+def test_from_pretrained_refuses_every_tampering_of_a_compact_export(tmp_path, case):
+    """The quantizer route checks what load_compressed checks: compression.json's fields, the
+    stored dtypes (a float16 tensor in a float32 export would be cast without a word), the
+    dense shapes (else transformers' size-mismatch traceback)."""
+    import transformers
+
+    kind, edit, _ = TAMPERED[case]
+    out = _export(tmp_path, kind, dense_copy=False)
+    edit(out)
+    with pytest.raises(ModelLoadError) as info:
+        transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert "\n" not in str(info.value)
+
+
+def test_from_pretrained_still_loads_a_float32_export_in_bfloat16(tmp_path):
+    """The stored dtypes are compared with the export's, not with the dtype asked for."""
+    import transformers
+
+    out = _export(tmp_path, "2:4", dense_copy=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    assert model.get_submodule(LAYER).values.dtype == torch.bfloat16
