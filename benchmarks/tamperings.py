@@ -118,6 +118,12 @@ EDITS = {  # name -> (the export it edits, the edit)
     ),
     "manifest dtype edited": ("2:4", edit_json(MANIFEST, lambda m: set_fields(m, dtype="int8"))),
     "hidden_size 640": ("2:4", edit_json("config.json", lambda c: set_fields(c, hidden_size=640))),
+    "hidden_size not a multiple of the heads": (
+        "2:4",
+        edit_json(
+            "config.json", lambda c: set_fields(c, hidden_size=c["num_attention_heads"] * 8 + 1)
+        ),
+    ),
     "vocab_size + 1": (
         "2:4",
         edit_json("config.json", lambda c: set_fields(c, vocab_size=c["vocab_size"] + 1)),

@@ -45,7 +45,7 @@ from lmcompress.compressor.io.replay import (
     stored_keys,
 )
 from lmcompress.compressor.io.shards import TensorFiles, open_safetensors
-from lmcompress.compressor.model.checkpoint import check_local_dir
+from lmcompress.compressor.model.checkpoint import LOAD_ERRORS, check_local_dir, config_error
 from lmcompress.compressor.model.loading import check_device, load_tokenizer, resolve_dtype
 from lmcompress.compressor.model.surgery import in_out_features, replace_modules
 from lmcompress.compressor.report import CompressionReport
@@ -186,8 +186,8 @@ def build_model(
         raise ConfigError(f"unknown device {device!r}: {err}") from None
     try:
         config = transformers.AutoConfig.from_pretrained(out_dir)
-    except (OSError, ValueError, KeyError) as err:
-        raise ModelLoadError(f"{out_dir}: unreadable config: {first_line(err)}") from None
+    except LOAD_ERRORS as err:
+        raise ModelLoadError(f"{out_dir}: unreadable config: {config_error(err)}") from None
     # A dense copy in another tool's quantized layout (compressed-tensors) says so in its
     # config; the skeleton is built plain and the compressed layers are replayed from our file.
     if getattr(config, "quantization_config", None) is not None:

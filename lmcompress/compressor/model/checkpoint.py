@@ -38,7 +38,24 @@ _PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
 
 
 # What a broken or foreign checkpoint raises inside transformers / safetensors / gguf parsing.
-LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
+# huggingface_hub's StrictDataclassError: a config whose fields break a rule of its class
+# (transformers 5 validates configs: a hidden_size its attention heads do not divide)
+LOAD_ERRORS = (
+    OSError,
+    ValueError,
+    KeyError,
+    RuntimeError,
+    SafetensorError,
+    huggingface_hub.errors.StrictDataclassError,
+)
+
+
+def config_error(err: BaseException) -> str:
+    """What is wrong with a config, in one line: a validation error's cause (the rule that
+    failed) rather than its wrapper's "Class validation error for validator ..."."""
+    if isinstance(err, huggingface_hub.errors.StrictDataclassError) and err.__cause__:
+        return first_line(err.__cause__)
+    return first_line(err)
 
 
 _HUB_TIMEOUT_S = 5.0  # for the one request that decides whether the hub is reachable
@@ -179,7 +196,7 @@ def read_config(source: str, trust_remote_code: bool, where: object, **kwargs):
             source, trust_remote_code=trust_remote_code, **kwargs
         )
     except LOAD_ERRORS as err:
-        raise ModelLoadError(f"{where}: unreadable config: {first_line(err)}") from err
+        raise ModelLoadError(f"{where}: unreadable config: {config_error(err)}") from err
     check_family(config.model_type, where)
     return config
 

@@ -51,6 +51,7 @@ MESSAGES = {  # what each tampering's one-line refusal says, on the tiny model
     "a malformed transform entry": "malformed transform 0",
     "manifest dtype edited": "dtype is 'int8'",
     "hidden_size 640": "q_proj is 32x32, but 32x640 in the model config.json builds",
+    "hidden_size not a multiple of the heads": "unreadable config: The hidden size \\(33\\) is not",
     "vocab_size + 1": (
         "model.embed_tokens.weight is \\[256, 32\\] in the dense weights but \\[257, 32\\]"
     ),
@@ -207,7 +208,7 @@ def test_int8_dense_runtime_computes_in_the_exports_dtype(tmp_path, edited):
 
 
 # transformers' config class refuses this one itself (a ValueError) before any loader runs
-NOT_THROUGH_FROM_PRETRAINED = {"hidden_size 640"}
+NOT_THROUGH_FROM_PRETRAINED = {"hidden_size 640", "hidden_size not a multiple of the heads"}
 
 
 @pytest.mark.parametrize("case", sorted(set(TAMPERED) - NOT_THROUGH_FROM_PRETRAINED))
