@@ -48,6 +48,7 @@ from torch import nn
 
 from lmcompress.compressor.formats.base import CompressedLinear, ModelTransform, installed
 from lmcompress.compressor.formats.catalog import format_class
+from lmcompress.compressor.io.compressed_tensors import refusal as compressed_tensors_refusal
 from lmcompress.compressor.io.compressed_tensors import write_compressed_tensors
 from lmcompress.compressor.io.layout import (
     COMPRESSED_TENSORS,
@@ -147,6 +148,14 @@ def interop_layout(compressed: dict[str, CompressedLinear], dense_copy: bool) ->
         logger.warning(
             "GPT-2's Conv1D layers have no compressed-tensors form: the dense copy holds "
             "the dequantized weights instead"
+        )
+        return None
+    if interop == "compressed-tensors" and (
+        why := compressed_tensors_refusal(compressed, loadable=True)
+    ):
+        logger.warning(
+            "no compressed-tensors form (%s): the dense copy holds the dequantized weights instead",
+            why,
         )
         return None
     return interop
