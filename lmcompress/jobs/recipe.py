@@ -38,6 +38,7 @@ from torch import nn
 
 from lmcompress.compressor.config import MethodConfig
 from lmcompress.compressor.formats.base import CompressedLinear
+from lmcompress.compressor.io import gguf_export
 from lmcompress.compressor.io.output import OutputDir
 from lmcompress.compressor.method import Method
 from lmcompress.compressor.model.families import family_of
@@ -316,6 +317,7 @@ def check_stages(
     first = get_method(configs[0].method)(configs[0])
     plan = preflight(options, first, output)
     stored: dict[str, list[str | None]] = {}  # layer -> the formats earlier stages store it in
+    grids: dict[str, tuple[Any, Any, Any] | None] = {}  # layer -> its last stage's low-bit grid
     for index in range(len(configs)):
         if index == 0:
             method = first
@@ -328,4 +330,40 @@ def check_stages(
                 plan.estimate = estimate
         for name in method.validate(plan.skeleton):
             stored.setdefault(name, []).append(method.stored_format(name))
+            grids[name] = grid_of(configs[index])
+    if options.export == "gguf":
+        check_gguf(plan.skeleton.config, stored, grids)
     return plan
+
+
+def grid_of(config: MethodConfig) -> tuple[Any, Any, Any] | None:
+    """``(bits, group_size, symmetric)`` of a weight-only low-bit stage (its config's ``bits``,
+    ``group_size`` and ``sym``), else ``None``."""
+    if not hasattr(config, "bits"):
+        return None
+    symmetric = getattr(config, "sym", getattr(config, "symmetric", True))
+    return config.bits, getattr(config, "group_size", None), symmetric
+
+
+def check_gguf(
+    model_config: Any,
+    stored: dict[str, list[str | None]],
+    grids: dict[str, tuple[Any, Any, Any] | None],
+) -> None:
+    """``--export gguf``, before any work: the family, and every compressed layer stored in a
+    weight-only low-bit format (dense or N:M packed: both written dense as Q4_0/Q8_0) on a
+    grid Q4_0/Q8_0 hold exactly (the stage that compressed it last)."""
+    if why := gguf_export.family_refusal(model_config):
+        raise ConfigError(why)
+    if not stored:
+        raise ConfigError("--export gguf: no layer is quantized")
+    for name, formats in stored.items():
+        last = formats[-1]
+        if last not in gguf_export.LOW_BIT_FORMATS or grids.get(name) is None:
+            kind = "a dense weight" if last is None else last
+            raise ConfigError(
+                f"--export gguf writes weight-only 4/8-bit layers (--method gptq or rtn), but "
+                f"{name} would be stored as {kind}"
+            )
+        if why := gguf_export.grid_refusal(*grids[name]):
+            raise ConfigError(why)

@@ -105,6 +105,7 @@ class InMemoryModel:
             extra=results,
             stats=stats,
             dense_copy=options.dense_copy,
+            exports=(options.export,) if options.export else (),
         )
         results["output"] = options.output
 
