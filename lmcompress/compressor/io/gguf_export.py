@@ -257,15 +257,9 @@ def _tokenizer(writer: Any, fields: dict[str, Any]) -> None:
     writer.add_token_list(fields["tokens"])
     writer.add_token_types(fields["types"])
     writer.add_token_merges(fields["merges"])
-    adders = {
-        "bos": writer.add_bos_token_id,
-        "eos": writer.add_eos_token_id,
-        "unk": writer.add_unk_token_id,
-        "pad": writer.add_pad_token_id,
-    }
-    for key, add in adders.items():
-        if fields["ids"][key] is not None:
-            add(int(fields["ids"][key]))
+    for key, token_id in fields["ids"].items():  # add_bos_token_id, add_eos_token_id, ...
+        if token_id is not None:
+            getattr(writer, f"add_{key}_token_id")(int(token_id))
     writer.add_add_bos_token(fields["add_bos"])
     if fields["chat_template"]:
         writer.add_chat_template(fields["chat_template"])
@@ -305,42 +299,8 @@ def write_gguf(
         raise LmcompressError("--export gguf needs the model's tokenizer")
     fields = tokenizer_fields(tokenizer, config.vocab_size)
     arch = FAMILIES[config.model_type]
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", heads)
-    float_type, float_np = _float_type(dtype or torch.float32)
-
-    tensors: list[tuple[str, np.ndarray, Any]] = []
+    tensors, worst = _tensors(model, compressed, arch, dtype or torch.float32)
     counts: dict[str, int] = {}
-    worst = 0.0
-    tied = getattr(config, "tie_word_embeddings", False)
-    prefixes = tuple(f"{n}." for n in compressed)
-    for key, value in model.state_dict().items():
-        if key.startswith(prefixes) or (tied and key == "lm_head.weight"):
-            continue
-        module_name, _, suffix = key.rpartition(".")
-        target = names.get_name(module_name)
-        if target is None:
-            raise LmcompressError(f"{key} has no GGUF tensor name for {arch}")
-        tensor = value.detach().cpu()
-        if arch == "llama" and module_name.endswith(("q_proj", "k_proj")):
-            tensor = permute_rows(tensor, heads if module_name.endswith("q_proj") else kv_heads)
-        kind = Q.F32 if tensor.dim() == 1 else float_type
-        tensors.append((f"{target}.{suffix}", _float_array(tensor, kind, float_np), kind))
-    for module_name, module in compressed.items():
-        target = names.get_name(module_name)
-        codes, scales = module.weight_codes(), module.scales
-        half, change = fp16_scales(scales)
-        worst = max(worst, change)
-        if arch == "llama" and module_name.endswith(("q_proj", "k_proj")):
-            count = heads if module_name.endswith("q_proj") else kv_heads
-            codes, half = permute_rows(codes, count), permute_rows(half, count)
-        kind = Q.Q4_0 if module.bits == 4 else Q.Q8_0
-        blocks = (q4_0_blocks if module.bits == 4 else q8_0_blocks)(codes, half)
-        tensors.append((f"{target}.weight", blocks, kind))
-        bias = getattr(module, "bias", None)
-        if bias is not None:
-            tensors.append((f"{target}.bias", bias.detach().float().cpu().numpy(), Q.F32))
     for kind in (t[2] for t in tensors):
         counts[kind.name] = counts.get(kind.name, 0) + 1
     if worst:
@@ -349,7 +309,6 @@ def write_gguf(
             "weights differ from the runtime's by as much)",
             worst,
         )
-
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name or getattr(config, "_name_or_path", "") or arch)
@@ -363,21 +322,70 @@ def write_gguf(
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _tokenizer(writer, fields)
     for tensor_name, array, kind in tensors:
-        raw = kind if kind not in (Q.F32, Q.F16) else None
-        writer.add_tensor(tensor_name, array, raw_dtype=raw)
+        writer.add_tensor(tensor_name, array, raw_dtype=None if kind in (Q.F32, Q.F16) else kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    info = {
+    logger.info("wrote %s (%s)", path, ", ".join(f"{n} {k}" for k, n in counts.items()))
+    return {
         "file": Path(path).name,
         "architecture": arch,
         "tensor_types": dict(sorted(counts.items())),
         "scale_fp16_max_relative_change": worst,
         "tokenizer_pre": fields["pre"],
     }
-    logger.info("wrote %s (%s)", path, ", ".join(f"{n} {k}" for k, n in counts.items()))
-    return info
+
+
+def _tensors(
+    model: nn.Module, compressed: Mapping[str, nn.Module], arch: str, dtype: torch.dtype
+) -> tuple[list[tuple[str, np.ndarray, Any]], float]:
+    """``[(GGUF name, array, type)]`` of every tensor to write, and the largest relative change
+    of a scale rounded to float16."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    config = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", heads)
+
+    def rotary_heads(module_name: str) -> int | None:  # llama's permuted Q/K rows
+        if arch != "llama" or not module_name.endswith(("q_proj", "k_proj")):
+            return None
+        return heads if module_name.endswith("q_proj") else kv_heads
+
+    float_type, float_np = _float_type(dtype)
+    tensors: list[tuple[str, np.ndarray, Any]] = []
+    tied = getattr(config, "tie_word_embeddings", False)
+    prefixes = tuple(f"{n}." for n in compressed)
+    for key, value in model.state_dict().items():
+        if key.startswith(prefixes) or (tied and key == "lm_head.weight"):
+            continue
+        module_name, _, suffix = key.rpartition(".")
+        target = names.get_name(module_name)
+        if target is None:
+            raise LmcompressError(f"{key} has no GGUF tensor name for {arch}")
+        tensor = value.detach().cpu()
+        if count := rotary_heads(module_name):
+            tensor = permute_rows(tensor, count)
+        kind = Q.F32 if tensor.dim() == 1 else float_type
+        tensors.append((f"{target}.{suffix}", _float_array(tensor, kind, float_np), kind))
+    worst = 0.0
+    for module_name, module in compressed.items():
+        codes = module.weight_codes()
+        half, change = fp16_scales(module.scales)
+        worst = max(worst, change)
+        if count := rotary_heads(module_name):
+            codes, half = permute_rows(codes, count), permute_rows(half, count)
+        kind = Q.Q4_0 if module.bits == 4 else Q.Q8_0
+        blocks = (q4_0_blocks if module.bits == 4 else q8_0_blocks)(codes, half)
+        target = names.get_name(module_name)
+        tensors.append((f"{target}.weight", blocks, kind))
+        bias = getattr(module, "bias", None)
+        if bias is not None:
+            tensors.append((f"{target}.bias", bias.detach().float().cpu().numpy(), Q.F32))
+    return tensors, worst
 
 
 def _float_array(tensor: torch.Tensor, kind: Any, float_np: Any) -> np.ndarray:

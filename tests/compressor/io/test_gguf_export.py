@@ -235,3 +235,111 @@ def test_what_gguf_cannot_hold_is_one_line(tmp_path):
     with pytest.raises(LmcompressError, match="stored int8"):
         write_gguf(model, tmp_path / GGUF_FILE, int8, _bpe_tokenizer())
     assert not (tmp_path / GGUF_FILE).exists()  # refused before the file is opened
+
+
+# --- through the int4 formats and save_compressed(exports=("gguf",)) -------------------------
+
+
+@pytest.mark.parametrize("fp16_exact", [True, False])
+def test_save_compressed_writes_the_gguf_transformers_loads_as_our_runtime(fp16_exact, tmp_path):
+    """RTN ``int4`` layers (4-bit attention, 8-bit MLP, symmetric, group 32) saved with
+    ``exports=("gguf",)``: transformers' GGUF loader gives our runtime's weights bit for bit when
+    the scales are float16 numbers (``fp16_exact``: rounded before the codes are fixed, what an
+    exact export needs), and else the weights with the scales rounded to float16, within
+    ``2^-11`` relative of ours; perplexity on random ids to 1e-5 relative when exact, 1e-3
+    otherwise (measured ~1e-5 here)."""
+    import json
+
+    from lmcompress.compressor.formats.int4 import Int4Linear
+    from lmcompress.compressor.io.load import load_compressed
+    from lmcompress.compressor.io.save import save_compressed
+    from lmcompress.compressor.report import CompressionReport
+
+    model = _llama()
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in n]
+
+    def compress(name, layer):
+        layer = Int4Linear.from_linear(layer, bits=_mixed(name), group_size=32, symmetric=True)
+        if fp16_exact:
+            layer.scales = layer.scales.half().float()
+        return layer
+
+    replace_modules(model, names, compress)
+    report = CompressionReport(method="test", config={})
+    out = save_compressed(
+        model, tmp_path / "out", report, tokenizer=_bpe_tokenizer(), exports=("gguf",)
+    )
+    info = json.loads((out / "compression.json").read_text())["results"]["gguf"]
+    assert info["tensor_types"] == {"F32": 6, "Q4_0": 8, "Q8_0": 6}  # tied head: not written
+    change = info["scale_fp16_max_relative_change"]
+    assert change == 0.0 if fp16_exact else 0 < change <= 2**-11
+
+    ours, _, _ = load_compressed(out, runtime="packed")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        out, gguf_file=GGUF_FILE, dtype=torch.float32
+    ).eval()
+    for name in names:
+        layer = ours.get_submodule(name)
+        W = layer.dense_weight()
+        if not fp16_exact:
+            codes = layer.weight_codes().float().view(W.shape[0], -1, 32)
+            zeros = layer.zeros.float().unsqueeze(-1)
+            W = ((codes - zeros) * layer.scales.half().float().unsqueeze(-1)).view(W.shape)
+        assert torch.equal(loaded.get_submodule(name).weight, W), name
+
+    ids = torch.randint(3, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+
+    def perplexity(m):
+        with torch.no_grad():
+            logits = m(ids).logits
+        nll = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        return nll.exp().item()
+
+    assert perplexity(loaded) == pytest.approx(perplexity(ours), rel=1e-5 if fp16_exact else 1e-3)
+
+
+def test_save_compressed_refuses_a_gguf_it_cannot_write_before_writing(tmp_path):
+    from lmcompress.compressor.formats.int4 import Int4Linear
+    from lmcompress.compressor.io.save import save_compressed
+    from lmcompress.compressor.report import CompressionReport
+
+    model = _llama()
+    name = "model.layers.0.mlp.up_proj"
+    replace_modules(model, [name], lambda _, m: Int4Linear.from_linear(m, bits=4, group_size=64))
+    with pytest.raises(LmcompressError, match="needs --group-size 32"):
+        save_compressed(
+            model, tmp_path / "out", CompressionReport(method="test", config={}),
+            tokenizer=_bpe_tokenizer(), exports=("gguf",),
+        )  # fmt: skip
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_qwen2_model_with_biases_loads_back_unpermuted(tmp_path):
+    """Qwen2: GGUF's ``qwen2`` architecture, no Q/K permutation, q/k/v biases written F32."""
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.uniform_(-0.5, 0.5)
+    quantized = _quantize(model, _mixed)
+    info = write_gguf(model, tmp_path / GGUF_FILE, quantized, _bpe_tokenizer())
+    assert info["architecture"] == "qwen2"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=GGUF_FILE, dtype=torch.float32
+    ).eval()
+    assert loaded.config.model_type == "qwen2"
+    for name, module in quantized.items():
+        layer = loaded.get_submodule(name)
+        assert torch.equal(layer.weight, module.dense_weight()), name
+        if module.bias is not None:
+            assert torch.equal(layer.bias, module.bias), name
+    ids = torch.randint(3, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model(ids).logits, loaded(ids).logits
+    assert ((theirs - ours).abs().max() / ours.abs().max()).item() <= 1e-5

@@ -210,3 +210,88 @@ def test_what_pack_quantized_cannot_hold_is_one_line(tmp_path):
     with pytest.raises(LmcompressError, match="Conv1D"):
         write_compressed_tensors(gpt2, tmp_path, {"transformer.h.0.attn.c_attn": conv})
     assert not any(tmp_path.iterdir())  # every check runs before anything is written
+
+
+# --- through the int4 formats and save_compressed / load_compressed --------------------------
+
+
+def _prune_2_4(layer: nn.Linear) -> nn.Linear:
+    W = layer.weight.detach()
+    groups = W.reshape(W.shape[0], -1, 4)
+    keep = torch.zeros_like(groups, dtype=torch.bool)
+    keep.scatter_(-1, groups.abs().topk(2, -1).indices, True)
+    layer.weight.data.copy_((groups * keep).reshape(W.shape))
+    return layer
+
+
+def _saved(tmp_path, fmt, bits=4, group_size=32, symmetric=True, hidden=32):
+    from conftest import make_tiny_tokenizer
+
+    from lmcompress.compressor.formats.int4 import Int4Linear, PackedNMInt4Linear
+    from lmcompress.compressor.io.save import save_compressed
+    from lmcompress.compressor.report import CompressionReport
+
+    model = _llama(hidden)
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in n]
+    grid = {"bits": bits, "group_size": group_size, "symmetric": symmetric}
+
+    def compress(_name, layer):
+        if fmt == "int4":
+            return Int4Linear.from_linear(layer, **grid)
+        return PackedNMInt4Linear.from_linear(_prune_2_4(layer), n=2, m=4, **grid)
+
+    replace_modules(model, names, compress)
+    report = CompressionReport(method="test", config={})
+    out = save_compressed(model, tmp_path / "out", report, tokenizer=make_tiny_tokenizer())
+    return model, names, out
+
+
+@pytest.mark.parametrize(
+    ("fmt", "bits", "group_size", "hidden"),
+    [
+        ("int4", 4, 32, 32),
+        ("int4", 4, 128, 128),  # W4A16 g128, llm-compressor's default scheme
+        ("int4", 8, -1, 32),  # W8A16 per channel
+        ("nm_packed_int4", 4, 32, 32),  # written dense: pruned positions hold code 8
+    ],
+)
+def test_an_int4_export_loads_in_transformers_as_our_runtime_computes(
+    fmt, bits, group_size, hidden, tmp_path
+):
+    """``save_compressed`` writes the dense copy pack-quantized; plain ``from_pretrained``
+    (transformers + compressed-tensors) holds the runtime's dequantized weights bit for bit and
+    its logits equal ``load_compressed``'s packed runtime to 1e-5 relative (measured 0.0: both
+    run fp32 ``F.linear`` on the same weights; the bound leaves room for a kernel's order)."""
+    from lmcompress.compressor.io.load import load_compressed
+
+    model, names, out = _saved(tmp_path, fmt, bits, group_size, hidden=hidden)
+    manifest = json.loads((out / "compression.json").read_text())
+    assert manifest["interop"]["layout"] == "compressed-tensors"
+    assert manifest["interop"]["quantization_config"]["format"] == "pack-quantized"
+    ours, _, _ = load_compressed(out, runtime="packed")
+    plain = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    expected, theirs = _logits(ours), _logits(plain)
+    for name in names:
+        W = ours.get_submodule(name).dense_weight()
+        assert torch.equal(plain.get_submodule(name).weight, W), name
+    assert ((theirs - expected).abs().max() / expected.abs().max()).item() <= 1e-5
+    if fmt == "nm_packed_int4":  # the 2:4 zeros survive as exact zeros
+        W = plain.model.layers[0].mlp.up_proj.weight
+        assert bool(((W == 0).view(-1, 4).sum(-1) >= 2).all())
+
+
+def test_asymmetric_int4_falls_back_to_dense_weights_transformers_loads(tmp_path, caplog):
+    from lmcompress.compressor.io.load import load_compressed
+
+    with caplog.at_level("WARNING"):
+        model, names, out = _saved(tmp_path, "int4", symmetric=False)
+    assert "llm-compressor#1618" in caplog.text
+    manifest = json.loads((out / "compression.json").read_text())
+    assert manifest["interop"] is None
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config
+    ours, _, _ = load_compressed(out, runtime="packed")
+    plain = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    for name in names:
+        W = ours.get_submodule(name).dense_weight()
+        assert torch.equal(plain.get_submodule(name).weight, W), name
