@@ -343,3 +343,21 @@ def test_a_qwen2_model_with_biases_loads_back_unpermuted(tmp_path):
     with torch.no_grad():
         ours, theirs = model(ids).logits, loaded(ids).logits
     assert ((theirs - ours).abs().max() / ours.abs().max()).item() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kind"), [(torch.float16, "F16"), (torch.bfloat16, "BF16"), (None, "F32")]
+)
+def test_a_16_bit_save_dtype_writes_the_other_tensors_in_it(dtype, kind, tmp_path):
+    model = _llama(tie=False)
+    quantized = _quantize(model)
+    info = write_gguf(model, tmp_path / GGUF_FILE, quantized, _bpe_tokenizer(), dtype=dtype)
+    # the embeddings and the head; the 5 norms stay F32
+    assert info["tensor_types"][kind] == (7 if kind == "F32" else 2)
+    tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / GGUF_FILE).tensors}
+    embd = tensors["token_embd.weight"]
+    assert embd.tensor_type.name == kind
+    read = torch.from_numpy(gguf.quants.dequantize(embd.data, embd.tensor_type).copy())
+    expected = model.model.embed_tokens.weight.detach().to(dtype or torch.float32).float()
+    assert torch.equal(read.float(), expected)
+    assert tensors["output_norm.weight"].tensor_type.name == "F32"
