@@ -177,13 +177,19 @@ def test_streaming_writes_exactly_the_in_memory_tensors(tmp_path, config):
         assert torch.equal(got[key], want[key]), key
 
 
-@pytest.mark.parametrize("keep_mask", [True, False])
-def test_recipe_pruning_then_gptq(tiny_checkpoint, tmp_path, capsys, keep_mask):
+@pytest.mark.parametrize(
+    ("first", "keep_mask"),
+    [
+        ({"method": "sparsegpt", "sparsity": "2:4"}, True),
+        ({"method": "maskllm", "sparsity": "2:4", "steps": 2}, True),  # a learned mask
+        ({"method": "sparsegpt", "sparsity": "2:4"}, False),
+    ],
+)
+def test_recipe_pruning_then_gptq(tiny_checkpoint, tmp_path, capsys, first, keep_mask):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT)
     recipe = tmp_path / "recipe.yaml"
-    stages = [{"method": "sparsegpt", "sparsity": "2:4"},
-              {"method": "gptq", "group_size": 16, "keep_mask": keep_mask}]  # fmt: skip
+    stages = [first, {"method": "gptq", "group_size": 16, "keep_mask": keep_mask}]
     recipe.write_text(yaml.safe_dump({"stages": stages}))
     out = tmp_path / "out"
     argv = ["--config", str(recipe), str(tiny_checkpoint), "--eval", str(corpus), "--calib",
