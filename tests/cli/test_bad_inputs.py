@@ -227,7 +227,8 @@ def _cases(tmp_path, good, corpus):  # noqa: PLR0915 - one table
         "rtn bits 2": ([g, "--method", "rtn", "--bits", "2"], "bits must be one of 3, 4, 8, got 2"),
         "gptq group size not dividing": (
             [g, "--method", "gptq", "--group-size", "24"],
-            "group_size 24 does not divide model.layers.0.self_attn.q_proj's 32 input columns",
+            "group_size 24 does not divide model.layers.0.self_attn.q_proj's 32 input columns "
+            "(-1: one group per output row; 16 divides every selected layer)",
         ),
         "gptq group size 0": ([g, "--method", "gptq", "--group-size", "0"], "or -1 (per output"),
         "gptq act-order with 2:4": (

@@ -10,6 +10,7 @@ puts the packed module in its place, so that the next block calibrates on the qu
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -66,7 +67,18 @@ def grid_options_of(layer: CompressedLinear) -> dict:
 
 
 def check_layers(config: RTNConfig, layers: dict[str, nn.Module]) -> None:
-    """Every selected layer's width fits the options (group size, N:M): one line otherwise."""
+    """Every selected layer's width fits the options (group size, N:M): one line otherwise,
+    naming a group size that fits every layer (SmolLM2-135M's 576: 64, not 128)."""
+    widths = {name: weight_matrix(module).shape[1] for name, module in layers.items()}
+    size, common = config.group_size, math.gcd(*widths.values())
+    if size > 0 and common % size:
+        name = next(n for n, width in widths.items() if width % size)
+        fits = next((d for d in (256, 128, 64, 32, 16, 8) if d < size and common % d == 0), None)
+        hint = f"; {fits} divides every selected layer" if fits else ""
+        raise ConfigError(
+            f"group_size {size} does not divide {name}'s {widths[name]} input columns (-1: one "
+            f"group per output row{hint})"
+        )
     pattern = getattr(config, "pattern", None)
     for name, module in layers.items():
         shape = tuple(weight_matrix(module).shape)
