@@ -322,7 +322,7 @@ def check_stages(
         if index == 0:
             method = first
         else:
-            keeps = get_method(configs[index].method).composes_after
+            keeps = get_method(configs[index].method)(configs[index]).composes_after
             skip = [n for n, f in stored.items() if len(f) > 1 or f[0] not in keeps]
             method, _ = stage_method(plan.skeleton, configs, index, skip)
             estimate = preflight(options, method, output).estimate
