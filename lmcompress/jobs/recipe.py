@@ -33,9 +33,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import transformers
 import yaml
 from torch import nn
 
+from lmcompress.cache import cache_dir
 from lmcompress.compressor.config import MethodConfig
 from lmcompress.compressor.formats.base import CompressedLinear
 from lmcompress.compressor.io import gguf_export
@@ -44,7 +46,7 @@ from lmcompress.compressor.method import Method
 from lmcompress.compressor.model.families import family_of
 from lmcompress.compressor.model.surgery import is_linear
 from lmcompress.compressor.options import flag_name, option_fields, option_value, recipe_value
-from lmcompress.errors import ConfigError, cut, first_line, shown
+from lmcompress.errors import ConfigError, LmcompressError, cut, first_line, shown
 from lmcompress.jobs.options import RunOptions
 from lmcompress.jobs.preflight import Plan, output_of, preflight
 from lmcompress.methods import get_method
@@ -333,7 +335,24 @@ def check_stages(
             grids[name] = grid_of(configs[index])
     if options.export == "gguf":
         check_gguf(plan.skeleton.config, stored, grids)
+        check_gguf_tokenizer(options.checkpoint, plan.skeleton.config.vocab_size)
     return plan
+
+
+def check_gguf_tokenizer(checkpoint: str, vocab_size: int) -> None:
+    """``--export gguf`` needs a byte-level BPE tokenizer: checked before the weights load
+    where the checkpoint is a local directory (or an alias's cached copy) holding one."""
+    local = Path(checkpoint).expanduser()
+    path = local if local.is_dir() else cache_dir() / checkpoint
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        return  # read with the model; the export checks it then
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        gguf_export.tokenizer_fields(tokenizer, vocab_size)
+    except LmcompressError as err:
+        raise ConfigError(first_line(err)) from None
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--export gguf: unreadable tokenizer: {first_line(err)}") from None
 
 
 def grid_of(config: MethodConfig) -> tuple[Any, Any, Any] | None:

@@ -72,3 +72,56 @@ def test_a_job_is_refused_before_the_model_loads(config, tiny_checkpoint, tmp_pa
     with pytest.raises(ConfigError, match="--export gguf writes weight-only"):
         run(options, config)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_gguf_cannot_hold_is_refused_before_the_model_loads(
+    tiny_checkpoint, tmp_path, monkeypatch
+):
+    """The tiny checkpoint's tokenizer is a byte WordLevel one: no tokenizer.ggml form."""
+    from lmcompress.methods.gptq import RTNConfig
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    monkeypatch.setattr("lmcompress.jobs.run.load_model", None)  # called: a TypeError
+    options = RunOptions(
+        checkpoint=str(tiny_checkpoint), calib=str(corpus), eval=(str(corpus),), seq_len=32,
+        nsamples=4, eval_tokens=0, export="gguf", output=str(tmp_path / "out"),
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="byte-level BPE tokenizers"):
+        run(options, RTNConfig(bits=4, group_size=32))
+
+
+def test_a_job_writes_the_gguf_transformers_loads(tmp_path):
+    """``compress-model CKPT --method rtn --bits 4 --group-size 32 --export gguf -o OUT`` through
+    ``run``: OUT/model.gguf beside the export; transformers' GGUF loader gives the runtime's
+    weights with the scales rounded to float16 (RTN's are float32)."""
+    import json
+
+    import torch
+    from compressor.io.test_gguf_export import _bpe_tokenizer, _llama
+
+    from lmcompress.compressor.io.load import load_compressed
+    from lmcompress.methods.gptq import RTNConfig
+
+    checkpoint = tmp_path / "ckpt"
+    _llama().save_pretrained(checkpoint)
+    _bpe_tokenizer().save_pretrained(checkpoint)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    options = RunOptions(
+        checkpoint=str(checkpoint), calib=str(corpus), eval=(str(corpus),), seq_len=32,
+        nsamples=4, eval_tokens=0, export="gguf", output=str(tmp_path / "out"),
+    )  # fmt: skip
+    results = run(options, RTNConfig(bits=4, group_size=32))
+    out = tmp_path / "out"
+    assert results["gguf"]["tensor_types"]["Q4_0"] == 14
+    assert 0 < results["gguf"]["scale_fp16_max_relative_change"] <= 2**-11
+    assert json.loads((out / "compression.json").read_text())["results"]["gguf"]
+    ours, _, _ = load_compressed(out, runtime="packed")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        out, gguf_file="model.gguf", dtype=torch.float32
+    )
+    layer = ours.model.layers[0].mlp.down_proj
+    codes = layer.weight_codes().float().view(layer.out_features, -1, 32)
+    W = (codes - layer.zeros.float().unsqueeze(-1)) * layer.scales.half().float().unsqueeze(-1)
+    assert torch.equal(loaded.model.layers[0].mlp.down_proj.weight, W.flatten(1))
