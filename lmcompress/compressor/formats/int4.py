@@ -128,9 +128,6 @@ class Int4CodedLinear(CompressedLinear):
     :meth:`init_grid`, and implements :meth:`weight_codes`, :meth:`code_tensors`."""
 
     exact_tensors = frozenset({"scales"})  # float32 at any save dtype
-    # the dense copy: pack-quantized (W4A16 / W8A16), as llm-compressor writes GPTQ models
-    # (3 bits, Conv1D and asymmetric grids fall back to dense weights: io/compressed_tensors.py)
-    interop = "compressed-tensors"
 
     def init_grid(
         self,

@@ -224,12 +224,8 @@ def _prune_2_4(layer: nn.Linear) -> nn.Linear:
     return layer
 
 
-def _saved(tmp_path, fmt, bits=4, group_size=32, symmetric=True, hidden=32):
-    from conftest import make_tiny_tokenizer
-
+def _int4_model(fmt, bits=4, group_size=32, symmetric=True, hidden=32):
     from lmcompress.compressor.formats.int4 import Int4Linear, PackedNMInt4Linear
-    from lmcompress.compressor.io.save import save_compressed
-    from lmcompress.compressor.report import CompressionReport
 
     model = _llama(hidden)
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in n]
@@ -241,9 +237,7 @@ def _saved(tmp_path, fmt, bits=4, group_size=32, symmetric=True, hidden=32):
         return PackedNMInt4Linear.from_linear(_prune_2_4(layer), n=2, m=4, **grid)
 
     replace_modules(model, names, compress)
-    report = CompressionReport(method="test", config={})
-    out = save_compressed(model, tmp_path / "out", report, tokenizer=make_tiny_tokenizer())
-    return model, names, out
+    return model, {name: model.get_submodule(name) for name in names}
 
 
 @pytest.mark.parametrize(
@@ -255,43 +249,24 @@ def _saved(tmp_path, fmt, bits=4, group_size=32, symmetric=True, hidden=32):
         ("nm_packed_int4", 4, 32, 32),  # written dense: pruned positions hold code 8
     ],
 )
-def test_an_int4_export_loads_in_transformers_as_our_runtime_computes(
+def test_int4_layers_load_in_transformers_as_our_runtime_computes(
     fmt, bits, group_size, hidden, tmp_path
 ):
-    """``save_compressed`` writes the dense copy pack-quantized; plain ``from_pretrained``
-    (transformers + compressed-tensors) holds the runtime's dequantized weights bit for bit and
-    its logits equal ``load_compressed``'s packed runtime to 1e-5 relative (measured 0.0: both
-    run fp32 ``F.linear`` on the same weights; the bound leaves room for a kernel's order)."""
-    from lmcompress.compressor.io.load import load_compressed
-
-    model, names, out = _saved(tmp_path, fmt, bits, group_size, hidden=hidden)
-    manifest = json.loads((out / "compression.json").read_text())
-    assert manifest["interop"]["layout"] == "compressed-tensors"
-    assert manifest["interop"]["quantization_config"]["format"] == "pack-quantized"
-    ours, _, _ = load_compressed(out, runtime="packed")
-    plain = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    expected, theirs = _logits(ours), _logits(plain)
-    for name in names:
-        W = ours.get_submodule(name).dense_weight()
-        assert torch.equal(plain.get_submodule(name).weight, W), name
+    """The int4 formats' modules written pack-quantized: plain ``from_pretrained``
+    (transformers + compressed-tensors) holds their dequantized weights bit for bit and its
+    logits equal our runtime's (the model with the ``Int4Linear`` modules) to 1e-5 relative
+    (measured 0.0: both run fp32 ``F.linear`` on the same weights; the bound leaves room for
+    a kernel's order)."""
+    model, quantized = _int4_model(fmt, bits, group_size, hidden=hidden)
+    config = write_compressed_tensors(model, tmp_path, quantized)
+    assert config["format"] == "pack-quantized"
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    expected, theirs = _logits(model), _logits(plain)
+    for name, module in quantized.items():
+        assert torch.equal(plain.get_submodule(name).weight, module.dense_weight()), name
     assert ((theirs - expected).abs().max() / expected.abs().max()).item() <= 1e-5
     if fmt == "nm_packed_int4":  # the 2:4 zeros survive as exact zeros
         W = plain.model.layers[0].mlp.up_proj.weight
         assert bool(((W == 0).view(-1, 4).sum(-1) >= 2).all())
-
-
-def test_asymmetric_int4_falls_back_to_dense_weights_transformers_loads(tmp_path, caplog):
-    from lmcompress.compressor.io.load import load_compressed
-
-    with caplog.at_level("WARNING"):
-        model, names, out = _saved(tmp_path, "int4", symmetric=False)
-    assert "llm-compressor#1618" in caplog.text
-    manifest = json.loads((out / "compression.json").read_text())
-    assert manifest["interop"] is None
-    config = json.loads((out / "config.json").read_text())
-    assert "quantization_config" not in config
-    ours, _, _ = load_compressed(out, runtime="packed")
-    plain = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    for name in names:
-        W = ours.get_submodule(name).dense_weight()
-        assert torch.equal(plain.get_submodule(name).weight, W), name
+    asymmetric = _int4_model("int4", symmetric=False)[1]
+    assert "llm-compressor#1618" in refusal(asymmetric, loadable=True)
