@@ -70,6 +70,8 @@ _EXPORTS = {
     "GFWSVDConfig": "lmcompress.methods.svd",
     "SubnetConfig": "lmcompress.methods.subnet",
     "Int8Config": "lmcompress.methods.int8",
+    "GPTQConfig": "lmcompress.methods.gptq",
+    "RTNConfig": "lmcompress.methods.gptq",
     "run": "lmcompress.jobs.run",
     "RunOptions": "lmcompress.jobs.options",
 }

@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("lmcompress.compressor.training.*",),  # receives its scoring functions as arguments
     ("lmcompress.evaluation.*",),  # perplexity, corpora, lm-eval, speed
     ("lmcompress.methods.common",),
+    ("lmcompress.methods.obs", "lmcompress.methods.layerwise"),  # shared by the calibrated methods
     ("lmcompress.methods.pruning",),
     (
         "lmcompress.methods.magnitude.*",
@@ -43,6 +44,7 @@ LAYERS: list[tuple[str, ...]] = [
         "lmcompress.methods.sparsegpt.*",
         "lmcompress.methods.svd.*",
         "lmcompress.methods.int8.*",
+        "lmcompress.methods.gptq.*",
     ),
     ("lmcompress.methods.priors",),  # the one-shot masks the learned methods start from
     ("lmcompress.methods.maskllm.*", "lmcompress.methods.subnet.*"),

@@ -85,7 +85,8 @@ class Method:
     # The layer formats of an earlier recipe stage (None: unstructured zeros in the dense
     # weight) whose layers this method compresses again, keeping what the earlier stage did
     # (int8 after N:M pruning stores them ``nm_packed_int8``). Empty: a later stage leaves an
-    # earlier stage's layers alone.
+    # earlier stage's layers alone. A method whose options decide (GPTQ keeps an earlier mask
+    # only with keep_mask) declares a property instead; the job reads it from an instance.
     composes_after: ClassVar[frozenset[str | None]] = frozenset()
 
     def __init__(self, config: MethodConfig, device: str | torch.device | None = None) -> None:

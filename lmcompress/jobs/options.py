@@ -47,6 +47,15 @@ class RunOptions:
     output: str | None = field(
         default=None, metadata={"help": "output directory", "default_text": "not saved"}
     )
+    export: Literal["gguf"] | None = field(
+        default=None,
+        metadata={
+            "help": "also write the output as one file another engine runs: gguf = OUT/model.gguf "
+            "for llama.cpp (llama/qwen2 models whose layers are 4- or 8-bit, symmetric, "
+            "--group-size 32: Q4_0/Q8_0; float16 scales)",
+            "default_text": "none",
+        },
+    )
     overwrite: bool = field(default=False, metadata={"help": "replace a non-empty output dir"})
     save_dtype: SaveDtype = field(
         default="auto", metadata={"help": "dtype of the saved weights (auto: the model's)"}
@@ -101,5 +110,9 @@ class RunOptions:
         check_choices(self)
         if self.bench and not self.output:
             raise ConfigError("--bench times the saved export: add -o OUT")
+        if self.export and not self.output:
+            raise ConfigError(f"--export {self.export} writes into the output: add -o OUT")
+        if self.export and self.streaming:
+            raise ConfigError(f"--export {self.export} needs the model in memory: not --streaming")
         if self.offload_activations is not None and not self.streaming:
             raise ConfigError("--offload-activations works with --streaming only")

@@ -33,17 +33,20 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import transformers
 import yaml
 from torch import nn
 
+from lmcompress.cache import cache_dir
 from lmcompress.compressor.config import MethodConfig
 from lmcompress.compressor.formats.base import CompressedLinear
+from lmcompress.compressor.io import gguf_export
 from lmcompress.compressor.io.output import OutputDir
 from lmcompress.compressor.method import Method
 from lmcompress.compressor.model.families import family_of
 from lmcompress.compressor.model.surgery import is_linear
 from lmcompress.compressor.options import flag_name, option_fields, option_value, recipe_value
-from lmcompress.errors import ConfigError, cut, first_line, shown
+from lmcompress.errors import ConfigError, LmcompressError, cut, first_line, shown
 from lmcompress.jobs.options import RunOptions
 from lmcompress.jobs.preflight import Plan, output_of, preflight
 from lmcompress.methods import get_method
@@ -316,11 +319,12 @@ def check_stages(
     first = get_method(configs[0].method)(configs[0])
     plan = preflight(options, first, output)
     stored: dict[str, list[str | None]] = {}  # layer -> the formats earlier stages store it in
+    grids: dict[str, tuple[Any, Any, Any] | None] = {}  # layer -> its last stage's low-bit grid
     for index in range(len(configs)):
         if index == 0:
             method = first
         else:
-            keeps = get_method(configs[index].method).composes_after
+            keeps = get_method(configs[index].method)(configs[index]).composes_after
             skip = [n for n, f in stored.items() if len(f) > 1 or f[0] not in keeps]
             method, _ = stage_method(plan.skeleton, configs, index, skip)
             estimate = preflight(options, method, output).estimate
@@ -328,4 +332,57 @@ def check_stages(
                 plan.estimate = estimate
         for name in method.validate(plan.skeleton):
             stored.setdefault(name, []).append(method.stored_format(name))
+            grids[name] = grid_of(configs[index])
+    if options.export == "gguf":
+        check_gguf(plan.skeleton.config, stored, grids)
+        check_gguf_tokenizer(options.checkpoint, plan.skeleton.config.vocab_size)
     return plan
+
+
+def check_gguf_tokenizer(checkpoint: str, vocab_size: int) -> None:
+    """``--export gguf`` needs a byte-level BPE tokenizer: checked before the weights load
+    where the checkpoint is a local directory (or an alias's cached copy) holding one."""
+    local = Path(checkpoint).expanduser()
+    path = local if local.is_dir() else cache_dir() / checkpoint
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        return  # read with the model; the export checks it then
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        gguf_export.tokenizer_fields(tokenizer, vocab_size)
+    except LmcompressError as err:
+        raise ConfigError(first_line(err)) from None
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--export gguf: unreadable tokenizer: {first_line(err)}") from None
+
+
+def grid_of(config: MethodConfig) -> tuple[Any, Any, Any] | None:
+    """``(bits, group_size, symmetric)`` of a weight-only low-bit stage (its config's ``bits``,
+    ``group_size`` and ``sym``), else ``None``."""
+    if not hasattr(config, "bits"):
+        return None
+    symmetric = getattr(config, "sym", getattr(config, "symmetric", True))
+    return config.bits, getattr(config, "group_size", None), symmetric
+
+
+def check_gguf(
+    model_config: Any,
+    stored: dict[str, list[str | None]],
+    grids: dict[str, tuple[Any, Any, Any] | None],
+) -> None:
+    """``--export gguf``, before any work: the family, and every compressed layer stored in a
+    weight-only low-bit format (dense or N:M packed: both written dense as Q4_0/Q8_0) on a
+    grid Q4_0/Q8_0 hold exactly (the stage that compressed it last)."""
+    if why := gguf_export.family_refusal(model_config):
+        raise ConfigError(why)
+    if not stored:
+        raise ConfigError("--export gguf: no layer is quantized")
+    for name, formats in stored.items():
+        last = formats[-1]
+        if last not in gguf_export.LOW_BIT_FORMATS or grids.get(name) is None:
+            kind = "a dense weight" if last is None else last
+            raise ConfigError(
+                f"--export gguf writes weight-only 4/8-bit layers (--method gptq or rtn), but "
+                f"{name} would be stored as {kind}"
+            )
+        if why := gguf_export.grid_refusal(*grids[name]):
+            raise ConfigError(why)

@@ -106,6 +106,7 @@ class InMemoryModel:
             extra=results,
             stats=stats,
             dense_copy=options.dense_copy,
+            exports=(options.export,) if options.export else (),
         )
         results["output"] = options.output
 
@@ -251,7 +252,7 @@ def _compress_stages(
     reports: list[CompressionReport] = []
     kept = None
     for index, config in enumerate(configs):
-        keeps = get_method(config.method).composes_after
+        keeps = get_method(config.method)(config).composes_after
         method, skipped = stage_method(target.model, configs, index, layers_to_skip(reports, keeps))
         method.validate(target.model)
         stage_start = time.perf_counter()

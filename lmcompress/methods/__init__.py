@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from lmcompress.compressor.method import Method
 from lmcompress.errors import ConfigError, shown
+from lmcompress.methods.gptq import GPTQ, RTN
 from lmcompress.methods.int8 import Int8
 from lmcompress.methods.magnitude import Magnitude
 from lmcompress.methods.maskllm import MaskLLM
@@ -27,6 +28,8 @@ METHODS: dict[str, type[Method]] = {
     "fwsvd": FWSVD,
     "gfwsvd": GFWSVD,
     "int8": Int8,
+    "rtn": RTN,
+    "gptq": GPTQ,
 }
 
 

@@ -5,27 +5,19 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 from torch import nn
 
-from lmcompress.compressor.calibration.layerwise import (
-    Accumulator,
-    BlockSource,
-    compress_layerwise,
-    layerwise_estimate,
-)
 from lmcompress.compressor.config import MethodConfig, Sparsity, parse_sparsity
-from lmcompress.compressor.method import Method, Stats
-from lmcompress.compressor.model.surgery import is_linear, weight_matrix
-from lmcompress.compressor.report import CompressionReport, LayerReport
+from lmcompress.compressor.method import Method
+from lmcompress.compressor.model.surgery import weight_matrix
+from lmcompress.compressor.report import LayerReport
 from lmcompress.compressor.sparsity import check_nm_shape
 from lmcompress.errors import ConfigError, shown
-from lmcompress.methods.common import count_params
+from lmcompress.methods.layerwise import LayerwiseMethod
 
 logger = logging.getLogger(__name__)
 
@@ -137,34 +129,13 @@ class PruningMethod(Method):
         return layers
 
 
-class LayerwisePruningMethod(PruningMethod):
-    """A pruner that needs each layer's calibration inputs (Wanda, SparseGPT).
-
-    The computation is :meth:`prune`: one layer from its statistic (Wanda's input norms,
-    SparseGPT's Hessian), a pure function of the weight and the statistic. :meth:`apply` runs it
-    on the statistics a :class:`Stats` holds (``"<layer>.<statistic>"``, e.g. synthetic ones in
-    a test). Calibrating a model cannot hand all statistics to :meth:`apply` at once: each block
-    must be pruned before the next block's inputs exist (the next block sees the pruned
-    outputs), so :meth:`calibrate` runs the core's layer-wise loop and calls :meth:`prune` on
-    each block as its statistics complete. Its stats then describe the layers it pruned
-    (``meta["layers"]``: a Hessian per layer would be as large as the model), and :meth:`apply`
-    reports them. Subclasses implement :meth:`make_accumulator`, :meth:`statistic_of` and
-    :meth:`prune`, and name their ``statistic``.
-    """
-
-    statistic: ClassVar[str] = ""  # key suffix of a layer's statistic in Stats.tensors
-    streams = True
-
-    def make_accumulator(self, name: str, module: nn.Module) -> Accumulator:
-        raise NotImplementedError
-
-    def statistic_of(self, accumulator: Accumulator) -> torch.Tensor:
-        """The statistic an accumulator collected (what :meth:`prune` takes)."""
-        raise NotImplementedError
-
-    def accumulator_bytes(self, module: nn.Module) -> int:  # noqa: ARG002
-        """Bytes of one layer's accumulator (the Hessian for SparseGPT), for the estimate."""
-        return 0
+class LayerwisePruningMethod(PruningMethod, LayerwiseMethod):
+    """A pruner that needs each layer's calibration inputs (Wanda, SparseGPT): a
+    :class:`~lmcompress.methods.layerwise.LayerwiseMethod` whose layer computation is
+    :meth:`prune`, a pure function of the weight, the statistic (Wanda's input norms,
+    SparseGPT's Hessian) and the layer's sparsity. Subclasses implement
+    :meth:`make_accumulator`, :meth:`statistic_of` and :meth:`prune`, and name their
+    ``statistic``."""
 
     def prune(
         self, name: str, module: nn.Module, statistic: torch.Tensor, sparsity: Sparsity
@@ -172,117 +143,11 @@ class LayerwisePruningMethod(PruningMethod):
         """Prune ``module`` in place from its ``statistic``; report it."""
         raise NotImplementedError
 
-    def memory_estimate(
-        self, model: nn.Module, nsamples: int, seq_len: int, itemsize: int = 4
-    ) -> dict[str, int]:
-        """Every window's block inputs are held through the layer-wise loop, plus one block's
-        accumulators and one batch's transient activations."""
-        return layerwise_estimate(
-            model,
-            self.validate(model),
-            nsamples,
-            seq_len,
-            self.config.calib_batch_size,
-            itemsize,
-            state={"per-layer statistics": self.accumulator_bytes},
-        )
-
-    def calibrate(
+    def compress_layer(
         self,
-        model: nn.Module,
-        data: torch.Tensor | None,
-        source: BlockSource | None = None,
-        offload_dir: str | Path | None = None,
-    ) -> Stats:
-        """``source`` / ``offload_dir``: see :func:`compress_layerwise` (``--streaming``)."""
-        if data is None:
-            raise ConfigError(f"method {self.name!r} needs calibration data")
-        start = time.perf_counter()
-        layers = self.validate(model)
-        home = next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
-        reports, loop = compress_layerwise(
-            model,
-            data,
-            layers,
-            make_accumulator=self.make_accumulator,
-            compress_layer=lambda n, m, acc: self.prune(
-                n, m, self.statistic_of(acc), self.config.sparsity_of(n)
-            ),
-            device=self.device or home,
-            batch_size=self.config.calib_batch_size,
-            source=source,
-            offload_dir=offload_dir,
-        )
-        return Stats(
-            meta={
-                "layers": [asdict(report) for report in reports],  # JSON, so Stats.save works
-                "seconds": time.perf_counter() - start,
-                "peak_state_bytes": loop.peak_state_bytes,
-                "nsamples": int(data.shape[0]),
-                "seq_len": int(data.shape[1]),
-            }
-        )
-
-    def compress_streaming(
-        self,
-        model: nn.Module,
-        data: torch.Tensor | None,
-        source: BlockSource,
-        offload_dir: str | Path | None = None,
-    ) -> CompressionReport:
-        """Compress a meta-device skeleton whose blocks ``source`` materialises and writes."""
-        return self._report(model, self.calibrate(model, data, source, offload_dir))
-
-    def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:
-        """Prune every layer whose statistic ``stats`` holds, and report, with them, the layers
-        :meth:`calibrate` pruned already (``meta["layers"]``; the stats hold no weights, so
-        ``model`` must be the model that was calibrated: a layer with more nonzero weights than
-        the stats say were kept is refused rather than reported as pruned)."""
-        start = time.perf_counter()
-        done = [LayerReport.from_dict(x) for x in stats.meta.get("layers", [])]
-        _check_pruned(model, done, self.name)
-        suffix = f".{self.statistic}"
-        given = {k.removesuffix(suffix): v for k, v in stats.tensors.items() if k.endswith(suffix)}
-        for name, statistic in given.items():
-            try:
-                module = model.get_submodule(name)
-            except AttributeError:
-                what = f"{self.name} stats name {name}, which this model lacks"
-                raise ConfigError(what) from None
-            done.append(self.prune(name, module, statistic, self.config.sparsity_of(name)))
-        meta = {**stats.meta, "layers": [asdict(layer) for layer in done]}
-        meta.setdefault("seconds", time.perf_counter() - start)
-        return self._report(model, Stats(meta=meta))
-
-    def _report(self, model: nn.Module, stats: Stats) -> CompressionReport:
-        layers = [LayerReport.from_dict(layer) for layer in stats.meta["layers"]]
-        return CompressionReport(
-            self.name,
-            self.config.to_dict(),
-            layers=layers,
-            seconds=stats.meta["seconds"],
-            model_params=count_params(model),
-            extra={
-                k: stats.meta[k]
-                for k in ("peak_state_bytes", "nsamples", "seq_len")
-                if k in stats.meta
-            },
-        )
-
-
-@torch.no_grad()
-def _check_pruned(model: nn.Module, layers: list[LayerReport], method: str) -> None:
-    for layer in layers:
-        try:
-            module = model.get_submodule(layer.name)
-        except AttributeError:
-            raise ConfigError(f"{method} stats name {layer.name}, which this model lacks") from None
-        if not is_linear(module):
-            continue
-        nonzero = int(torch.count_nonzero(weight_matrix(module)))
-        if nonzero > layer.params_kept:
-            raise ConfigError(
-                f"{method} prunes during calibrate(); its stats describe that model, but "
-                f"{layer.name} here has {nonzero} nonzero weights > {layer.params_kept} kept: "
-                "apply the stats to the calibrated model"
-            )
+        model: nn.Module,  # noqa: ARG002
+        name: str,
+        module: nn.Module,
+        statistic: torch.Tensor,
+    ) -> LayerReport:
+        return self.prune(name, module, statistic, self.config.sparsity_of(name))

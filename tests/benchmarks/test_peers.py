@@ -11,7 +11,10 @@ from benchmarks.peers import run_peer
 from lmcompress.compressor.model.loading import load_model
 
 
-@pytest.mark.parametrize(("method", "sparsity"), [("magnitude", "2:4"), ("wanda", "0.7")])
+@pytest.mark.parametrize(
+    ("method", "sparsity"),
+    [("magnitude", "2:4"), ("wanda", "0.7"), ("wanda", None), ("gptq", "2:4")],
+)
 def test_run_peer_rejects_unknown_choices_before_any_work(tmp_path, method, sparsity):
     with pytest.raises(ValueError, match=f"{method} {sparsity}"):
         run_peer.run_peer(method, sparsity, tmp_path / "out")

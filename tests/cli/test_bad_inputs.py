@@ -222,6 +222,23 @@ def _cases(tmp_path, good, corpus):  # noqa: PLR0915 - one table
             "below what rank 8 in every selected layer keeps",
         ),
         "streaming with eval": ([g, "--streaming"], "--streaming does not evaluate: drop --eval"),
+        # --- 4-bit (issue 40) ---
+        "gptq bits 5": ([g, "--method", "gptq", "--bits", "5"], "bits must be one of 3, 4, 8"),
+        "rtn bits 2": ([g, "--method", "rtn", "--bits", "2"], "bits must be one of 3, 4, 8, got 2"),
+        "gptq group size not dividing": (
+            [g, "--method", "gptq", "--group-size", "24"],
+            "group_size 24 does not divide model.layers.0.self_attn.q_proj's 32 input columns "
+            "(-1: one group per output row; 16 divides every selected layer)",
+        ),
+        "gptq group size 0": ([g, "--method", "gptq", "--group-size", "0"], "or -1 (per output"),
+        "gptq act-order with 2:4": (
+            [g, "--method", "gptq", "--act-order", "--sparsity", "2:4", "--group-size", "16"],
+            "act-order visits the columns out of order",
+        ),
+        "gptq keep-mask with a ratio": (
+            [g, "--method", "gptq", "--keep-mask", "--sparsity", "0.5", "--group-size", "16"],
+            "--keep-mask keeps the existing zeros",
+        ),
     }
 
 
@@ -316,6 +333,12 @@ CASE_NAMES = [
     "svd ratio compresses nothing",
     "greedy ratio below rank 8",
     "streaming with eval",
+    "gptq bits 5",
+    "rtn bits 2",
+    "gptq group size not dividing",
+    "gptq group size 0",
+    "gptq act-order with 2:4",
+    "gptq keep-mask with a ratio",
 ]
 
 

@@ -33,6 +33,8 @@ METHOD_FLAGS = {  # every method: its bars (per layer, per block, per step) all 
     "fwsvd": [],
     "gfwsvd": [],
     "int8": [],
+    "rtn": ["--group-size", "16"],
+    "gptq": ["--group-size", "16"],
 }
 
 

@@ -25,7 +25,12 @@ from lmcompress.compressor.model.budget import ESTIMATE_FACTOR, GiB
 from lmcompress.methods import METHODS
 
 TEXT = "\n\n".join(f"Document {i}: the quick brown fox jumps over the lazy dog." for i in range(40))
-SHORT = {"maskllm": ["--steps", "2"], "subnet": ["--steps", "2"]}  # 100 steps by default
+SHORT = {  # 100 steps by default; group 128 does not divide the tiny widths
+    "maskllm": ["--steps", "2"],
+    "subnet": ["--steps", "2"],
+    "rtn": ["--group-size", "32"],
+    "gptq": ["--group-size", "32"],
+}
 # every method, each on a family in turn: all seven families are covered too
 PAIRS = [(method, FAMILY_NAMES[i % len(FAMILY_NAMES)]) for i, method in enumerate(METHODS)]
 

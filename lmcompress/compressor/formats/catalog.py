@@ -7,12 +7,19 @@ not imported yet.
 
 from __future__ import annotations
 
-from lmcompress.compressor.formats import int8, int8_softmax, low_rank, nm_packed, nm_packed_int8
+from lmcompress.compressor.formats import (
+    int4,
+    int8,
+    int8_softmax,
+    low_rank,
+    nm_packed,
+    nm_packed_int8,
+)
 from lmcompress.compressor.formats.base import CompressedLinear, ModelTransform
 from lmcompress.compressor.formats.registry import FORMATS, TRANSFORMS
 from lmcompress.errors import ModelLoadError
 
-BUILTIN = (int8, int8_softmax, low_rank, nm_packed, nm_packed_int8)  # registered on import
+BUILTIN = (int4, int8, int8_softmax, low_rank, nm_packed, nm_packed_int8)  # registered on import
 
 
 def format_class(name: str) -> type[CompressedLinear]:

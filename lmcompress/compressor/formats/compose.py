@@ -32,6 +32,8 @@ from lmcompress.errors import ConfigError
 COMPOSED_FORMATS: dict[tuple[str | None, str], str] = {
     ("nm_packed", "int8"): "nm_packed_int8",
     (None, "int8"): "int8",
+    ("nm_packed", "int4"): "nm_packed_int4",
+    (None, "int4"): "int4",
 }
 
 

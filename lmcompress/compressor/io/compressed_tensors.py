@@ -1,8 +1,11 @@
-"""Export W8A8 int8 layers in the compressed-tensors ``int-quantized`` layout.
+"""Export quantized layers in compressed-tensors' layouts: W8A8 int8 layers as
+``int-quantized``, weight-only low-bit layers (``int4`` / ``nm_packed_int4``) as
+``pack-quantized`` (W4A16, W8A16).
 
 A directory written by :func:`write_compressed_tensors` is what llm-compressor writes for a W8A8
-int8 scheme, so ``transformers`` with ``compressed-tensors`` installed (0.20.x) loads it with a
-plain ``AutoModelForCausalLM.from_pretrained``, and vLLM-style servers read the same layout:
+int8 scheme (or a W4A16 GPTQ one), so ``transformers`` with ``compressed-tensors`` installed
+(0.20.x) loads it with a plain ``AutoModelForCausalLM.from_pretrained``, and vLLM-style servers
+read the same layout. ``int-quantized``:
 
 - ``model.safetensors``: for every quantized layer ``<name>.weight`` int8 ``(out, in)``,
   ``<name>.weight_scale`` fp32 ``(out, 1)`` (or ``(out, in / group_size)``),
@@ -28,7 +31,33 @@ forward.py``, ``quantization/utils/helpers.py``), so that a simulation can match
 - static per-tensor activations (``strategy: tensor``): the stored ``input_scale``, the same
   clamp to ``[-128, 127]`` and round.
 
-GPT-2's ``Conv1D`` layers are refused: compressed-tensors only quantizes ``nn.Linear``.
+``pack-quantized`` (compressed-tensors' ``PackedQuantizationCompressor``, read from 0.20.1):
+
+- ``<name>.weight_packed`` int32 ``(out, ceil(in · bits / 32))``: the unsigned codes ``q``
+  (compressed-tensors quantizes to signed ``q - 2^(bits-1)`` and packs it plus ``2^(bits-1)``,
+  i.e. our codes unchanged), ``32 / bits`` of them a word, column ``i`` of a word at bits
+  ``[bits · i, bits · (i + 1))`` (little end first; for 4 bits exactly the int32 view of our
+  two-codes-a-byte rows on a little-endian host);
+- ``<name>.weight_scale`` ``(out, groups)`` (fp32 here; compressed-tensors' own exports use the
+  model's dtype: loaded in bfloat16 the scales round to bfloat16, as theirs are);
+- ``<name>.weight_shape`` int64 ``[out, in]``;
+- asymmetric only: ``<name>.weight_zero_point`` int32 ``(ceil(out · bits / 32), groups)``, our
+  zero points ``z`` packed the same way along the OUTPUT dimension (``packed_dim=0``);
+- the scheme: ``weights`` int, ``num_bits``, ``symmetric``, ``strategy: group`` with
+  ``group_size`` (``channel`` for one group a row), ``actorder: null`` (our groups are always
+  static, contiguous: no ``g_idx``), no activation quantization.
+
+compressed-tensors dequantizes ``(q - z) · s`` in the scale's dtype: with fp32 scales the loaded
+weights are our ``(q - z) · s`` float32 bit for bit. An ``nm_packed_int4`` layer is written as
+dense int4 (its pruned positions hold the code ``z``, weight exactly 0: the same weights, the
+2:4 structure not marked, since engines dropped the sparse 2:4 kernels). Refused (one line):
+GPT-2's ``Conv1D`` layers (compressed-tensors only quantizes ``nn.Linear``), 3-bit codes (vLLM's
+pack-quantized WNA16 kernels take 4 or 8 bits, and compressed-tensors versions pack 3 bits
+differently), and int8 W8A8 layers mixed with low-bit ones (one ``format`` per checkpoint).
+Asymmetric layers are written by :func:`write_compressed_tensors` as compressed-tensors' own
+compressor writes them (vLLM reads them), but ``save_compressed``'s dense copy falls back to
+plain dense weights for them (:func:`refusal` with ``loadable``): transformers cannot load
+pack-quantized zero points today.
 """
 
 from __future__ import annotations
@@ -52,6 +81,9 @@ logger = logging.getLogger(__name__)
 QUANT_METHOD = "compressed-tensors"
 FORMAT = "int-quantized"
 BITS = 8
+PACKED_FORMAT = "pack-quantized"
+PACKED_BITS = (4, 8)  # vLLM's WNA16 kernels; 3 bits refused
+LOW_BIT_ATTRIBUTES = ("weight_codes", "scales", "zeros", "bits", "group_size", "symmetric")
 
 
 def _args(strategy: str, dynamic: bool, group_size: int | None = None) -> dict[str, Any]:
@@ -70,14 +102,24 @@ def _args(strategy: str, dynamic: bool, group_size: int | None = None) -> dict[s
     }
 
 
+def is_packed(module: nn.Module) -> bool:
+    """A weight-only low-bit layer (``int4`` / ``nm_packed_int4``: codes ``weight_codes()``
+    on the grid ``scales`` / ``zeros`` of ``bits``, ``group_size``, ``symmetric``), written
+    ``pack-quantized``; else a W8A8 ``QuantLinear`` (``weight_scale``)."""
+    return all(hasattr(module, key) for key in LOW_BIT_ATTRIBUTES)
+
+
 def layer_scheme(name: str, module: nn.Module) -> dict[str, Any]:
     """The compressed-tensors scheme (``weights`` and ``input_activations`` args) of one
     quantized layer, checked: int8 weights with per-channel or per-group fp32 scales, and a
-    positive static ``input_scale`` or none (dynamic per-token activations)."""
+    positive static ``input_scale`` or none (dynamic per-token activations); or a low-bit
+    layer's (:func:`packed_scheme`)."""
     if getattr(module, "conv1d", False):
         raise LmcompressError(
             f"{name} is a GPT-2 Conv1D layer: compressed-tensors quantizes nn.Linear only"
         )
+    if is_packed(module):
+        return packed_scheme(name, module.bits, module.group_size, module.symmetric)
     weight_q, scale = module.weight_q, module.weight_scale
     if weight_q.dtype != torch.int8 or weight_q.dim() != 2:
         raise LmcompressError(f"{name}: weight_q must be 2-D int8, got {weight_q.dtype}")
@@ -102,9 +144,78 @@ def layer_scheme(name: str, module: nn.Module) -> dict[str, Any]:
     return {"weights": weights, "input_activations": activations, "output_activations": None}
 
 
+def packed_scheme(name: str, bits: int, group_size: int, symmetric: bool) -> dict[str, Any]:
+    """The scheme of a weight-only low-bit layer: ``num_bits`` 4 or 8, symmetric or not,
+    per group of ``group_size`` input columns (-1: per output channel), no activation
+    quantization, no act-order (static groups)."""
+    if bits not in PACKED_BITS:
+        raise LmcompressError(
+            f"{name}: {bits}-bit codes have no pack-quantized form that serving engines load "
+            f"(vLLM's WNA16 kernels take {' or '.join(map(str, PACKED_BITS))} bits)"
+        )
+    weights = {
+        "num_bits": bits,
+        "type": "int",
+        "symmetric": symmetric,
+        "strategy": "channel" if group_size == -1 else "group",
+        "group_size": None if group_size == -1 else group_size,
+        "block_structure": None,
+        "dynamic": False,
+        "actorder": None,
+        "observer": "minmax",
+        "observer_kwargs": {},
+    }
+    return {"weights": weights, "input_activations": None, "output_activations": None}
+
+
+def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned ``bits``-bit codes ``(rows, cols)`` -> int32 ``(rows, ceil(cols · bits / 32))``,
+    ``32 / bits`` codes a word, code ``i`` of a word at bits ``[bits · i, bits · (i + 1))``
+    (compressed-tensors' ``pack_to_int32`` for 4 and 8 bits, whose words hold whole codes)."""
+    if bits not in PACKED_BITS:
+        raise LmcompressError(f"pack-quantized packs {PACKED_BITS} bits, not {bits}")
+    per_word = 32 // bits
+    rows, cols = codes.shape
+    words = -(-cols // per_word)
+    padded = torch.zeros(rows, words * per_word, dtype=torch.int64, device=codes.device)
+    padded[:, :cols] = codes.to(torch.int64)
+    shifts = torch.arange(per_word, device=codes.device, dtype=torch.int64) * bits
+    packed = (padded.view(rows, words, per_word) << shifts).sum(-1)  # in [0, 2^32)
+    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+
+
+def packed_tensors(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bits: int,
+    symmetric: bool,
+) -> dict[str, torch.Tensor]:
+    """A low-bit layer's tensors in the pack-quantized layout (short keys): ``weight_packed``,
+    ``weight_scale`` fp32, ``weight_shape``, and for an asymmetric grid ``weight_zero_point``
+    packed along the output dimension. ``codes`` uint8 ``(out, in)``; ``scales`` / ``zeros``
+    ``(out, groups)``."""
+    tensors = {
+        "weight_packed": pack_int32(codes, bits),
+        "weight_scale": scales.detach().to(torch.float32).contiguous(),
+        "weight_shape": torch.tensor(list(codes.shape), dtype=torch.int64),
+    }
+    if not symmetric:
+        tensors["weight_zero_point"] = pack_int32(zeros.t(), bits).t().contiguous()
+    return tensors
+
+
 def layer_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """The layer's tensors under compressed-tensors' names (short keys, no module prefix):
-    ``weight`` int8, ``weight_scale`` fp32, ``input_scale`` fp32 ``(1,)``, ``bias``."""
+    ``weight`` int8, ``weight_scale`` fp32, ``input_scale`` fp32 ``(1,)``, ``bias``; or a
+    low-bit layer's :func:`packed_tensors` and ``bias``."""
+    if is_packed(module):
+        tensors = packed_tensors(
+            module.weight_codes(), module.scales, module.zeros, module.bits, module.symmetric
+        )
+        if getattr(module, "bias", None) is not None:
+            tensors["bias"] = module.bias.detach()
+        return tensors
     tensors = {
         "weight": module.weight_q.detach().contiguous(),
         "weight_scale": module.weight_scale.detach().to(torch.float32).contiguous(),
@@ -142,6 +253,12 @@ def quantization_config(model: nn.Module, quantized: dict[str, nn.Module]) -> di
         members.setdefault(key, []).append(name)
     if not schemes:
         raise LmcompressError("no quantized layer to export in the compressed-tensors layout")
+    packed = {is_packed(module) for module in quantized.values()}
+    if len(packed) > 1:
+        raise LmcompressError(
+            "int8 W8A8 layers mixed with low-bit weight-only ones: a compressed-tensors "
+            "checkpoint has one format (int-quantized or pack-quantized)"
+        )
     single = len(schemes) == 1
     groups = {
         f"group_{i}": {"targets": ["Linear"] if single else members[key], **schemes[key]}
@@ -149,12 +266,34 @@ def quantization_config(model: nn.Module, quantized: dict[str, nn.Module]) -> di
     }
     return {
         "quant_method": QUANT_METHOD,
-        "format": FORMAT,
+        "format": PACKED_FORMAT if packed.pop() else FORMAT,
         "quantization_status": "compressed",
         "config_groups": groups,
         "ignore": [name for name in linear_names(model) if name not in quantized],
         "kv_cache_scheme": None,
     }
+
+
+def refusal(quantized: dict[str, nn.Module], loadable: bool = False) -> str | None:
+    """Why these layers have no compressed-tensors form (one line), or ``None``: the checks of
+    :func:`quantization_config` without a model (Conv1D, 3 bits, int8 mixed with low-bit).
+    ``loadable``: also refuse what the layout holds but transformers cannot load back today:
+    asymmetric pack-quantized layers (transformers 5.25 with compressed-tensors 0.20.1 builds
+    the zero point unpacked and reinitialises the packed one it reads, a known upstream gap:
+    vllm-project/llm-compressor#1618)."""
+    try:
+        for name, module in quantized.items():
+            layer_scheme(name, module)
+            if loadable and is_packed(module) and not module.symmetric:
+                return (
+                    f"{name} is asymmetric: transformers cannot load pack-quantized zero "
+                    "points (vllm-project/llm-compressor#1618)"
+                )
+        if len({is_packed(module) for module in quantized.values()}) > 1:
+            return "int8 W8A8 layers mixed with low-bit ones (one format per checkpoint)"
+    except LmcompressError as err:
+        return str(err)
+    return None
 
 
 def write_compressed_tensors(
@@ -165,11 +304,13 @@ def write_compressed_tensors(
 ) -> dict[str, Any]:
     """Write ``model`` with its ``quantized`` layers (``{name: QuantLinear}``, in the model or
     encoded beside it) into ``out_dir`` as ``config.json`` + ``model.safetensors`` in the
-    compressed-tensors ``int-quantized`` layout; return the ``quantization_config`` written.
+    compressed-tensors ``int-quantized`` layout (W8A8 ``QuantLinear``) or ``pack-quantized``
+    one (low-bit ``int4`` / ``nm_packed_int4`` layers); return the ``quantization_config``
+    written.
 
     ``out_dir`` is expected to be a fresh temporary directory (the caller's ``atomic_dir``).
     ``dtype`` is the storage dtype of the floating-point tensors that are not scales (``None``:
-    the model's); int8 weights and fp32 scales keep theirs.
+    the model's); int8 weights, packed codes and fp32 scales keep theirs.
     """
     unknown = [name for name in quantized if name not in set(linear_names(model))]
     if unknown:
@@ -187,7 +328,10 @@ def write_compressed_tensors(
     model.save_pretrained(out_dir, safe_serialization=True, state_dict=state)
     update_config_json(out_dir, dtype=str(dtype).removeprefix("torch."), quantization_config=config)
     logger.info(
-        "wrote %d int8 layers in the compressed-tensors layout to %s", len(quantized), out_dir
+        "wrote %d quantized layers in the compressed-tensors %s layout to %s",
+        len(quantized),
+        config["format"],
+        out_dir,
     )
     return config
 

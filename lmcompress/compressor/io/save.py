@@ -36,7 +36,7 @@ import json
 import logging
 import platform
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,8 @@ from torch import nn
 
 from lmcompress.compressor.formats.base import CompressedLinear, ModelTransform, installed
 from lmcompress.compressor.formats.catalog import format_class
+from lmcompress.compressor.io import gguf_export
+from lmcompress.compressor.io.compressed_tensors import refusal as compressed_tensors_refusal
 from lmcompress.compressor.io.compressed_tensors import write_compressed_tensors
 from lmcompress.compressor.io.layout import (
     COMPRESSED_TENSORS,
@@ -68,6 +70,7 @@ from lmcompress.compressor.io.shards import TensorFiles, cast_state, cast_tensor
 from lmcompress.compressor.model.surgery import replace_modules
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.compressor.util.arguments import path_argument, require
+from lmcompress.errors import ConfigError
 from lmcompress.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -96,6 +99,7 @@ def save_compressed(
     extra: dict[str, Any] | None = None,
     stats: Any = None,
     dense_copy: bool = True,
+    exports: Sequence[str] = (),
 ) -> Path:
     """Save ``model`` (compressed in place by ``report``'s method) to ``out_dir``.
 
@@ -115,6 +119,10 @@ def save_compressed(
             parameters of the layers that are not compressed (plus ``config.json``): a smaller
             directory that :func:`load_compressed` reads, and ``from_pretrained`` too once
             ``lmcompress`` is imported (:mod:`lmcompress.compressor.io.hf_quantizer`).
+        exports: other engines' files to write too: ``"gguf"`` writes ``model.gguf``
+            (:mod:`~lmcompress.compressor.io.gguf_export`; refused in one line before anything
+            is written when the model or its layers have no GGUF form), recorded as
+            ``results["gguf"]``.
     """
     require("model", model, nn.Module, "a torch.nn.Module (a transformers model)")
     require("report", report, CompressionReport, "the CompressionReport that compress returned")
@@ -124,6 +132,12 @@ def save_compressed(
     dtype = dtype or next(model.parameters()).dtype
     compressed = compressed_modules(model, report.layers)
     interop = interop_layout(compressed, dense_copy)
+    extra = {} if extra is None else extra  # the caller's results: gets results["gguf"]
+    unknown = sorted(set(exports) - {"gguf"})
+    if unknown:
+        raise ConfigError(f"unknown export {unknown[0]!r}: gguf is the one there is")
+    if "gguf" in exports and (why := gguf_export.refusal(model.config, compressed)):
+        raise ConfigError(why)
     with output.build() as tmp:
         export = Export(tmp, output.path.resolve().name, dtype, dense_copy)
         interop_config = None
@@ -135,10 +149,14 @@ def save_compressed(
             update_config_json(tmp, dtype=export.dtype_name)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        if "gguf" in exports:
+            extra["gguf"] = gguf_export.write_gguf(
+                model, tmp / gguf_export.GGUF_FILE, compressed, tokenizer, dtype, output.path.name
+            )
         export.add_layers(compressed)
         export.add_transforms(installed(model))
         interop_entry = {"layout": interop, "quantization_config": interop_config}
-        export.finish(report, extra or {}, interop_entry if interop else None, stats)
+        export.finish(report, extra, interop_entry if interop else None, stats)
     logger.info("saved compressed model to %s", output.path)
     return output.path
 
@@ -152,6 +170,14 @@ def interop_layout(compressed: dict[str, CompressedLinear], dense_copy: bool) ->
         logger.warning(
             "GPT-2's Conv1D layers have no compressed-tensors form: the dense copy holds "
             "the dequantized weights instead"
+        )
+        return None
+    if interop == "compressed-tensors" and (
+        why := compressed_tensors_refusal(compressed, loadable=True)
+    ):
+        logger.warning(
+            "no compressed-tensors form (%s): the dense copy holds the dequantized weights instead",
+            why,
         )
         return None
     return interop

@@ -12,19 +12,12 @@ from lmcompress.compressor.config import Sparsity
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.compressor.report import LayerReport
 from lmcompress.methods.common import prune_layer_
+from lmcompress.methods.obs import output_error
 from lmcompress.methods.pruning import LayerwisePruningMethod
 from lmcompress.methods.sparsegpt.config import SparseGPTConfig
 from lmcompress.methods.sparsegpt.solver import sparsegpt_prune
 
-
-def output_error(W: torch.Tensor, W_new: torch.Tensor, H: torch.Tensor) -> float:
-    """Relative output error on the calibration inputs from the Hessian alone:
-    ``‖X ΔWᵀ‖ / ‖X Wᵀ‖ = sqrt(tr(ΔW H ΔWᵀ) / tr(W H Wᵀ))`` (H ∝ XᵀX)."""
-    W, delta = W.double(), (W_new.double() - W.double())
-    H = H.double()
-    num = ((delta @ H) * delta).sum()
-    den = ((W @ H) * W).sum().clamp_min(1e-300)
-    return float((num / den).clamp_min(0).sqrt())
+__all__ = ["SparseGPT", "output_error"]
 
 
 class SparseGPT(LayerwisePruningMethod):

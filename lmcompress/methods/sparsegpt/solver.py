@@ -27,8 +27,6 @@ deliberate:
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 # HessianAccumulator lives with the core's other observers; re-exported for the SparseGPT
@@ -36,14 +34,10 @@ import torch
 from lmcompress.compressor.config import Sparsity
 from lmcompress.compressor.formats.quant import on_grid
 from lmcompress.compressor.sparsity import check_nm_shape, nm_mask, unstructured_mask
-from lmcompress.errors import ConfigError, LmcompressError
+from lmcompress.errors import ConfigError
+from lmcompress.methods.obs import SUB_BLOCK, inverse_hessian_factor
 
-logger = logging.getLogger(__name__)
-
-# Columns whose OBS updates are applied one by one before a GEMM carries them to the rest of
-# the block: rank-1 updates of 16 × out stay small enough for one thread.
-SUB_BLOCK = 16
-DAMP_RETRIES = 3  # after a failed Cholesky: percdamp × 10, × 100, × 1000
+__all__ = ["inverse_hessian_factor", "reconstruction_error", "sparsegpt_mask", "sparsegpt_prune"]
 
 
 def _check(W: torch.Tensor, H: torch.Tensor, sparsity: Sparsity, blocksize: int, percdamp):
@@ -61,49 +55,6 @@ def _check(W: torch.Tensor, H: torch.Tensor, sparsity: Sparsity, blocksize: int,
         check_nm_shape(tuple(W.shape), sparsity.m)
     elif not 0.0 <= sparsity.ratio < 1.0:
         raise ConfigError(f"sparsity ratio {sparsity.ratio} must lie in [0, 1)")
-
-
-def inverse_hessian_factor(H: torch.Tensor, percdamp: float = 0.01) -> torch.Tensor:
-    """Upper Cholesky factor ``U`` of ``(H + λI)⁻¹ = UᵀU``, ``λ = percdamp · mean(diag H)``.
-
-    Row ``j`` of ``U`` from column ``j`` on, divided by ``U_jj``, is the OBS update direction
-    for column ``j`` once the columns before it are fixed (the paper's Cholesky trick, §3.2).
-    H: (in, in), not modified; U has H's dtype.
-
-    The reference gets U as ``cholesky(cholesky_inverse(cholesky(H)), upper=True)``. The
-    Cholesky factor is unique, so we compute the same matrix with one factorisation and one
-    triangular solve: with P the reversal permutation and ``P (H + λI) P = L Lᵀ``,
-    ``H + λI = R Rᵀ`` for the upper-triangular ``R = P L P``, hence ``(H + λI)⁻¹ = R⁻ᵀ R⁻¹``
-    and ``U = R⁻¹ = P L⁻¹ P``. Half the flops, no explicit inverse, and it avoids LAPACK's
-    ``potri``, which took seconds instead of ~0.1 s for in=1536 on a busy 2-core CPU.
-    """
-    mean_diag = H.diagonal().mean()
-    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
-    damp = percdamp
-    for attempt in range(DAMP_RETRIES + 1):
-        Hd = H.flip(0, 1)  # P H P, a copy
-        Hd.diagonal().add_(damp * mean_diag)
-        # LAPACK reports NaN pivots as failures, so info also catches non-finite entries.
-        L, info = torch.linalg.cholesky_ex(Hd)  # P (H + λI) P = L Lᵀ
-        if not info:
-            return torch.linalg.solve_triangular(L, eye, upper=False).flip(0, 1)  # P L⁻¹ P
-        if attempt == 0 and not torch.isfinite(H).all():
-            raise LmcompressError(
-                "SparseGPT: the Hessian has NaN/Inf entries (calibration activations overflowed)"
-            )
-        if attempt < DAMP_RETRIES:
-            new_damp = damp * 10 if damp > 0 else 0.01
-            logger.warning(
-                "SparseGPT: Hessian not positive definite with percdamp=%g; retrying with %g "
-                "(more calibration tokens usually avoid this)",
-                damp,
-                new_damp,
-            )
-            damp = new_damp
-    raise LmcompressError(
-        f"SparseGPT: the Hessian stays singular even with percdamp={damp:g}; use more or "
-        "more varied calibration data, or a larger percdamp"
-    )
 
 
 @torch.no_grad()

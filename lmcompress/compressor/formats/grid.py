@@ -1,0 +1,86 @@
+"""The uniform low-bit grid of the ``int4`` formats (3, 4 or 8 bits): pure tensor math shared by
+round-to-nearest (``Int4Linear.from_linear``) and GPTQ's solver.
+
+GPTQ's reference quantizer (``IST-DASLab/gptq``, ``quant.Quantizer``), per row of a group of
+columns ``x`` (rows, k), with ``maxq = 2^bits - 1``:
+
+    xmin = min(min x, 0),  xmax = max(max x, 0)           (the grid always holds 0)
+    symmetric:  xmax = max(|xmin|, xmax), xmin = -xmax,   z = 2^(bits-1)
+    asymmetric:                                            z = round(-xmin / s)
+    s = (xmax - xmin) / maxq        (a row of zeros: xmin = -1, xmax = 1)
+    q = clamp(round(x / s) + z, 0, maxq),    x̂ = (q - z) · s
+
+One deviation: the reference sets ``xmin = -xmax`` only when ``xmin < 0``, so a symmetric row
+with no negative weight gets half the step and its top codes clip at ``7 s`` (4 bits); here a
+symmetric grid is always ``[-absmax, absmax]``. Scales are float32 (what is stored), rounding
+is :func:`torch.round` (half to even).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def max_code(bits: int) -> int:
+    return (1 << bits) - 1
+
+
+def grid_params(x: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, zero)`` (rows,) of each row of ``x`` (rows, k): float32 scales > 0 and
+    integer-valued float32 zero points in ``[0, maxq]`` (see the module doc)."""
+    x = x.detach().to(torch.float32)
+    zero_col = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
+    xmin = torch.minimum(x.amin(dim=1), zero_col)
+    xmax = torch.maximum(x.amax(dim=1), zero_col)
+    if symmetric:
+        xmax = torch.maximum(-xmin, xmax)
+        xmin = -xmax
+    empty = (xmin == 0) & (xmax == 0)
+    xmin, xmax = xmin.masked_fill(empty, -1.0), xmax.masked_fill(empty, 1.0)
+    scale = (xmax - xmin) / max_code(bits)
+    if symmetric:
+        zero = torch.full_like(scale, float(1 << (bits - 1)))
+    else:
+        zero = torch.round(-xmin / scale).clamp_(0, max_code(bits))
+    return scale, zero
+
+
+def codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """``clamp(round(x / s) + z, 0, maxq)`` in ``x``'s (floating) dtype; ``scale`` and
+    ``zero`` broadcast against ``x``."""
+    scale, zero = scale.to(x.dtype), zero.to(x.dtype)
+    return torch.div(x, scale).round_().add_(zero).clamp_(0, max_code(bits))
+
+
+def on_grid(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x`` rounded onto the grid: ``(q - z) · s`` in ``x``'s dtype (a new tensor)."""
+    return codes(x, scale, zero, bits).sub_(zero.to(x.dtype)).mul_(scale.to(x.dtype))
+
+
+def group_params(
+    W: torch.Tensor, bits: int, group_size: int, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scales, zeros)`` (out, groups) of ``W`` (out, in) per group of ``group_size``
+    consecutive columns (``-1``: the whole row), from the weights as they are."""
+    out_features, in_features = W.shape
+    size = in_features if group_size == -1 else group_size
+    flat = W.detach().reshape(out_features * (in_features // size), size)
+    scale, zero = grid_params(flat, bits, symmetric)
+    return scale.view(out_features, -1), zero.view(out_features, -1)
+
+
+def expand(per_group: torch.Tensor, in_features: int) -> torch.Tensor:
+    """(out, groups) -> (out, in): each group's value repeated over its columns."""
+    return per_group.repeat_interleave(in_features // per_group.shape[1], dim=1)
+
+
+def quantize_groups(
+    W: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int
+) -> torch.Tensor:
+    """Round-to-nearest uint8 codes (out, in) of ``W`` on the grid ``scales``/``zeros``
+    (out, groups)."""
+    in_features = W.shape[1]
+    q = codes(
+        W.detach().to(torch.float32), expand(scales, in_features), expand(zeros, in_features), bits
+    )
+    return q.to(torch.uint8)

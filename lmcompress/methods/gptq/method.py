@@ -1,0 +1,206 @@
+"""``rtn`` and ``gptq`` on a Hugging Face model: every selected linear becomes an
+:class:`~lmcompress.compressor.formats.int4.Int4Linear` (``int4``), or with N:M pruning a
+:class:`~lmcompress.compressor.formats.int4.PackedNMInt4Linear` (``nm_packed_int4``).
+
+RTN reads no calibration text (and streams block by block as magnitude pruning does); GPTQ
+collects each layer's Hessian through the layer-wise loop as SparseGPT does (``--streaming``
+included), quantizes the layer with :func:`~lmcompress.methods.gptq.solver.gptq_quantize` and
+puts the packed module in its place, so that the next block calibrates on the quantized one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from lmcompress.compressor.calibration.layerwise import BlockSource, stream_blocks
+from lmcompress.compressor.calibration.observers import HessianAccumulator
+from lmcompress.compressor.formats.base import CompressedLinear
+from lmcompress.compressor.formats.int4 import Int4Linear, PackedNMInt4Linear
+from lmcompress.compressor.method import Method, Stats
+from lmcompress.compressor.model.families import family_of
+from lmcompress.compressor.model.surgery import replace_module, weight_matrix
+from lmcompress.compressor.report import CompressionReport, LayerReport
+from lmcompress.compressor.util.progress import bar_disabled
+from lmcompress.errors import ConfigError
+from lmcompress.methods.common import count_params
+from lmcompress.methods.gptq.config import GPTQConfig, RTNConfig
+from lmcompress.methods.gptq.solver import check_options, gptq_quantize
+from lmcompress.methods.layerwise import LayerwiseMethod
+from lmcompress.methods.obs import output_error
+
+UNSTRUCTURED_OR_NM = frozenset({"nm_packed", None})
+
+
+def grid_options(config: RTNConfig) -> dict:
+    """The grid options ``Int4Linear.from_linear`` / ``from_codes`` take."""
+    return {"bits": config.bits, "group_size": config.group_size, "symmetric": config.sym}
+
+
+def layer_report(
+    name: str,
+    W: torch.Tensor,
+    new: CompressedLinear,
+    started: float,
+    kept: int | None = None,
+    **fields,
+) -> LayerReport:
+    """The report of a layer of weight ``W`` (out, in) now ``new`` (an int4 format): the
+    ``kept`` weights (default: all) and the stored bytes of its codes, scales and zero
+    points."""
+    stored = sum(t.nbytes for k, t in new.state_tensors().items() if k != "bias")
+    kept = W.numel() if kept is None else kept
+    options = {**grid_options_of(new), **fields.pop("format_options", {})}
+    return LayerReport.measure(
+        name, W, new.dense_weight(), started, params_kept=kept, bytes_compressed=stored,
+        bits=new.bits, format=new.format, format_options=options, **fields,
+    )  # fmt: skip
+
+
+def grid_options_of(layer: CompressedLinear) -> dict:
+    return {"bits": layer.bits, "group_size": layer.group_size, "symmetric": layer.symmetric}
+
+
+def check_layers(config: RTNConfig, layers: dict[str, nn.Module]) -> None:
+    """Every selected layer's width fits the options (group size, N:M): one line otherwise,
+    naming a group size that fits every layer (SmolLM2-135M's 576: 64, not 128)."""
+    widths = {name: weight_matrix(module).shape[1] for name, module in layers.items()}
+    size, common = config.group_size, math.gcd(*widths.values())
+    if size > 0 and common % size:
+        name = next(n for n, width in widths.items() if width % size)
+        fits = next((d for d in (256, 128, 64, 32, 16, 8) if d < size and common % d == 0), None)
+        hint = f"; {fits} divides every selected layer" if fits else ""
+        raise ConfigError(
+            f"group_size {size} does not divide {name}'s {widths[name]} input columns (-1: one "
+            f"group per output row{hint})"
+        )
+    pattern = getattr(config, "pattern", None)
+    for name, module in layers.items():
+        shape = tuple(weight_matrix(module).shape)
+        check_options(shape, config.bits, config.group_size, getattr(config, "act_order", False),
+                      pattern, getattr(config, "keep_mask", False), where=name)  # fmt: skip
+
+
+class RTN(Method):
+    config_class = RTNConfig
+    needs_calibration = False
+    streams = True
+    composes_after = UNSTRUCTURED_OR_NM  # 0 is on every grid: zeros stay zeros
+
+    def stored_format(self, layer: str) -> str:  # noqa: ARG002
+        return Int4Linear.format
+
+    def validate(self, model: nn.Module) -> dict[str, nn.Module]:
+        layers = super().validate(model)
+        check_layers(self.config, layers)
+        return layers
+
+    def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:  # noqa: ARG002
+        start = time.perf_counter()
+        layers = self.validate(model)
+        report = CompressionReport(
+            self.name, self.config.to_dict(), model_params=count_params(model)
+        )
+        bars = {"desc": "rtn", "unit": "layer", "disable": bar_disabled()}
+        report.layers = [self._quantize(model, n, m) for n, m in tqdm(layers.items(), **bars)]
+        report.seconds = time.perf_counter() - start
+        return report
+
+    def compress_streaming(
+        self,
+        model: nn.Module,
+        data: torch.Tensor | None,  # noqa: ARG002
+        source: BlockSource,
+        offload_dir: str | Path | None = None,  # noqa: ARG002
+    ) -> CompressionReport:
+        """:meth:`apply` on a meta-device skeleton, one block materialised at a time."""
+        start = time.perf_counter()
+        layers = self.validate(model)
+        prefix = family_of(model).blocks
+        if outside := [name for name in layers if not name.startswith(prefix + ".")]:
+            raise ConfigError(f"--streaming compresses decoder blocks only, not {outside}")
+
+        def quantize_block(index: int, _block: nn.Module) -> list[LayerReport]:
+            inside = f"{prefix}.{index}."
+            return [self._quantize(model, n, m) for n, m in layers.items() if n.startswith(inside)]
+
+        report = CompressionReport(
+            self.name, self.config.to_dict(), model_params=count_params(model)
+        )
+        report.layers = stream_blocks(model, source, quantize_block)
+        report.seconds = time.perf_counter() - start
+        return report
+
+    def _quantize(self, model: nn.Module, name: str, module: nn.Module) -> LayerReport:
+        start = time.perf_counter()
+        new = Int4Linear.from_linear(module, **grid_options(self.config))
+        replace_module(model, name, new)
+        return layer_report(name, weight_matrix(module).detach(), new, start)
+
+
+class GPTQ(LayerwiseMethod):
+    config_class = GPTQConfig
+    statistic = "hessian"  # H = 2/n · Σ x xᵀ of the layer's inputs, (in, in)
+
+    @property
+    def composes_after(self) -> frozenset[str | None]:
+        """After a pruning stage only when it keeps that stage's zeros (``keep_mask``)."""
+        return UNSTRUCTURED_OR_NM if self.config.keep_mask else frozenset()
+
+    def stored_format(self, layer: str) -> str:  # noqa: ARG002
+        pattern = self.config.pattern
+        nm = pattern is not None and pattern.is_nm
+        return PackedNMInt4Linear.format if nm else Int4Linear.format
+
+    def validate(self, model: nn.Module) -> dict[str, nn.Module]:
+        layers = super().validate(model)
+        check_layers(self.config, layers)
+        return layers
+
+    def make_accumulator(self, name: str, module: nn.Module) -> HessianAccumulator:  # noqa: ARG002
+        W = weight_matrix(module)
+        return HessianAccumulator(
+            W.shape[1], device=W.device, dtype=getattr(torch, self.config.hessian_dtype)
+        )
+
+    def statistic_of(self, accumulator: HessianAccumulator) -> torch.Tensor:
+        return accumulator.H
+
+    def accumulator_bytes(self, module: nn.Module) -> int:
+        """The (in, in) Hessian, and the solver's factor and working copy of it."""
+        columns = weight_matrix(module).shape[1]
+        bits = torch.finfo(getattr(torch, self.config.hessian_dtype)).bits
+        return 3 * columns * columns * bits // 8
+
+    def compress_layer(
+        self, model: nn.Module, name: str, module: nn.Module, statistic: torch.Tensor
+    ) -> LayerReport:
+        start = time.perf_counter()
+        config, pattern = self.config, self.config.pattern
+        W = weight_matrix(module).detach()  # (out, in)
+        result = gptq_quantize(
+            W, statistic, config.bits, config.group_size, config.sym, config.act_order,
+            config.blocksize, config.percdamp, sparsity=pattern,
+            mask=(W != 0) if config.keep_mask else None,
+        )  # fmt: skip
+        new = Int4Linear.from_codes(
+            result.codes, result.scales, result.zeros, module, **grid_options(config)
+        )
+        fields = {}
+        if result.keep is not None:
+            kept = int(result.keep.sum())
+            fields = {"kept": kept, "sparsity": 1 - kept / W.numel()}
+        if pattern is not None and pattern.is_nm:
+            new = PackedNMInt4Linear.from_int4(new, pattern.n, pattern.m)
+            fields["format_options"] = {"n": pattern.n, "m": pattern.m}
+        if pattern is not None:
+            fields["pattern"] = str(pattern)
+        replace_module(model, name, new)
+        report = layer_report(name, W, new, start, **fields)
+        report.rel_error, report.error_kind = output_error(W, result.weight(), statistic), "output"
+        return report
