@@ -8,8 +8,9 @@ weight's kept positions (packed the same way over the kept axis) and their posit
 ``indices`` as ``nm_packed`` stores them; a position not stored has code ``z`` and so weight
 exactly 0. Scales and zeros are per group of the original input columns in both.
 
-The computation dequantizes to float32 and runs ``F.linear`` in the input's dtype
-(:meth:`Int4CodedLinear.forward`, one call to swap for a kernel).
+The computation is the int4 runtime's (:mod:`lmcompress.kernels.int4_ops`): for a few tokens on
+CPU a compiled kernel reads the packed codes directly; otherwise blocks of output rows are
+dequantized into the input's dtype for ``F.linear``.
 """
 
 from __future__ import annotations
@@ -17,107 +18,25 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from lmcompress.compressor.formats import grid
 from lmcompress.compressor.formats.base import CompressedLinear
-from lmcompress.compressor.formats.nm_packed import NM_PACKED, kept
+from lmcompress.compressor.formats.int4_schema import INT4, NM_PACKED_INT4, bad_codes
+from lmcompress.compressor.formats.nm_packed import kept
 from lmcompress.compressor.formats.quant import check_scale
 from lmcompress.compressor.formats.registry import register_format
-from lmcompress.compressor.formats.schema import (
-    EXACT,
-    FLOAT_NAMES,
-    LINEAR_META,
-    NM_META,
-    Meta,
-    MetaField,
-    Schema,
-    StoredTensor,
-    bias_tensor,
-    nm_rule,
-)
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.errors import ModelLoadError
-from lmcompress.kernels import ops
+from lmcompress.kernels import int4_ops, ops
 from lmcompress.kernels.int4_reference import (
-    BITS,
     check_bits,
     dequantize_codes,
-    groups_of,
     pack_codes,
-    packed_columns,
     unpack_codes,
 )
 from lmcompress.kernels.reference import gather_nm, pack_nm
-
-
-def n_groups(meta: Meta) -> int:
-    return groups_of(meta["group_size"], meta["in_features"])
-
-
-def group_rule(meta: Meta) -> str | None:
-    size, in_features = meta["group_size"], meta["in_features"]
-    if size != -1 and (size < 1 or in_features % size):
-        return f"group_size {size} does not divide in_features={in_features} (nor is it -1)"
-    return None
-
-
-INT4_META = {
-    **LINEAR_META,
-    "bits": MetaField((int,), choices=BITS),
-    "group_size": MetaField((int,)),
-    "symmetric": MetaField((bool,)),
-    "dtype": MetaField((str,), required=False, choices=FLOAT_NAMES),
-}
-# scales float32 (out, groups) > 0, zeros uint8 (out, groups), bias (out,)
-INT4_GRID = {
-    "scales": StoredTensor(
-        EXACT, lambda meta: (meta["out_features"], n_groups(meta)), positive=True
-    ),
-    "zeros": StoredTensor(torch.uint8, lambda meta: (meta["out_features"], n_groups(meta))),
-    "bias": bias_tensor(),
-}
-INT4 = Schema(
-    meta=INT4_META,
-    tensors={
-        "qweight": StoredTensor(
-            torch.uint8,
-            lambda meta: (meta["out_features"], packed_columns(meta["bits"], meta["in_features"])),
-        ),
-        **INT4_GRID,
-    },
-    rules=(group_rule,),
-)
-NM_PACKED_INT4 = Schema(
-    meta={**INT4_META, **NM_META},
-    tensors={
-        "qweight": StoredTensor(
-            torch.uint8,
-            lambda meta: (meta["out_features"], packed_columns(meta["bits"], kept(meta))),
-        ),
-        "indices": NM_PACKED.tensors["indices"],
-        **INT4_GRID,
-    },
-    rules=(nm_rule, group_rule),
-)
-
-
-def bad_codes(qweight: torch.Tensor, zeros: torch.Tensor, meta: Meta, columns: int) -> str | None:
-    """Why stored codes and zero points are not a valid grid of ``meta``'s bits (``columns``
-    codes a row), or ``None``: every code and zero point in ``[0, 2^bits - 1]`` (3 bits: no
-    nibble above 7; an odd row's unused high nibble 0), symmetric zero points ``2^(bits-1)``."""
-    bits, maxq = meta["bits"], grid.max_code(meta["bits"])
-    if bits == 3 and bool((qweight & 0x88).any()):
-        return "a code is above 7, out of range for 3 bits"
-    if bits <= 4 and columns % 2 and bool((qweight[:, -1] >> 4).any()):
-        return "the unused high nibble of an odd row is not 0"
-    if bool((zeros > maxq).any()):
-        return f"a zero point is above {maxq}, out of range for {bits} bits"
-    if meta["symmetric"] and bool((zeros != 1 << (bits - 1)).any()):
-        return f"symmetric, but a zero point is not {1 << (bits - 1)}"
-    return None
 
 
 class Int4CodedLinear(CompressedLinear):
@@ -206,9 +125,25 @@ class Int4CodedLinear(CompressedLinear):
     def dense_weight(self) -> torch.Tensor:
         return self.dequantized().to(self.dtype)
 
+    def nm(self) -> tuple[torch.Tensor, int, int] | None:
+        """``(indices, n, m)`` of packed N:M kept codes, ``None`` for every column's."""
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantized().to(x.dtype), bias)
+        """The int4 runtime (:func:`lmcompress.kernels.int4_ops.linear`): a compiled kernel
+        reads the packed codes for a few tokens on CPU; otherwise blocks of rows are
+        dequantized into ``x``'s dtype for ``F.linear``."""
+        return int4_ops.linear(
+            x,
+            self.qweight,
+            self.scales,
+            self.zeros,
+            bits=self.bits,
+            group_size=self.group_size,
+            in_features=self.in_features,
+            bias=self.bias,
+            nm=self.nm(),
+        )
 
     def expanded(self) -> nn.Module:
         """Dequantized once: a dense linear of :attr:`dtype` (the same function for inputs of
@@ -366,6 +301,9 @@ class PackedNMInt4Linear(Int4CodedLinear):
         """Round an N:M-sparse ``linear`` to nearest (:meth:`Int4Linear.from_linear`), then
         pack its codes (its zeros stay zeros: 0 is on every grid)."""
         return cls.from_int4(Int4Linear.from_linear(linear, **int4_options), n, m)
+
+    def nm(self) -> tuple[torch.Tensor, int, int]:
+        return self.indices, self.n, self.m
 
     def weight_codes(self) -> torch.Tensor:
         values = unpack_codes(self.qweight, self.bits, self.n * self.in_features // self.m)
