@@ -110,6 +110,9 @@ def _what(row: Row) -> Record:
     tool = "llm-compressor" if row.kind == "peer" else "lmcompress"
     method = recipe.get("method") or "+".join(s["method"] for s in recipe.get("stages", []))
     sparsity = str(recipe.get("sparsity", "-"))
+    if "bits" in recipe:  # a quantization row: its grid, beside any sparsity
+        grid = f"w{recipe['bits']} g{recipe.get('group_size', 128)}"
+        sparsity = grid if sparsity == "-" else f"{sparsity} + {grid}"
     return {"method": method or "recipe", "sparsity": sparsity, "tool": tool}
 
 
@@ -203,8 +206,13 @@ def _compress_job(row: Row, out: Path, settings: Record, work: Path) -> Job:
 def _peer_job(row: Row, out: Path, settings: Record, venv: Path) -> Job:
     recipe = row.recipe if isinstance(row.recipe, dict) else {}
     command = [PYTHON, "-m", "benchmarks.peers.run_peer", "--method", recipe.get("method"),
-               "--sparsity", str(recipe.get("sparsity")), "--out", str(out), "--venv", str(venv),
+               "--out", str(out), "--venv", str(venv),
                "--model", settings.get("checkpoint", "smollm2-135m")]  # fmt: skip
+    # pruning rows name a sparsity; quantization rows (gptq) their bits and group size
+    for key, flag in (("sparsity", "--sparsity"), ("bits", "--bits"),
+                      ("group_size", "--group-size")):  # fmt: skip
+        if key in recipe:
+            command += [flag, str(recipe[key])]
     for key, flag in (("nsamples", "--nsamples"), ("seq_len", "--seq-len"), ("seed", "--seed"),
                       ("calib", "--calib")):  # fmt: skip
         if key in settings:

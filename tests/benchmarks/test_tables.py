@@ -139,3 +139,22 @@ def test_no_row_command_gives_an_option_twice(name, tmp_path):
             parser.refuse_repeats(argv)  # ConfigError on a repeat
             checked += 1
     assert checked or name == "lowrank", f"{name}: no command checked"
+
+
+def test_a_peer_row_passes_its_quantization_grid_and_no_sparsity(tmp_path):
+    """A gptq peer row runs llm-compressor with its bits and group size (no --sparsity); a
+    pruning peer row with its sparsity (and no grid flags)."""
+    from benchmarks.table import Row
+
+    settings = {"checkpoint": "smollm2-135m", "nsamples": 128}
+    quant = Row("peer", "peer", {"method": "gptq", "bits": 3, "group_size": 64})
+    command = sweep._peer_job(quant, tmp_path, settings, tmp_path).command
+    assert command[command.index("--bits") + 1] == "3"
+    assert command[command.index("--group-size") + 1] == "64"
+    assert "--sparsity" not in command
+    prune = Row("peer", "peer", {"method": "wanda", "sparsity": "2:4"})
+    command = sweep._peer_job(prune, tmp_path, settings, tmp_path).command
+    assert command[command.index("--sparsity") + 1] == "2:4" and "--bits" not in command
+    assert sweep._what(quant)["sparsity"] == "w3 g64"
+    joint = Row("x", "recipe", {"method": "gptq", "sparsity": "2:4", "bits": 4, "group_size": 64})
+    assert sweep._what(joint)["sparsity"] == "2:4 + w4 g64"
