@@ -1,5 +1,6 @@
-"""The base of the methods that compress one layer at a time from a statistic of its
-calibration inputs, through the core's layer-wise loop (``--streaming`` included)."""
+"""The bases of the methods that compress one layer at a time: from a statistic of its
+calibration inputs, through the core's layer-wise loop (:class:`LayerwiseMethod`), or from its
+weight alone (:class:`OneShotMethod`); ``--streaming`` included in both."""
 
 from __future__ import annotations
 
@@ -10,18 +11,72 @@ from typing import ClassVar
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from lmcompress.compressor.calibration.layerwise import (
     Accumulator,
     BlockSource,
     compress_layerwise,
     layerwise_estimate,
+    stream_blocks,
 )
 from lmcompress.compressor.method import Method, Stats
+from lmcompress.compressor.model.families import family_of
 from lmcompress.compressor.model.surgery import is_linear, weight_matrix
 from lmcompress.compressor.report import CompressionReport, LayerReport
+from lmcompress.compressor.util.progress import bar_disabled
 from lmcompress.errors import ConfigError
 from lmcompress.methods.common import count_params
+
+
+class OneShotMethod:
+    """A method that compresses each selected layer from its weight alone (magnitude, RTN), a
+    mixin before its :class:`Method` base: :meth:`apply` runs :meth:`compress_layer` on every
+    layer ``validate`` selects; :meth:`compress_streaming` on each block's as the block is
+    materialised (layers outside the decoder blocks cannot be streamed: the skeleton never
+    holds them)."""
+
+    def compress_layer(self, model: nn.Module, name: str, module: nn.Module) -> LayerReport:
+        raise NotImplementedError
+
+    def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:  # noqa: ARG002
+        start = time.perf_counter()
+        layers = self.validate(model)
+        report = CompressionReport(
+            self.name, self.config.to_dict(), model_params=count_params(model)
+        )
+        bars = {"desc": self.name, "unit": "layer", "disable": bar_disabled()}
+        for name, module in tqdm(layers.items(), **bars):
+            report.layers.append(self.compress_layer(model, name, module))
+        report.seconds = time.perf_counter() - start
+        return report
+
+    def compress_streaming(
+        self,
+        model: nn.Module,
+        data: torch.Tensor | None,  # noqa: ARG002
+        source: BlockSource,
+        offload_dir: str | Path | None = None,  # noqa: ARG002
+    ) -> CompressionReport:
+        """:meth:`apply` on a meta-device skeleton, one block materialised at a time."""
+        start = time.perf_counter()
+        layers = self.validate(model)
+        prefix = family_of(model).blocks
+        if outside := [name for name in layers if not name.startswith(prefix + ".")]:
+            raise ConfigError(f"--streaming compresses decoder blocks only, not {outside}")
+
+        def compress_block(index: int, _block: nn.Module) -> list[LayerReport]:
+            inside = f"{prefix}.{index}."
+            return [
+                self.compress_layer(model, n, m) for n, m in layers.items() if n.startswith(inside)
+            ]
+
+        report = CompressionReport(
+            self.name, self.config.to_dict(), model_params=count_params(model)
+        )
+        report.layers = stream_blocks(model, source, compress_block)
+        report.seconds = time.perf_counter() - start
+        return report
 
 
 class LayerwiseMethod(Method):

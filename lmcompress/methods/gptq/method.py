@@ -12,26 +12,20 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from lmcompress.compressor.calibration.layerwise import BlockSource, stream_blocks
 from lmcompress.compressor.calibration.observers import HessianAccumulator
 from lmcompress.compressor.formats.base import CompressedLinear
 from lmcompress.compressor.formats.int4 import Int4Linear, PackedNMInt4Linear
-from lmcompress.compressor.method import Method, Stats
-from lmcompress.compressor.model.families import family_of
+from lmcompress.compressor.method import Method
 from lmcompress.compressor.model.surgery import replace_module, weight_matrix
-from lmcompress.compressor.report import CompressionReport, LayerReport
-from lmcompress.compressor.util.progress import bar_disabled
+from lmcompress.compressor.report import LayerReport
 from lmcompress.errors import ConfigError
-from lmcompress.methods.common import count_params
 from lmcompress.methods.gptq.config import GPTQConfig, RTNConfig
 from lmcompress.methods.gptq.solver import check_options, gptq_quantize
-from lmcompress.methods.layerwise import LayerwiseMethod
+from lmcompress.methods.layerwise import LayerwiseMethod, OneShotMethod
 from lmcompress.methods.obs import output_error
 
 UNSTRUCTURED_OR_NM = frozenset({"nm_packed", None})
@@ -86,7 +80,7 @@ def check_layers(config: RTNConfig, layers: dict[str, nn.Module]) -> None:
                       pattern, getattr(config, "keep_mask", False), where=name)  # fmt: skip
 
 
-class RTN(Method):
+class RTN(OneShotMethod, Method):
     config_class = RTNConfig
     needs_calibration = False
     streams = True
@@ -100,43 +94,7 @@ class RTN(Method):
         check_layers(self.config, layers)
         return layers
 
-    def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:  # noqa: ARG002
-        start = time.perf_counter()
-        layers = self.validate(model)
-        report = CompressionReport(
-            self.name, self.config.to_dict(), model_params=count_params(model)
-        )
-        bars = {"desc": "rtn", "unit": "layer", "disable": bar_disabled()}
-        report.layers = [self._quantize(model, n, m) for n, m in tqdm(layers.items(), **bars)]
-        report.seconds = time.perf_counter() - start
-        return report
-
-    def compress_streaming(
-        self,
-        model: nn.Module,
-        data: torch.Tensor | None,  # noqa: ARG002
-        source: BlockSource,
-        offload_dir: str | Path | None = None,  # noqa: ARG002
-    ) -> CompressionReport:
-        """:meth:`apply` on a meta-device skeleton, one block materialised at a time."""
-        start = time.perf_counter()
-        layers = self.validate(model)
-        prefix = family_of(model).blocks
-        if outside := [name for name in layers if not name.startswith(prefix + ".")]:
-            raise ConfigError(f"--streaming compresses decoder blocks only, not {outside}")
-
-        def quantize_block(index: int, _block: nn.Module) -> list[LayerReport]:
-            inside = f"{prefix}.{index}."
-            return [self._quantize(model, n, m) for n, m in layers.items() if n.startswith(inside)]
-
-        report = CompressionReport(
-            self.name, self.config.to_dict(), model_params=count_params(model)
-        )
-        report.layers = stream_blocks(model, source, quantize_block)
-        report.seconds = time.perf_counter() - start
-        return report
-
-    def _quantize(self, model: nn.Module, name: str, module: nn.Module) -> LayerReport:
+    def compress_layer(self, model: nn.Module, name: str, module: nn.Module) -> LayerReport:
         start = time.perf_counter()
         new = Int4Linear.from_linear(module, **grid_options(self.config))
         replace_module(model, name, new)
