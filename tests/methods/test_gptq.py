@@ -75,6 +75,45 @@ def test_every_option_reaches_the_solver(monkeypatch):
     assert all(x.sparsity == 0.5 and x.pattern == "2:4" for x in report.layers)
 
 
+@pytest.mark.parametrize(
+    ("options", "act_order"),
+    [
+        ({}, True),  # act-order by default, as llm-compressor's actorder="static"
+        ({"act_order": False}, False),
+        ({"sparsity": "2:4"}, False),  # the solver chooses the 2:4 mask: in column order
+        ({"sparsity": "2:4", "keep_mask": True}, True),  # a fixed mask: act-order again
+        ({"sparsity": "0.5"}, True),  # unstructured: chosen per block, any order
+    ],
+)
+def test_act_order_by_default_except_where_the_solver_chooses_nm(options, act_order):
+    config = GPTQConfig(group_size=16, **options)
+    assert config.act_order is act_order
+
+
+def test_the_default_act_order_reaches_the_solver_from_the_command_line(
+    tiny_checkpoint, tmp_path, monkeypatch
+):
+    seen = []
+    real = gptq_method.gptq_quantize
+
+    def spy(*args, **kwargs):
+        seen.append(args[5])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gptq_method, "gptq_quantize", spy)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    base = [str(tiny_checkpoint), "--method", "gptq", "--group-size", "16", "--calib",
+            str(corpus), "--nsamples", "2", "--seq-len", "16", "--eval", "-q"]  # fmt: skip
+    for flags, expected in (([], True), (["--no-act-order"], False)):
+        out = tmp_path / f"out-{expected}"
+        seen.clear()
+        assert main([*base, *flags, "-o", str(out)]) == 0
+        assert seen and set(seen) == {expected}
+        recorded = json.loads((out / MANIFEST).read_text())["config"]["act_order"]
+        assert recorded is expected
+
+
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_gptq_exports_and_reloads_exactly_on_every_family(tmp_path, family):
     model = make_tiny_model(family)

@@ -53,10 +53,12 @@ class GPTQConfig(RTNConfig):
 
     method: ClassVar[str] = "gptq"
 
-    act_order: bool = field(
-        default=False,
+    act_order: bool | None = field(
+        default=None,
         metadata={
-            "help": "visit columns by decreasing Hessian diagonal (desc_act), with static groups"
+            "help": "visit columns by decreasing Hessian diagonal (desc_act), with static groups; "
+            "--no-act-order: in column order, each group fitted when reached",
+            "default_text": "on, off where --sparsity N:M chooses the mask",
         },
     )
     blocksize: int = field(default=128, metadata={"help": "columns per lazy-update block"})
@@ -87,6 +89,10 @@ class GPTQConfig(RTNConfig):
         pattern = None if text.lower() in NO_SPARSITY else parse_sparsity(text)
         object.__setattr__(self, "sparsity", "none" if pattern is None else str(pattern))
         object.__setattr__(self, "_pattern", pattern)  # derived: not a field
+        if self.act_order is None:  # act-order (llm-compressor's default, "static"), except
+            # where the solver chooses an N:M mask: that needs each group of M visited together
+            chooses_nm = pattern is not None and pattern.is_nm and not self.keep_mask
+            object.__setattr__(self, "act_order", not chooses_nm)
         if self.blocksize < 1:
             raise ConfigError(f"blocksize must be at least 1, got {self.blocksize}")
         if not 0 <= self.percdamp < 1:
