@@ -42,10 +42,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from lmcompress.compressor.io import compressed_tensors
 from lmcompress.compressor.io.layout import DENSE_TENSORS, update_config_json
 from lmcompress.compressor.io.load import key_renaming
 from lmcompress.compressor.io.output import OutputDir
-from lmcompress.compressor.io.save import Export, compressed_modules, dense_state
+from lmcompress.compressor.io.save import Export, compressed_modules, dense_state, interop_layout
 from lmcompress.compressor.io.shards import TensorFiles, cast_tensor
 from lmcompress.compressor.method import Method, Stats
 from lmcompress.compressor.model.families import family_of
@@ -53,7 +54,7 @@ from lmcompress.compressor.model.loading import load_tokenizer, resolve_dtype
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.compressor.util.fsutil import made_dirs
 from lmcompress.compressor.util.memory import release_free_memory, set_mmap_threshold
-from lmcompress.errors import ConfigError, ModelLoadError, cut
+from lmcompress.errors import ConfigError, LmcompressError, ModelLoadError, cut
 from lmcompress.evaluation.generated import SELF_CORPUS
 from lmcompress.jobs.options import RunOptions
 from lmcompress.methods import METHODS
@@ -141,6 +142,11 @@ class Streamer:
         self.weight_map: dict[str, str] = {}
         self.total_size = 0
         self.embeddings_written = False
+        # the dense copy's layout, from the first block with compressed layers (all share the
+        # method's options), and the compressed-tensors scheme of each layer written in it
+        self.interop: str | None = None
+        self.schemes: dict[str, dict[str, Any]] = {}
+        self.packed: set[bool] = set()
 
     # BlockSource
     def load_embeddings(self, model: nn.Module) -> None:
@@ -161,8 +167,22 @@ class Streamer:
         compressed = compressed_modules(self.model, reports, root=block, prefix=prefix)
         self.export.add_layers(compressed)
         self.export.flush(f"block-{index:05d}")
-        state = dense_state(self.model, compressed, self.export.dense_copy, block, prefix)
-        self._write_shard(index + 2, {k: v for k, v in state.items() if k in self.keys})
+        if compressed and not self.schemes and self.interop is None:
+            self.interop = interop_layout(compressed, self.export.dense_copy) or ""
+        if self.interop == "compressed-tensors" and compressed:  # as write_compressed_tensors
+            if why := compressed_tensors.refusal(compressed, loadable=True):
+                raise LmcompressError(f"block {index} has no compressed-tensors form: {why}")
+            state = dense_state(self.model, compressed, False, block, prefix)
+            shard = {k: v for k, v in state.items() if k in self.keys}
+            exact = {}
+            for name, module in compressed.items():
+                self.schemes[name] = compressed_tensors.layer_scheme(name, module)
+                self.packed.add(compressed_tensors.is_packed(module))
+                exact.update(compressed_tensors.stored_tensors(name, module, self.export.dtype))
+            self._write_shard(index + 2, shard, exact)
+        else:
+            state = dense_state(self.model, compressed, self.export.dense_copy, block, prefix)
+            self._write_shard(index + 2, {k: v for k, v in state.items() if k in self.keys})
         del state
         block.to_empty(device="meta")
         # The block's smaller tensors (below the 1 MiB mmap threshold) were freed into glibc's
@@ -218,9 +238,26 @@ class Streamer:
         del tensors
         module.load_state_dict(state, strict=False, assign=True)
 
-    def _write_shard(self, index: int, state: dict[str, torch.Tensor]) -> None:
+    def quantization_config(self) -> dict[str, Any] | None:
+        """``config.json``'s ``quantization_config`` of the layers written in the
+        compressed-tensors layout (``None``: the dense copy holds plain weights)."""
+        if not self.schemes:
+            return None
+        if len(self.packed) > 1:
+            raise LmcompressError("int8 layers mixed with low-bit ones: one format per checkpoint")
+        linears = compressed_tensors.linear_names(self.model)
+        return compressed_tensors.config_of_schemes(self.schemes, self.packed.pop(), linears)
+
+    def _write_shard(
+        self,
+        index: int,
+        state: dict[str, torch.Tensor],
+        exact: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """``state`` cast to the save dtype, and ``exact`` tensors as they are."""
         name = SHARD.format(index=index, total=self.total)
         tensors = {k: cast_tensor(v, self.export.dtype) for k, v in state.items()}
+        tensors.update(exact or {})
         save_file(tensors, str(self.out / name), metadata={"format": "pt"})
         self.weight_map.update(dict.fromkeys(tensors, name))
         self.total_size += sum(t.nbytes for t in tensors.values())
@@ -304,11 +341,17 @@ class StreamedModel:
         model, tmp = self.model, self.tmp
         model.config.architectures = [type(model).__name__]  # as save_pretrained records it
         model.config.save_pretrained(tmp)
+        interop_config = self.streamer.quantization_config()
         update_config_json(tmp, dtype=self.export_.dtype_name)  # the stored dtype
+        if interop_config is not None:
+            update_config_json(tmp, quantization_config=interop_config)
         if model.can_generate():
             model.generation_config.save_pretrained(tmp)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(tmp)
         results["output"] = self.options.output
-        self.export_.finish(report, results, stats=stats)
+        interop = None
+        if interop_config is not None:
+            interop = {"layout": "compressed-tensors", "quantization_config": interop_config}
+        self.export_.finish(report, results, interop, stats=stats)
         logger.info("saved compressed model to %s", self.options.output)

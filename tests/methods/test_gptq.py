@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+import transformers
 import yaml
 from conftest import FAMILY_NAMES, make_tiny_model, make_tiny_tokenizer
 from safetensors import safe_open
@@ -214,6 +215,48 @@ def test_streaming_writes_exactly_the_in_memory_tensors(tmp_path, config):
     assert sorted(got) == sorted(want) and any(compressed for compressed, _ in want)
     for key in want:
         assert torch.equal(got[key], want[key]), key
+    packed = any(key.endswith("weight_packed") for _, key in want)
+    assert packed == config.sym  # the dense copy: pack-quantized where it can hold the grid
+    configs = [
+        json.loads((tmp_path / n / "config.json").read_text()) for n in ("streamed", "in-memory")
+    ]
+    manifests = [
+        json.loads((tmp_path / n / MANIFEST).read_text()) for n in ("streamed", "in-memory")
+    ]
+    assert configs[0].get("quantization_config") == configs[1].get("quantization_config")
+    assert manifests[0]["interop"] == manifests[1]["interop"]
+    assert (manifests[1]["interop"] is not None) == packed
+
+
+@pytest.mark.parametrize(
+    ("bits", "sym", "layout"),
+    [(4, True, "pack-quantized"), (8, True, "pack-quantized"), (3, True, None), (4, False, None)],
+)
+def test_the_dense_copy_is_what_vllm_loads_where_the_grid_fits(tmp_path, bits, sym, layout):
+    """compress-model's output of GPTQ: its dense copy in compressed-tensors' pack-quantized
+    layout (W4A16 / W8A16), which a plain ``from_pretrained`` (compressed-tensors installed)
+    loads to our runtime's weights and logits; 3 bits and asymmetric grids, which the layout
+    or transformers cannot hold, fall back to the dequantized weights (and still load)."""
+    pytest.importorskip("compressed_tensors")
+    checkpoint, corpus = _checkpoint(tmp_path), tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    out = tmp_path / "out"
+    options = RunOptions(checkpoint=str(checkpoint), calib=str(corpus), eval=(), seq_len=32,
+                         nsamples=4, output=str(out))  # fmt: skip
+    run(options, GPTQConfig(bits=bits, group_size=16, sym=sym))
+    config = json.loads((out / "config.json").read_text()).get("quantization_config")
+    assert (config and config["format"]) == layout
+    if layout:
+        weights = config["config_groups"]["group_0"]["weights"]
+        assert (weights["num_bits"], weights["group_size"], weights["symmetric"]) == (bits, 16, sym)
+        assert "lm_head" in config["ignore"]
+    ours, _, _ = load_compressed(out, runtime="packed")
+    plain = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    expected, theirs = _logits(ours), _logits(plain)  # the first forward decompresses
+    for name, module in ours.named_modules():
+        if isinstance(module, Int4Linear):
+            assert torch.equal(plain.get_submodule(name).weight, module.dense_weight()), name
+    assert ((theirs - expected).abs().max() / expected.abs().max()).item() <= 1e-5
 
 
 @pytest.mark.parametrize(

@@ -47,6 +47,9 @@ class Int4CodedLinear(CompressedLinear):
     :meth:`init_grid`, and implements :meth:`weight_codes`, :meth:`code_tensors`."""
 
     exact_tensors = frozenset({"scales"})  # float32 at any save dtype
+    # the dense copy: pack-quantized (W4A16 / W8A16), as llm-compressor writes GPTQ and vLLM
+    # reads; 3 bits, asymmetric grids and Conv1D fall back to dequantized weights (save.py)
+    interop = "compressed-tensors"
 
     def init_grid(
         self,

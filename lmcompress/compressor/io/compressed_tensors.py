@@ -227,6 +227,15 @@ def layer_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def stored_tensors(name: str, module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """:func:`layer_tensors` under their full names, as stored: the bias in ``dtype``, codes and
+    scales as they are (fp32 scales at any save dtype)."""
+    return {
+        f"{name}.{key}": cast_tensor(value, dtype) if key == "bias" else value.cpu()
+        for key, value in layer_tensors(module).items()
+    }
+
+
 def linear_names(model: nn.Module) -> list[str]:
     """Names of every linear position of the architecture, in model order: plain layers and
     compressed replacements (a fresh ``from_pretrained`` builds an ``nn.Linear`` there)."""
@@ -244,21 +253,30 @@ def quantization_config(model: nn.Module, quantized: dict[str, nn.Module]) -> di
     with every other linear (``lm_head`` at least) in ``ignore``; several schemes (e.g. static
     and dynamic layers mixed) give one group per scheme targeting its layers by name.
     """
-    schemes: dict[str, dict[str, Any]] = {}
-    members: dict[str, list[str]] = {}
-    for name, module in quantized.items():
-        scheme = layer_scheme(name, module)
-        key = json.dumps(scheme, sort_keys=True)
-        schemes.setdefault(key, scheme)
-        members.setdefault(key, []).append(name)
-    if not schemes:
-        raise LmcompressError("no quantized layer to export in the compressed-tensors layout")
+    layers = {name: layer_scheme(name, module) for name, module in quantized.items()}
     packed = {is_packed(module) for module in quantized.values()}
     if len(packed) > 1:
         raise LmcompressError(
             "int8 W8A8 layers mixed with low-bit weight-only ones: a compressed-tensors "
             "checkpoint has one format (int-quantized or pack-quantized)"
         )
+    return config_of_schemes(layers, bool(packed and packed.pop()), linear_names(model))
+
+
+def config_of_schemes(
+    layers: dict[str, dict[str, Any]], packed: bool, linears: list[str]
+) -> dict[str, Any]:
+    """:func:`quantization_config` from each quantized layer's :func:`layer_scheme` alone (what
+    a streamed export keeps of its blocks), ``packed`` (pack-quantized, else int-quantized) and
+    every linear position of the model in order (:func:`linear_names`)."""
+    schemes: dict[str, dict[str, Any]] = {}
+    members: dict[str, list[str]] = {}
+    for name, scheme in layers.items():
+        key = json.dumps(scheme, sort_keys=True)
+        schemes.setdefault(key, scheme)
+        members.setdefault(key, []).append(name)
+    if not schemes:
+        raise LmcompressError("no quantized layer to export in the compressed-tensors layout")
     single = len(schemes) == 1
     groups = {
         f"group_{i}": {"targets": ["Linear"] if single else members[key], **schemes[key]}
@@ -266,10 +284,10 @@ def quantization_config(model: nn.Module, quantized: dict[str, nn.Module]) -> di
     }
     return {
         "quant_method": QUANT_METHOD,
-        "format": PACKED_FORMAT if packed.pop() else FORMAT,
+        "format": PACKED_FORMAT if packed else FORMAT,
         "quantization_status": "compressed",
         "config_groups": groups,
-        "ignore": [name for name in linear_names(model) if name not in quantized],
+        "ignore": [name for name in linears if name not in layers],
         "kv_cache_scheme": None,
     }
 
@@ -322,8 +340,7 @@ def write_compressed_tensors(
         {k: v for k, v in model.state_dict().items() if not k.startswith(prefixes)}, dtype
     )
     for name, module in quantized.items():
-        for key, value in layer_tensors(module).items():
-            state[f"{name}.{key}"] = cast_tensor(value, dtype) if key == "bias" else value.cpu()
+        state.update(stored_tensors(name, module, dtype))
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True, state_dict=state)
     update_config_json(out_dir, dtype=str(dtype).removeprefix("torch."), quantization_config=config)
