@@ -80,6 +80,16 @@ CASES: dict[str, list[str]] = {
     "int8-group-simulated": ["--method", "int8", "--group-size", "8", "--path", "simulated"],
     "int8-compact": ["--method", "int8", "--no-dense-copy"],
     "recipe-sparsegpt-int8": ["--config", "{recipe}"],
+    "rtn-4": ["--method", "rtn", "--group-size", "16"],
+    "gptq-4": ["--method", "gptq", "--group-size", "16"],
+    "gptq-4-in-order": ["--method", "gptq", "--group-size", "16", "--no-act-order"],
+    "gptq-3-asym-act-order": [
+        *("--method", "gptq", "--bits", "3", "--group-size", "16", "--no-sym", "--act-order"),
+    ],
+    "gptq-24": ["--method", "gptq", "--group-size", "16", "--sparsity", "2:4"],
+    "gptq-4-streaming": [
+        *("--method", "gptq", "--group-size", "16", "--act-order", "--streaming"),
+    ],
 }
 RECIPE = "stages:\n  - {method: sparsegpt, sparsity: '2:4'}\n  - {method: int8}\n"
 # Recorded values that differ from run to run.
