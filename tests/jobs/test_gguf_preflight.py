@@ -125,3 +125,47 @@ def test_a_job_writes_the_gguf_transformers_loads(tmp_path):
     codes = layer.weight_codes().float().view(layer.out_features, -1, 32)
     W = (codes - layer.zeros.float().unsqueeze(-1)) * layer.scales.half().float().unsqueeze(-1)
     assert torch.equal(loaded.model.layers[0].mlp.down_proj.weight, W.flatten(1))
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_float16_scales_make_the_gguf_exact(tmp_path, method):
+    """``--scale-dtype float16`` (RTN and GPTQ): every scale a float16 number fitted before the
+    codes, so the GGUF records no rounding (0.0) and transformers' GGUF loader gives the
+    runtime's weights bit for bit; the default float32 scales are rounded (> 0)."""
+    import json
+
+    import torch
+    from compressor.io.test_gguf_export import _bpe_tokenizer, _llama
+
+    from lmcompress.compressor.formats.int4 import Int4Linear
+    from lmcompress.compressor.io.load import load_compressed
+    from lmcompress.methods import METHODS
+
+    checkpoint = tmp_path / "ckpt"
+    _llama().save_pretrained(checkpoint)
+    _bpe_tokenizer().save_pretrained(checkpoint)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    config_class = METHODS[method].config_class
+    changes = {}
+    for scale_dtype in ("float16", "float32"):
+        out = tmp_path / scale_dtype
+        options = RunOptions(
+            checkpoint=str(checkpoint), calib=str(corpus), eval=(), seq_len=32, nsamples=4,
+            export="gguf", output=str(out),
+        )  # fmt: skip
+        results = run(options, config_class(bits=4, group_size=32, scale_dtype=scale_dtype))
+        changes[scale_dtype] = results["gguf"]["scale_fp16_max_relative_change"]
+        manifest = json.loads((out / "compression.json").read_text())
+        assert manifest["config"]["scale_dtype"] == scale_dtype
+    assert changes["float16"] == 0.0 and 0 < changes["float32"] <= 2**-11
+    out = tmp_path / "float16"
+    ours, _, _ = load_compressed(out, runtime="packed")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        out, gguf_file="model.gguf", dtype=torch.float32
+    )
+    layers = [(n, m) for n, m in ours.named_modules() if isinstance(m, Int4Linear)]
+    assert len(layers) == 14
+    for name, layer in layers:
+        assert torch.equal(layer.scales, layer.scales.half().float()), name
+        assert torch.equal(loaded.get_submodule(name).weight, layer.dense_weight()), name

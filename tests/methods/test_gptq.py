@@ -56,7 +56,7 @@ def test_every_option_reaches_the_solver(monkeypatch):
     config = GPTQConfig(
         bits=3, group_size=-1, sym=False, act_order=True, blocksize=24, percdamp=0.05,
         keep_mask=True, sparsity="2:4", hessian_dtype="float64", calib_batch_size=3,
-        include=("*.mlp.up_proj",),
+        include=("*.mlp.up_proj",), scale_dtype="float16",
     )  # fmt: skip
     with torch.no_grad():  # up_proj: 2:4 sparse first, for keep_mask
         for name in LayerSelection(config.include).select(model):
@@ -68,6 +68,7 @@ def test_every_option_reaches_the_solver(monkeypatch):
     W, H = args[:2]
     assert args[2:] == (3, -1, False, True, 24, 0.05)
     assert H.dtype == torch.float64 and kwargs["sparsity"] == config.pattern
+    assert kwargs["half_scales"] is True
     assert torch.equal(kwargs["mask"], W != 0)
     layer = model.get_submodule("model.layers.0.mlp.up_proj")
     assert isinstance(layer, PackedNMInt4Linear) and (layer.bits, layer.group_size) == (3, -1)
@@ -154,6 +155,11 @@ def test_rtn_options_reach_the_layers(bits, sym, group_size):
     assert layer.qweight.shape[1] == (32 if bits == 8 else 16)
     assert int(layer.weight_codes().max()) <= 2**bits - 1
     assert sym == bool((layer.zeros == 2 ** (bits - 1)).all())
+    assert not torch.equal(layer.scales, layer.scales.half().float())  # float32 by default
+    half = make_tiny_model("gpt2")
+    compress(half, RTNConfig(bits=bits, sym=sym, group_size=group_size, scale_dtype="float16"))
+    layer = half.get_submodule(report.layers[0].name)
+    assert torch.equal(layer.scales, layer.scales.half().float())
 
 
 def test_joint_2_4_prunes_and_quantizes_in_one_pass(tmp_path):

@@ -19,8 +19,11 @@ from lmcompress.methods.obs import output_error
 ROWS, COLS = 12, 96
 
 
-def _params(x: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The grid of each row of ``x`` (rows, k), written out: float32 scales, as stored."""
+def _params(
+    x: torch.Tensor, bits: int, sym: bool, half: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid of each row of ``x`` (rows, k), written out: float32 scales, as stored
+    (``half``: rounded to float16 numbers before the zero point is fitted)."""
     x = x.float()
     maxq = 2**bits - 1
     xmin = x.min(dim=1).values.clamp(max=0)
@@ -31,11 +34,15 @@ def _params(x: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.
     empty = (xmin == 0) & (xmax == 0)
     xmin[empty], xmax[empty] = -1.0, 1.0
     scale = (xmax - xmin) / maxq
+    if half:
+        scale = scale.half().float()
     zero = torch.full_like(scale, 2 ** (bits - 1)) if sym else torch.round(-xmin / scale)
     return scale, zero
 
 
-def reference_gptq(W, H, bits, group_size, sym, act_order, percdamp=0.01, nm=None, mask=None):
+def reference_gptq(
+    W, H, bits, group_size, sym, act_order, percdamp=0.01, nm=None, mask=None, half=False
+):
     """The paper's Alg. 1 as written, one column at a time (float64)."""
     W, H = W.clone().double(), H.clone().double()
     rows, cols = W.shape
@@ -44,7 +51,7 @@ def reference_gptq(W, H, bits, group_size, sym, act_order, percdamp=0.01, nm=Non
     H[dead, dead] = 1
     W[:, dead] = 0
     size = cols if group_size == -1 else group_size
-    grids = [_params(W[:, g : g + size], bits, sym) for g in range(0, cols, size)]
+    grids = [_params(W[:, g : g + size], bits, sym, half) for g in range(0, cols, size)]
     perm = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else None
     perm = torch.arange(cols) if perm is None else perm
     W, H = W[:, perm], H[perm][:, perm]
@@ -57,7 +64,7 @@ def reference_gptq(W, H, bits, group_size, sym, act_order, percdamp=0.01, nm=Non
     for i in range(cols):
         column = int(perm[i])
         if group_size != -1 and not act_order and column % size == 0:  # in order: now
-            grids[column // size] = _params(W[:, i : i + size], bits, sym)
+            grids[column // size] = _params(W[:, i : i + size], bits, sym, half)
         scale, zero = (t.double() for t in grids[column // size])
         if nm is not None and i % nm[1] == 0:
             saliency = W[:, i : i + nm[1]] ** 2 / torch.diag(Hinv)[i : i + nm[1]] ** 2
@@ -115,6 +122,22 @@ def test_codes_equal_the_column_by_column_reference(case):
     if sym:
         assert (got.zeros == 2 ** (bits - 1)).all()
     assert (got.weight()[:, 5] == 0).all()  # the dead input
+
+
+@pytest.mark.parametrize(("sym", "act_order"), [(True, False), (False, True), (False, False)])
+def test_float16_scales_equal_the_reference_with_its_scales_rounded_first(sym, act_order):
+    """``half_scales``: each group's scale rounded to a float16 number before its zero point
+    and codes (in order: when the group is reached), so every stored scale is one."""
+    W, H = _layer(11)
+    W = W * 1e-3  # small weights: scales far from float16's grid of round numbers
+    got = gptq_quantize(W, H, 4, 16, sym, act_order, blocksize=40, half_scales=True)
+    codes, scales, zeros, _ = reference_gptq(W, H, 4, 16, sym, act_order, half=True)
+    assert torch.equal(got.scales, got.scales.half().float())
+    assert torch.equal(got.scales, scales.float())
+    assert torch.equal(got.zeros, zeros.to(torch.uint8))
+    assert torch.equal(got.codes, codes)
+    plain = gptq_quantize(W, H, 4, 16, sym, act_order, blocksize=40)
+    assert not torch.equal(plain.scales, got.scales)
 
 
 @pytest.mark.parametrize("group_size", [16, -1])

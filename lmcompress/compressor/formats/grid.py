@@ -20,14 +20,33 @@ from __future__ import annotations
 
 import torch
 
+from lmcompress.errors import LmcompressError
+
 
 def max_code(bits: int) -> int:
     return (1 << bits) - 1
 
 
-def grid_params(x: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def half_scales(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` (float32, > 0) rounded to the nearest float16 number, kept float32: what GGUF's
+    ``Q4_0`` / ``Q8_0`` blocks store, so that a grid fitted with it exports exactly. A scale
+    below float16's smallest subnormal becomes that subnormal (never 0); one above its range
+    is an error."""
+    rounded = scale.to(torch.float16).to(torch.float32)
+    if not torch.isfinite(rounded).all():
+        raise LmcompressError(
+            f"a weight group's scale {float(scale.max()):.3g} is beyond float16's range: "
+            "use --scale-dtype float32"
+        )
+    return rounded.clamp_min_(2.0**-24)
+
+
+def grid_params(
+    x: torch.Tensor, bits: int, symmetric: bool, half: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, zero)`` (rows,) of each row of ``x`` (rows, k): float32 scales > 0 and
-    integer-valued float32 zero points in ``[0, maxq]`` (see the module doc)."""
+    integer-valued float32 zero points in ``[0, maxq]`` (see the module doc); ``half``: each
+    scale a float16 number (:func:`half_scales`), the zero point fitted to it."""
     x = x.detach().to(torch.float32)
     zero_col = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
     xmin = torch.minimum(x.amin(dim=1), zero_col)
@@ -38,6 +57,8 @@ def grid_params(x: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tens
     empty = (xmin == 0) & (xmax == 0)
     xmin, xmax = xmin.masked_fill(empty, -1.0), xmax.masked_fill(empty, 1.0)
     scale = (xmax - xmin) / max_code(bits)
+    if half:
+        scale = half_scales(scale)
     if symmetric:
         zero = torch.full_like(scale, float(1 << (bits - 1)))
     else:
@@ -58,14 +79,15 @@ def on_grid(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int)
 
 
 def group_params(
-    W: torch.Tensor, bits: int, group_size: int, symmetric: bool
+    W: torch.Tensor, bits: int, group_size: int, symmetric: bool, half: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scales, zeros)`` (out, groups) of ``W`` (out, in) per group of ``group_size``
-    consecutive columns (``-1``: the whole row), from the weights as they are."""
+    consecutive columns (``-1``: the whole row), from the weights as they are (``half``: as
+    :func:`grid_params`)."""
     out_features, in_features = W.shape
     size = in_features if group_size == -1 else group_size
     flat = W.detach().reshape(out_features * (in_features // size), size)
-    scale, zero = grid_params(flat, bits, symmetric)
+    scale, zero = grid_params(flat, bits, symmetric, half)
     return scale.view(out_features, -1), zero.view(out_features, -1)
 
 

@@ -213,12 +213,18 @@ class Int4Linear(Int4CodedLinear):
     @classmethod
     @torch.no_grad()
     def from_linear(
-        cls, linear: nn.Module, bits: int = 4, group_size: int = 128, symmetric: bool = True
+        cls,
+        linear: nn.Module,
+        bits: int = 4,
+        group_size: int = 128,
+        symmetric: bool = True,
+        half_scales: bool = False,
     ) -> Int4Linear:
-        """Round to nearest on the grid of each group of ``linear``'s weight (RTN)."""
+        """Round to nearest on the grid of each group of ``linear``'s weight (RTN);
+        ``half_scales``: every scale a float16 number (``grid.half_scales``)."""
         check_bits(bits)
         W = weight_matrix(linear).detach()  # (out, in)
-        scales, zeros = grid.group_params(W, bits, group_size, symmetric)
+        scales, zeros = grid.group_params(W, bits, group_size, symmetric, half_scales)
         q = grid.quantize_groups(W, scales, zeros, bits)
         return cls.from_codes(
             q, scales, zeros, linear, bits=bits, group_size=group_size, symmetric=symmetric

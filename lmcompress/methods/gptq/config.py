@@ -34,6 +34,15 @@ class RTNConfig(MethodConfig):
         },
     )
 
+    scale_dtype: Literal["float32", "float16"] = field(
+        default="float32",
+        metadata={
+            "help": "float16: every scale a float16 number (stored as float32), fitted before "
+            "the codes, as GGUF's Q4_0 / Q8_0 blocks hold them: --export gguf then writes the "
+            "runtime's weights exactly"
+        },
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.bits not in BITS:

@@ -96,7 +96,8 @@ class RTN(OneShotMethod, Method):
 
     def compress_layer(self, model: nn.Module, name: str, module: nn.Module) -> LayerReport:
         start = time.perf_counter()
-        new = Int4Linear.from_linear(module, **grid_options(self.config))
+        half = self.config.scale_dtype == "float16"
+        new = Int4Linear.from_linear(module, **grid_options(self.config), half_scales=half)
         replace_module(model, name, new)
         return layer_report(name, weight_matrix(module).detach(), new, start)
 
@@ -145,6 +146,7 @@ class GPTQ(LayerwiseMethod):
             W, statistic, config.bits, config.group_size, config.sym, config.act_order,
             config.blocksize, config.percdamp, sparsity=pattern,
             mask=(W != 0) if config.keep_mask else None,
+            half_scales=config.scale_dtype == "float16",
         )  # fmt: skip
         new = Int4Linear.from_codes(
             result.codes, result.scales, result.zeros, module, **grid_options(config)

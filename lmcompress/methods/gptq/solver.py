@@ -121,11 +121,13 @@ def gptq_quantize(
     percdamp: float = 0.01,
     sparsity: Sparsity | None = None,
     mask: torch.Tensor | None = None,
+    half_scales: bool = False,
 ) -> Quantized:
     """Quantize ``W`` (out, in) given the layer Hessian ``H`` (in, in) (see the module doc);
-    ``sparsity`` prunes jointly, ``mask`` (bool, out × in) fixes what is kept. Computes in
-    float64 for a float64 ``W`` (the Cholesky in float64 for a float64 ``H``), else float32,
-    on ``W``'s device; ``W`` and ``H`` are not modified."""
+    ``sparsity`` prunes jointly, ``mask`` (bool, out × in) fixes what is kept; ``half_scales``:
+    every group's scale a float16 number, fitted before its codes (``grid.half_scales``).
+    Computes in float64 for a float64 ``W`` (the Cholesky in float64 for a float64 ``H``), else
+    float32, on ``W``'s device; ``W`` and ``H`` are not modified."""
     rows, cols = W.shape
     check_options((rows, cols), bits, group_size, act_order, sparsity, mask is not None)
     if tuple(H.shape) != (cols, cols):
@@ -143,7 +145,7 @@ def gptq_quantize(
         scales = torch.ones(rows, cols // size, device=W.device)
         zeros = torch.zeros(rows, cols // size, device=W.device)
     else:  # static: before any update or permutation
-        scales, zeros = grid.group_params(W, bits, group_size, symmetric)
+        scales, zeros = grid.group_params(W, bits, group_size, symmetric, half_scales)
     perm = torch.arange(cols, device=W.device)
     if act_order:
         perm = torch.argsort(H.diagonal(), descending=True, stable=True)
@@ -160,6 +162,7 @@ def gptq_quantize(
         group_of=perm // size,  # (in,) each visited column's group
         bits=bits,
         symmetric=symmetric,
+        half=half_scales,
         size=size if dynamic else 0,
         sparsity=None if mask is not None else sparsity,
     )
@@ -199,6 +202,7 @@ class _Columns:
     group_of: torch.Tensor  # (in,)
     bits: int
     symmetric: bool
+    half: bool  # float16 scales
     size: int  # a dynamic group's width (0: static groups)
     sparsity: Sparsity | None  # chosen by the solver (None: fixed or no pruning)
 
@@ -229,7 +233,8 @@ class _Columns:
         first column of a group of M), then update the sub-block's columns after it."""
         c = i1 + j
         if self.size and c % self.size == 0:  # the group's columns are current here
-            scale, zero = grid.grid_params(self.Wt[c : c + self.size].T, self.bits, self.symmetric)
+            group = self.Wt[c : c + self.size].T
+            scale, zero = grid.grid_params(group, self.bits, self.symmetric, self.half)
             self.scales[:, c // self.size], self.zeros[:, c // self.size] = scale, zero
         if self.sparsity is not None and self.sparsity.is_nm and c % self.sparsity.m == 0:
             g = slice(j, j + self.sparsity.m)
