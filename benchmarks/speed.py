@@ -30,6 +30,7 @@ from benchmarks.runner import CLI, STDOUT, Job, run_job, slug
 from lmcompress.compressor.io.speed_report import plot_speed, speed_table
 
 NAME = "speed"
+RTN4 = ("--method", "rtn", "--bits", "4", "--group-size", "64")
 JOINT = ("--method", "gptq", "--sparsity", "2:4", "--bits", "4", "--group-size", "64")
 # name, compress-model flags (an export per stored format and save dtype)
 EXPORTS = [
@@ -42,11 +43,10 @@ EXPORTS = [
     ("2:4 + int8", ("--config", "recipes/magnitude24-int8.yaml")),
     # 4-bit weights (issue 40): round to nearest writes GPTQ's format (int4) at no calibration
     # cost; the joint 2:4 + 4-bit export (nm_packed_int4) needs GPTQ's pass, on few windows
-    ("int4", ("--method", "rtn", "--bits", "4", "--group-size", "64")),
-    (
-        "int4 bf16",
-        ("--method", "rtn", "--bits", "4", "--group-size", "64", "--save-dtype", "bfloat16"),
-    ),
+    ("int4", RTN4),
+    ("int4 bf16", (*RTN4, "--save-dtype", "bfloat16")),
+    ("int4, int4 head", (*RTN4, "--head", "quantized")),
+    ("int4 bf16, int4 head", (*RTN4, "--head", "quantized", "--save-dtype", "bfloat16")),
     ("2:4 + int4", (*JOINT, "--nsamples", "16")),
     ("2:4 + int4 bf16", (*JOINT, "--nsamples", "16", "--save-dtype", "bfloat16")),
 ]
@@ -79,6 +79,10 @@ GOALS = [
     ("int4", "prefill", 0.9),
     ("int4 bf16", "decode", 2.5),
     ("int4 bf16", "prefill", 0.9),
+    ("int4, int4 head", "decode", 2.5),
+    ("int4, int4 head", "prefill", 0.9),
+    ("int4 bf16, int4 head", "decode", 2.5),
+    ("int4 bf16, int4 head", "prefill", 0.9),
 ]
 # (row, the row whose decode it must reach): 2:4 on top of a quantization must not be slower
 PAIRS = [

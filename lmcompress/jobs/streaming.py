@@ -73,6 +73,11 @@ def check_streaming(options: RunOptions, method: Method) -> Path:
             f"--streaming supports the block-by-block methods ({able}), not {method.name!r}, "
             "which needs the whole model at once"
         )
+    if getattr(method.config, "head", "float") != "float":
+        raise ConfigError(
+            "--streaming never holds the output head (it is copied from the checkpoint): "
+            "drop --head"
+        )
     if options.output is None:
         raise ConfigError("--streaming writes the model block by block: give an output (-o OUT)")
     if options.lm_eval_tasks:

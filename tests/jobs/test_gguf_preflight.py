@@ -169,3 +169,31 @@ def test_float16_scales_make_the_gguf_exact(tmp_path, method):
     for name, layer in layers:
         assert torch.equal(layer.scales, layer.scales.half().float()), name
         assert torch.equal(loaded.get_submodule(name).weight, layer.dense_weight()), name
+
+
+def test_a_quantized_head_is_the_gguf_output_tensor(tmp_path):
+    """``--head quantized`` with ``--export gguf``: the untied head is written as ``output``
+    in Q4_0 beside the float embedding, and the GGUF's model computes our logits exactly."""
+    import torch
+    from compressor.io.test_gguf_export import _bpe_tokenizer, _llama
+
+    from lmcompress.compressor.io.load import load_compressed
+    from lmcompress.methods.gptq import RTNConfig
+
+    checkpoint = tmp_path / "ckpt"
+    _llama().save_pretrained(checkpoint)
+    _bpe_tokenizer().save_pretrained(checkpoint)
+    options = RunOptions(checkpoint=str(checkpoint), eval=(), seq_len=32, export="gguf",
+                         output=str(tmp_path / "out"))  # fmt: skip
+    config = RTNConfig(bits=4, group_size=32, head="quantized", scale_dtype="float16")
+    results = run(options, config)
+    assert results["gguf"]["tensor_types"] == {"F32": 6, "Q4_0": 15}  # 14 + the head
+    ours, _, _ = load_compressed(tmp_path / "out", runtime="packed")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", gguf_file="model.gguf", dtype=torch.float32
+    ).eval()
+    assert torch.equal(loaded.lm_head.weight, ours.lm_head.dense_weight())
+    assert torch.equal(loaded.model.embed_tokens.weight, ours.model.embed_tokens.weight)
+    ids = torch.randint(3, 200, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, ours(ids).logits)

@@ -293,3 +293,45 @@ def test_recipe_pruning_then_gptq(tiny_checkpoint, tmp_path, capsys, first, keep
     model, _, _ = load_compressed(out, runtime="packed")
     W = model.get_submodule(next(iter(layers))).dense_weight()
     assert ((W != 0).view(W.shape[0], -1, 4).sum(-1) <= 2).all()
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_a_quantized_head_has_codes_of_its_own_and_exports(tiny_checkpoint, tmp_path, method):
+    """``--head quantized``: the (tied) head becomes an Int4Linear by round to nearest, the
+    input embedding keeps its float weight, the export unties them, and the packed runtime and
+    the pack-quantized dense copy (the head no longer in ``ignore``) both give the logits."""
+    pytest.importorskip("compressed_tensors")
+    checkpoint, corpus = tiny_checkpoint, tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    dense = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
+    assert dense.config.tie_word_embeddings
+    embedding = dense.get_input_embeddings().weight.detach().clone()
+    config = (GPTQConfig if method == "gptq" else RTNConfig)(group_size=16, head="quantized")
+    out = tmp_path / "out"
+    options = RunOptions(checkpoint=str(checkpoint), calib=str(corpus), eval=(), seq_len=32,
+                         nsamples=4, output=str(out))  # fmt: skip
+    run(options, config)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert "lm_head" in manifest["compressed_layers"]
+    ours, _, _ = load_compressed(out, runtime="packed")
+    head = ours.get_submodule("lm_head")
+    assert isinstance(head, Int4Linear) and head.group_size == 16
+    assert not ours.config.tie_word_embeddings
+    assert torch.equal(ours.get_input_embeddings().weight, embedding)
+    W = embedding.float()
+    assert 0 < (head.dense_weight() - W).norm() / W.norm() < 0.2  # quantized, not replaced
+    quantization = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert "lm_head" not in quantization["ignore"]
+    plain = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    expected, theirs = _logits(ours), _logits(plain)
+    assert torch.equal(plain.get_submodule("lm_head").weight, head.dense_weight())
+    assert ((theirs - expected).abs().max() / expected.abs().max()).item() <= 1e-5
+
+
+def test_a_quantized_head_cannot_stream(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    argv = [str(_checkpoint(tmp_path)), "--method", "rtn", "--group-size", "16", "--head",
+            "quantized", "--streaming", "--eval", "-o", str(tmp_path / "out"), "-q"]  # fmt: skip
+    assert main(argv) == 2
+    assert not (tmp_path / "out").exists()

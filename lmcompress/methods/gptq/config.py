@@ -43,6 +43,15 @@ class RTNConfig(MethodConfig):
         },
     )
 
+    head: Literal["float", "quantized"] = field(
+        default="float",
+        metadata={
+            "help": "the output head (lm_head) in float, or on the same grid by round to "
+            "nearest: its own codes, a tied input embedding stays float (decoding reads a "
+            "quarter of the bytes for it; a larger error)"
+        },
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.bits not in BITS:

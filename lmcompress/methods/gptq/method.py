@@ -19,9 +19,10 @@ from torch import nn
 from lmcompress.compressor.calibration.observers import HessianAccumulator
 from lmcompress.compressor.formats.base import CompressedLinear
 from lmcompress.compressor.formats.int4 import Int4Linear, PackedNMInt4Linear
-from lmcompress.compressor.method import Method
+from lmcompress.compressor.method import Method, Stats
+from lmcompress.compressor.model.families import family_of
 from lmcompress.compressor.model.surgery import replace_module, weight_matrix
-from lmcompress.compressor.report import LayerReport
+from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.errors import ConfigError
 from lmcompress.methods.gptq.config import GPTQConfig, RTNConfig
 from lmcompress.methods.gptq.solver import check_options, gptq_quantize
@@ -54,6 +55,30 @@ def layer_report(
         name, W, new.dense_weight(), started, params_kept=kept, bytes_compressed=stored,
         bits=new.bits, format=new.format, format_options=options, **fields,
     )  # fmt: skip
+
+
+def head_layer(config: RTNConfig, model: nn.Module) -> dict[str, nn.Module]:
+    """``{name: module}`` of the output head when ``--head quantized``, else empty."""
+    if config.head != "quantized":
+        return {}
+    head = family_of(model).head
+    return {head: model.get_submodule(head)}
+
+
+def untie_head(model: nn.Module) -> None:
+    """The head has codes of its own now (the embedding keeps the float weight): the export
+    must not tie them again."""
+    model.config.tie_word_embeddings = False
+    model.config.get_text_config().tie_word_embeddings = False
+
+
+def round_to_nearest(config: RTNConfig, model: nn.Module, name: str, module: nn.Module):
+    """Layer ``name`` replaced by its round-to-nearest :class:`Int4Linear`; its report."""
+    start = time.perf_counter()
+    half = config.scale_dtype == "float16"
+    new = Int4Linear.from_linear(module, **grid_options(config), half_scales=half)
+    replace_module(model, name, new)
+    return layer_report(name, weight_matrix(module).detach(), new, start)
 
 
 def grid_options_of(layer: CompressedLinear) -> dict:
@@ -90,16 +115,18 @@ class RTN(OneShotMethod, Method):
         return Int4Linear.format
 
     def validate(self, model: nn.Module) -> dict[str, nn.Module]:
-        layers = super().validate(model)
+        layers = {**super().validate(model), **head_layer(self.config, model)}
         check_layers(self.config, layers)
         return layers
 
     def compress_layer(self, model: nn.Module, name: str, module: nn.Module) -> LayerReport:
-        start = time.perf_counter()
-        half = self.config.scale_dtype == "float16"
-        new = Int4Linear.from_linear(module, **grid_options(self.config), half_scales=half)
-        replace_module(model, name, new)
-        return layer_report(name, weight_matrix(module).detach(), new, start)
+        return round_to_nearest(self.config, model, name, module)
+
+    def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:
+        report = super().apply(model, stats)
+        if self.config.head == "quantized":
+            untie_head(model)
+        return report
 
 
 class GPTQ(LayerwiseMethod):
@@ -117,9 +144,18 @@ class GPTQ(LayerwiseMethod):
         return PackedNMInt4Linear.format if nm else Int4Linear.format
 
     def validate(self, model: nn.Module) -> dict[str, nn.Module]:
+        """The decoder's layers (the head, with ``--head quantized``, is rounded to nearest
+        after the layer-wise loop, which ends at the last block: checked here too)."""
         layers = super().validate(model)
-        check_layers(self.config, layers)
+        check_layers(self.config, {**layers, **head_layer(self.config, model)})
         return layers
+
+    def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:
+        report = super().apply(model, stats)
+        for name, module in head_layer(self.config, model).items():
+            report.layers.append(round_to_nearest(self.config, model, name, module))
+            untie_head(model)
+        return report
 
     def make_accumulator(self, name: str, module: nn.Module) -> HessianAccumulator:  # noqa: ARG002
         W = weight_matrix(module)
