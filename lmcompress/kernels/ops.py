@@ -253,3 +253,38 @@ def _backward(ctx, grad):
 
 
 nm_linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("lmcompress::int4_linear", mutates_args=())
+def int4_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bits: int,
+    group_size: int,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
+    n: int = 1,
+    m: int = 1,
+) -> torch.Tensor:
+    """The int4 runtime's linear (:func:`lmcompress.kernels.int4_ops.linear`; ``indices``,
+    ``n``, ``m``: packed N:M kept codes) as an op ``torch.compile`` keeps whole: a compiled
+    graph calls the decode kernel for a few tokens, as eager mode does, instead of tracing
+    the torch-op fallback (a dequantization of the whole weight each call). ``x (..., in)``
+    -> ``(..., out)`` in ``x``'s dtype."""
+    from lmcompress.kernels import int4_ops
+
+    nm = None if indices is None else (indices, n, m)
+    return int4_ops.linear(
+        x, qweight, scales, zeros, bits=bits, group_size=group_size, in_features=in_features,
+        bias=bias, nm=nm,
+    )  # fmt: skip
+
+
+@int4_linear.register_fake
+def _int4_linear_fake(x, qweight, scales, zeros, bits, group_size, in_features, bias=None,  # noqa: ARG001
+                      indices=None, n=1, m=1):  # noqa: ARG001  # fmt: skip
+    torch._check(x.shape[-1] == in_features, lambda: f"int4_linear: x {tuple(x.shape)}")
+    return x.new_empty((*x.shape[:-1], scales.shape[0]))

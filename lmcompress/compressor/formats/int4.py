@@ -135,7 +135,14 @@ class Int4CodedLinear(CompressedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The int4 runtime (:func:`lmcompress.kernels.int4_ops.linear`): a compiled kernel
         reads the packed codes for a few tokens on CPU; otherwise blocks of rows are
-        dequantized into ``x``'s dtype for ``F.linear``."""
+        dequantized into ``x``'s dtype for ``F.linear``. While ``torch.compile`` traces (no
+        gradient needed), the same computation as one opaque op (``ops.int4_linear``)."""
+        if torch.compiler.is_compiling() and not (x.requires_grad and torch.is_grad_enabled()):
+            indices, n, m = self.nm() or (None, 1, 1)
+            return ops.int4_linear(
+                x, self.qweight, self.scales, self.zeros, self.bits, self.group_size,
+                self.in_features, self.bias, indices, n, m,
+            )  # fmt: skip
         return int4_ops.linear(
             x,
             self.qweight,
