@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -202,16 +203,24 @@ def _load_pretrained(
     trust_remote_code: bool,
     hub: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
-    """Safetensors weights, then tokenizer, of a checkpoint whose config was checked."""
+    """Safetensors weights, then tokenizer, of a checkpoint whose config was checked. A
+    compressed-tensors checkpoint (an int8 or int4 export's dense copy, llm-compressor's
+    output) is dequantized to float weights: what a method compresses."""
     kwargs = {"trust_remote_code": trust_remote_code}
+    quantized = {}
+    if _quant_method(config) == "compressed-tensors":
+        quantized["quantization_config"] = transformers.CompressedTensorsConfig(dequantize=True)
     try:
-        with held_warnings() as held:
+        with held_warnings() as held, warnings.catch_warnings():
+            # transformers says the stored quantization_config wins: it does, dequantized
+            warnings.filterwarnings("ignore", "You passed `quantization_config`", UserWarning)
             model, info = transformers.AutoModelForCausalLM.from_pretrained(
                 source,
                 config=config,
                 dtype=dtype,
                 use_safetensors=True,
                 output_loading_info=True,
+                **quantized,
                 **kwargs,
             )
     except LOAD_ERRORS as err:
@@ -229,6 +238,13 @@ def _load_pretrained(
             f"{source}: {len(missing)} weights missing from the checkpoint, e.g. {missing[0]}"
         )
     return model, load_tokenizer(source, hub, kwargs)
+
+
+def _quant_method(config: transformers.PretrainedConfig) -> str | None:
+    quantization = getattr(config, "quantization_config", None)
+    if isinstance(quantization, dict):
+        return quantization.get("quant_method")
+    return getattr(quantization, "quant_method", None)
 
 
 @contextlib.contextmanager

@@ -415,3 +415,33 @@ def test_real_smollm2():
     with torch.no_grad():
         nll = model(torch.tensor([ids]), labels=torch.tensor([ids])).loss
     assert nll.exp() < 1000  # a random model of this shape gives ~50,000
+
+
+@pytest.mark.parametrize("method", ["int8", "rtn"])
+def test_a_compressed_tensors_export_loads_as_its_float_weights(tiny_checkpoint, tmp_path, method):
+    """An int8 (int-quantized) or int4 (pack-quantized) output given as the checkpoint: its
+    dense copy dequantized to float weights (the runtime's, exactly), no quantizer left, so a
+    method compresses floats (before: int8 codes in float layers, or a traceback for int4)."""
+    pytest.importorskip("compressed_tensors")
+    from lmcompress import load_compressed
+    from lmcompress.cli.main import main
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"Document {i}: the quick brown fox." for i in range(40)))
+    out = tmp_path / "out"
+    flags = ["--group-size", "16"] if method == "rtn" else []
+    argv = [str(tiny_checkpoint), "--method", method, *flags, "--calib", str(corpus),
+            "--nsamples", "4", "--seq-len", "32", "--eval", "-o", str(out), "-q"]  # fmt: skip
+    assert main(argv) == 0
+    assert json.loads((out / "config.json").read_text())["quantization_config"]
+    model, _ = load_model(out)
+    ours, _, _ = load_compressed(out, runtime="packed")
+    assert getattr(model, "hf_quantizer", None) is None
+    assert getattr(model.config, "quantization_config", None) is None
+    name = "model.layers.0.mlp.up_proj"
+    layer = model.get_submodule(name)
+    assert type(layer) is torch.nn.Linear and layer.weight.dtype == torch.float32
+    assert torch.equal(layer.weight, ours.get_submodule(name).dense_weight())
+    again = [str(out), "--method", "magnitude", "--sparsity", "0.5", "--seq-len", "32", "--eval",
+             "-o", str(tmp_path / "again"), "-q"]  # fmt: skip
+    assert main(again) == 0
