@@ -239,6 +239,15 @@ def _cases(tmp_path, good, corpus):  # noqa: PLR0915 - one table
             [g, "--method", "gptq", "--keep-mask", "--sparsity", "0.5", "--group-size", "16"],
             "--keep-mask keeps the existing zeros",
         ),
+        "rtn quantized head streamed": (
+            [g, "--method", "rtn", "--group-size", "16", "--head", "quantized", "--streaming",
+             "--eval"],
+            "--streaming never holds the output head",
+        ),  # fmt: skip
+        "gptq scale dtype bfloat16": (
+            [g, "--method", "gptq", "--scale-dtype", "bfloat16"],
+            "argument --scale-dtype: invalid choice: 'bfloat16'",
+        ),
     }
 
 
@@ -339,6 +348,8 @@ CASE_NAMES = [
     "gptq group size 0",
     "gptq act-order with 2:4",
     "gptq keep-mask with a ratio",
+    "rtn quantized head streamed",
+    "gptq scale dtype bfloat16",
 ]
 
 
