@@ -194,7 +194,9 @@ def goals(record: dict[str, Any], suffix: str = "") -> str:
     }
     lines = ["| goal | measured | met |", "|---|---|---|"]
     for name, what, target in GOALS:
-        value = rows.get(name, {}).get(f"{what}_vs_best_dense")
+        if name not in rows:  # a row this run did not measure (an older file)
+            continue
+        value = rows[name].get(f"{what}_vs_best_dense")
         shown = f"{value:.2f}×" if value is not None else "-"
         met = "yes" if value is not None and value >= target else "**no**"
         lines.append(f"| {name} {what} ≥ {target}× best dense | {shown} | {met} |")
