@@ -335,3 +335,23 @@ def test_a_quantized_head_cannot_stream(tmp_path):
             "quantized", "--streaming", "--eval", "-o", str(tmp_path / "out"), "-q"]  # fmt: skip
     assert main(argv) == 2
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("sparsity", ["none", "2:4"])
+def test_a_bfloat16_export_runs_in_every_runtime(tiny_checkpoint, tmp_path, sparsity):
+    """``--save-dtype bfloat16`` of a 4-bit output (the layers compressed in fp32): the
+    expanded runtime's dense layers come out bf16 like the model (they were fp32: a dtype
+    error in the first matmul), equal to the dense runtime's; the packed runtime close."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    out = tmp_path / "out"
+    options = RunOptions(checkpoint=str(tiny_checkpoint), calib=str(corpus), eval=(), seq_len=32,
+                         nsamples=4, save_dtype="bfloat16", output=str(out))  # fmt: skip
+    run(options, GPTQConfig(group_size=16, sparsity=sparsity))
+    logits = {}
+    for runtime in ("packed", "dense", "expanded"):
+        model, _, _ = load_compressed(out, runtime=runtime)
+        logits[runtime] = _logits(model)
+        assert logits[runtime].dtype == torch.bfloat16
+    assert torch.equal(logits["expanded"], logits["dense"])
+    torch.testing.assert_close(logits["packed"], logits["dense"], rtol=0.05, atol=0.05)

@@ -47,7 +47,7 @@ from lmcompress.compressor.io.replay import (
 from lmcompress.compressor.io.shards import TensorFiles, open_safetensors
 from lmcompress.compressor.model.checkpoint import LOAD_ERRORS, check_local_dir, config_error
 from lmcompress.compressor.model.loading import check_device, load_tokenizer, resolve_dtype
-from lmcompress.compressor.model.surgery import in_out_features, replace_modules
+from lmcompress.compressor.model.surgery import in_out_features, is_linear, replace_modules
 from lmcompress.compressor.report import CompressionReport
 from lmcompress.compressor.util.arguments import path_argument
 from lmcompress.errors import ConfigError, ModelLoadError, first_line, shown
@@ -142,7 +142,7 @@ def load_compressed(
             model, manifest["compressed_layers"], lambda _, module: module.to_dense().to(dtype)
         )
     elif runtime == "expanded":
-        expand(model, list(manifest["compressed_layers"]))
+        expand(model, list(manifest["compressed_layers"]), resolve_dtype(manifest["dtype"]))
     transforms = manifest.get("transforms", [])  # e.g. an 8-bit softmax
     if transforms:
         with open_safetensors(out_dir / COMPRESSED_TENSORS, device) as packed:
@@ -161,11 +161,18 @@ def load_compressed(
     return model, tokenizer, CompressionReport.from_dict(manifest["report"])  # checked
 
 
-def expand(model: nn.Module, names: list[str]) -> None:
-    """The ``expanded`` runtime: each compressed layer replaced by its ``expanded()`` module;
-    logs what it costs in memory."""
+def expand(model: nn.Module, names: list[str], dtype: torch.dtype | None = None) -> None:
+    """The ``expanded`` runtime: each compressed layer replaced by its ``expanded()`` module
+    (one that comes out a plain linear in the export's ``dtype``, as the dense runtime's: an
+    int4 layer's dense weight has the dtype it was compressed in, which a save in another
+    dtype does not change); logs what it costs in memory."""
     before = runtime_bytes(model, names)["resident_bytes"]
-    replace_modules(model, names, lambda _, module: module.expanded())
+
+    def expanded(_name: str, module: CompressedLinear) -> nn.Module:
+        new = module.expanded()
+        return new.to(dtype) if dtype is not None and is_linear(new) else new
+
+    replace_modules(model, names, expanded)
     after = runtime_bytes(model, names)["resident_bytes"]
     logger.info(
         "expanded runtime: %d compressed layers hold %.1f MiB, %+.1f MiB over the packed form",
