@@ -47,8 +47,10 @@ def _child(work: Path, name: str, *args: Any) -> dict:
 
 
 def _llama_ppl(args: argparse.Namespace, name: str, gguf: Path, text: Path) -> dict:
+    # --no-repack: no AMX / repacked weight buffers (ggml's AMX matmul segfaulted in this VM)
     command = (args.llama_bin / "llama-perplexity", "-m", gguf, "-f", text, "-c", args.ctx,
-               "-b", args.ctx, "--chunks", args.chunks, "-t", args.threads)  # fmt: skip
+               "-b", args.ctx, "--chunks", args.chunks, "-t", args.threads,
+               "--no-repack")  # fmt: skip
     run = run_job(Job(name, command), args.work)
     logs = run.stdout.read_text() + run.stderr.read_text()
     found = FINAL.search(logs)
