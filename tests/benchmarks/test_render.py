@@ -38,6 +38,17 @@ def test_committed_markdown_of_every_table_is_rendered_from_its_json(name):
 OTHER_HOSTS = [("learned", "learned_epyc/learned.json")]
 
 
+# results of a benchmark program run on another host than its main file's (module, results JSON)
+OTHER_HOST_PROGRAMS = [("speed", "speed_xeon/speed.json")]
+
+
+@pytest.mark.parametrize(("name", "path"), OTHER_HOST_PROGRAMS)
+def test_the_programs_of_other_hosts_are_rendered_from_their_json(name, path):
+    module = importlib.import_module(f"benchmarks.{name}")
+    payload = json.loads((RESULTS_DIR / path).read_text())
+    assert module.render(payload) == (RESULTS_DIR / path).with_suffix(".md").read_text()
+
+
 @pytest.mark.parametrize(("name", "path"), OTHER_HOSTS)
 def test_the_tables_of_other_hosts_are_rendered_from_their_json(tmp_path, name, path):
     payload = json.loads((RESULTS_DIR / path).read_text())
