@@ -48,8 +48,9 @@ Programs:
 - ``streaming``: SparseGPT 2:4 on a random 6.6 GB Llama, streamed block by block against in
   memory: peak RSS over the weight bytes, wall time, bit-for-bit equality of the outputs;
 - ``speed``: prefill and batch-1 decode tokens/s of every compressed runtime against the dense
-  model at fp32 and bf16 (``compress-model bench``), with issue 22's goals, and where the time
-  goes for each row that misses one;
+  model at fp32 and bf16 (``compress-model bench``), with issues 22's and 40's goals, and where
+  the time goes for each row that misses one (``results/speed_xeon``: the same on an Intel Xeon,
+  with the 4-bit exports);
 - ``layer_speed``: the compressed layers alone on SmolLM2's decoder-linear shapes, torch
   against the compiled CPU kernels at 1–16 tokens (their crossovers), and low rank's ranks
   rounded for the matmul;
@@ -60,6 +61,10 @@ Programs:
   loaders (checks against no-ops, interleaved).
 - ``learned_speed``: MaskLLM's end-to-end step time and tokens/s, the fused soft-mask kernel
   against the torch path, interleaved.
+- ``int4_speed``: the int4 runtime's layers (decode kernel, blocked prefill) against dense.
+- ``gguf_llama_cpp``: our GGUF exports through llama.cpp's own ``llama-perplexity`` and
+  ``llama-tokenize`` (built from source; ``--llama-bin``), beside lmcompress under the same
+  protocol.
 
 ``kernels`` (GPU only: the packed 2:4 Triton kernel against cuBLAS and cuSPARSELt, and decode
 tokens/s) was measured on an H200 (``scripts/gpu_checks.sh``) and re-rendered here from its
@@ -83,4 +88,5 @@ BENCHMARKS = (
     "load_checks",
     "learned_speed",
     "kernels",
+    "gguf_llama_cpp",
 )

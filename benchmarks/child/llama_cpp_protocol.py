@@ -22,10 +22,12 @@ import sys
 
 import torch
 
+from lmcompress import load_compressed, load_model
+from lmcompress.compressor.model.checkpoint import alias_gguf
+from lmcompress.evaluation.corpora import load_text
+
 
 def _model(which: str):
-    from lmcompress import load_compressed, load_model
-
     if which == "dense":
         return load_model("smollm2-135m")
     model, tokenizer, _ = load_compressed(which, runtime="packed")
@@ -54,15 +56,11 @@ def perplexity(model, ids: torch.Tensor, ctx: int, chunks: int) -> dict:
 def main(argv: list[str]) -> dict:
     command, *rest = argv
     if command == "text":
-        from lmcompress.evaluation.corpora import load_text
-
         corpus, path = rest
         with open(path, "w", encoding="utf-8") as handle:
             handle.write(load_text(corpus))
         return {"path": path}
     if command == "alias":
-        from lmcompress.compressor.model.checkpoint import alias_gguf
-
         return {"path": str(alias_gguf("smollm2-135m"))}
     model, tokenizer = _model(rest[0])
     ids = _ids(tokenizer, rest[1])

@@ -27,7 +27,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from lmcompress.kernels import cpu_kernels, reference
+from lmcompress.kernels import cpu_kernels, int4_ops, reference
 from lmcompress.kernels.int8_ops import int8_matmul
 
 logger = logging.getLogger(__name__)
@@ -274,8 +274,6 @@ def int4_linear(
     graph calls the decode kernel for a few tokens, as eager mode does, instead of tracing
     the torch-op fallback (a dequantization of the whole weight each call). ``x (..., in)``
     -> ``(..., out)`` in ``x``'s dtype."""
-    from lmcompress.kernels import int4_ops
-
     nm = None if indices is None else (indices, n, m)
     return int4_ops.linear(
         x, qweight, scales, zeros, bits=bits, group_size=group_size, in_features=in_features,
