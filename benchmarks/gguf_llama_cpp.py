@@ -94,7 +94,7 @@ def measure(args: argparse.Namespace, _names: list[str], _previous: dict) -> Any
             job = f"{slug(name)} {corpus}"
             theirs = _llama_ppl(args, f"llama {job}", gguf, text)
             mine = _child(args.work, f"ours {job}", "ppl", ours, text, args.ctx, args.chunks)
-            ids = _child(args.work, f"ids {job}", "ids", ours, text)["ids"]
+            ids = mine["ids"]
             llama_ids = _llama_ids(args, gguf, text)
             pairs = enumerate(zip(ids, llama_ids, strict=False))
             differs = next((i for i, (a, b) in pairs if a != b), min(len(ids), len(llama_ids)))

@@ -3,8 +3,7 @@ not in the driver). Each command prints one JSON line:
 
     python -m benchmarks.child.llama_cpp_protocol text CORPUS PATH       # the corpus as a file
     python -m benchmarks.child.llama_cpp_protocol alias                  # the packaged GGUF's path
-    python -m benchmarks.child.llama_cpp_protocol ids MODEL PATH         # our tokenizer's ids
-    python -m benchmarks.child.llama_cpp_protocol ppl MODEL PATH CTX CHUNKS
+    python -m benchmarks.child.llama_cpp_protocol ppl MODEL PATH CTX CHUNKS  # and the file's ids
 
 ``MODEL`` is ``dense`` (``load_model("smollm2-135m")``: the packaged GGUF dequantized) or an
 output directory (``load_compressed(..., runtime="packed")``). ``ppl`` is llama.cpp's
@@ -50,7 +49,7 @@ def perplexity(model, ids: torch.Tensor, ctx: int, chunks: int) -> dict:
         logp = torch.log_softmax(model(window).logits[0].double(), dim=-1)  # (ctx, vocab)
         nll -= float(logp[positions, window[0, positions + 1]].sum())
         count += positions.numel()
-    return {"ppl": math.exp(nll / count), "scored": count, "tokens": int(ids.numel())}
+    return {"ppl": math.exp(nll / count), "scored": count, "ids": ids.tolist()}
 
 
 def main(argv: list[str]) -> dict:
@@ -63,10 +62,7 @@ def main(argv: list[str]) -> dict:
     if command == "alias":
         return {"path": str(alias_gguf("smollm2-135m"))}
     model, tokenizer = _model(rest[0])
-    ids = _ids(tokenizer, rest[1])
-    if command == "ids":
-        return {"ids": ids.tolist()}
-    return perplexity(model.eval(), ids, int(rest[2]), int(rest[3]))
+    return perplexity(model.eval(), _ids(tokenizer, rest[1]), int(rest[2]), int(rest[3]))
 
 
 if __name__ == "__main__":

@@ -172,11 +172,13 @@ class Streamer:
         compressed = compressed_modules(self.model, reports, root=block, prefix=prefix)
         self.export.add_layers(compressed)
         self.export.flush(f"block-{index:05d}")
-        if compressed and not self.schemes and self.interop is None:
+        if compressed and self.interop is None:  # the first block with compressed layers
             self.interop = interop_layout(compressed, self.export.dense_copy) or ""
+        elif self.interop == "compressed-tensors" and (
+            why := compressed_tensors.refusal(compressed, loadable=True)
+        ):
+            raise LmcompressError(f"block {index} has no compressed-tensors form: {why}")
         if self.interop == "compressed-tensors" and compressed:  # as write_compressed_tensors
-            if why := compressed_tensors.refusal(compressed, loadable=True):
-                raise LmcompressError(f"block {index} has no compressed-tensors form: {why}")
             state = dense_state(self.model, compressed, False, block, prefix)
             shard = {k: v for k, v in state.items() if k in self.keys}
             exact = {}
@@ -248,10 +250,8 @@ class Streamer:
         compressed-tensors layout (``None``: the dense copy holds plain weights)."""
         if not self.schemes:
             return None
-        if len(self.packed) > 1:
-            raise LmcompressError("int8 layers mixed with low-bit ones: one format per checkpoint")
         linears = compressed_tensors.linear_names(self.model)
-        return compressed_tensors.config_of_schemes(self.schemes, self.packed.pop(), linears)
+        return compressed_tensors.config_of_schemes(self.schemes, self.packed, linears)
 
     def _write_shard(
         self,

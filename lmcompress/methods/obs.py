@@ -1,13 +1,17 @@
-"""The optimal-brain-surgeon pieces SparseGPT and GPTQ share (Frantar & Alistarh): the factor
-of the damped inverse Hessian whose rows are the OBS update directions, the lazy-batch sub-block
-width, and the relative output error a layer's new weight makes on the calibration inputs."""
+"""The optimal-brain-surgeon pieces SparseGPT and GPTQ share (Frantar & Alistarh): the layer
+Hessian they calibrate (:class:`HessianStatistic`), the factor of the damped inverse Hessian
+whose rows are the OBS update directions, the lazy-batch sub-block width, and the relative
+output error a layer's new weight makes on the calibration inputs."""
 
 from __future__ import annotations
 
 import logging
 
 import torch
+from torch import nn
 
+from lmcompress.compressor.calibration.observers import HessianAccumulator
+from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.errors import LmcompressError
 
 logger = logging.getLogger(__name__)
@@ -16,6 +20,28 @@ logger = logging.getLogger(__name__)
 # the block: rank-1 updates of 16 × out stay small enough for one thread.
 SUB_BLOCK = 16
 DAMP_RETRIES = 3  # after a failed Cholesky: percdamp × 10, × 100, × 1000
+
+
+class HessianStatistic:
+    """The layer statistic of SparseGPT and GPTQ, a mixin before their layer-wise base: ``H =
+    2/n · Σ x xᵀ`` of each layer's inputs, (in, in), accumulated in ``config.hessian_dtype``."""
+
+    statistic = "hessian"
+
+    def make_accumulator(self, name: str, module: nn.Module) -> HessianAccumulator:  # noqa: ARG002
+        W = weight_matrix(module)
+        return HessianAccumulator(
+            W.shape[1], device=W.device, dtype=getattr(torch, self.config.hessian_dtype)
+        )
+
+    def statistic_of(self, accumulator: HessianAccumulator) -> torch.Tensor:
+        return accumulator.H
+
+    def accumulator_bytes(self, module: nn.Module) -> int:
+        """The (in, in) Hessian, and the solver's factor and working copy of it."""
+        columns = weight_matrix(module).shape[1]
+        bits = torch.finfo(getattr(torch, self.config.hessian_dtype)).bits
+        return 3 * columns * columns * bits // 8
 
 
 def inverse_hessian_factor(

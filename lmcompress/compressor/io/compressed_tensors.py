@@ -255,20 +255,21 @@ def quantization_config(model: nn.Module, quantized: dict[str, nn.Module]) -> di
     """
     layers = {name: layer_scheme(name, module) for name, module in quantized.items()}
     packed = {is_packed(module) for module in quantized.values()}
+    return config_of_schemes(layers, packed, linear_names(model))
+
+
+def config_of_schemes(
+    layers: dict[str, dict[str, Any]], packed: set[bool], linears: list[str]
+) -> dict[str, Any]:
+    """:func:`quantization_config` from each quantized layer's :func:`layer_scheme` alone (what
+    a streamed export keeps of its blocks), whether each was packed (:func:`is_packed`: one
+    value, pack-quantized or int-quantized, else an error) and every linear position of the
+    model in order (:func:`linear_names`)."""
     if len(packed) > 1:
         raise LmcompressError(
             "int8 W8A8 layers mixed with low-bit weight-only ones: a compressed-tensors "
             "checkpoint has one format (int-quantized or pack-quantized)"
         )
-    return config_of_schemes(layers, bool(packed and packed.pop()), linear_names(model))
-
-
-def config_of_schemes(
-    layers: dict[str, dict[str, Any]], packed: bool, linears: list[str]
-) -> dict[str, Any]:
-    """:func:`quantization_config` from each quantized layer's :func:`layer_scheme` alone (what
-    a streamed export keeps of its blocks), ``packed`` (pack-quantized, else int-quantized) and
-    every linear position of the model in order (:func:`linear_names`)."""
     schemes: dict[str, dict[str, Any]] = {}
     members: dict[str, list[str]] = {}
     for name, scheme in layers.items():
@@ -284,7 +285,7 @@ def config_of_schemes(
     }
     return {
         "quant_method": QUANT_METHOD,
-        "format": PACKED_FORMAT if packed else FORMAT,
+        "format": PACKED_FORMAT if True in packed else FORMAT,
         "quantization_status": "compressed",
         "config_groups": groups,
         "ignore": [name for name in linears if name not in layers],

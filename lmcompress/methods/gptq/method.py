@@ -16,7 +16,6 @@ import time
 import torch
 from torch import nn
 
-from lmcompress.compressor.calibration.observers import HessianAccumulator
 from lmcompress.compressor.formats.base import CompressedLinear
 from lmcompress.compressor.formats.int4 import Int4Linear, PackedNMInt4Linear
 from lmcompress.compressor.method import Method, Stats
@@ -27,7 +26,7 @@ from lmcompress.errors import ConfigError
 from lmcompress.methods.gptq.config import GPTQConfig, RTNConfig
 from lmcompress.methods.gptq.solver import check_options, gptq_quantize
 from lmcompress.methods.layerwise import LayerwiseMethod, OneShotMethod
-from lmcompress.methods.obs import output_error
+from lmcompress.methods.obs import HessianStatistic, output_error
 
 UNSTRUCTURED_OR_NM = frozenset({"nm_packed", None})
 
@@ -129,9 +128,8 @@ class RTN(OneShotMethod, Method):
         return report
 
 
-class GPTQ(LayerwiseMethod):
+class GPTQ(HessianStatistic, LayerwiseMethod):
     config_class = GPTQConfig
-    statistic = "hessian"  # H = 2/n · Σ x xᵀ of the layer's inputs, (in, in)
 
     @property
     def composes_after(self) -> frozenset[str | None]:
@@ -156,21 +154,6 @@ class GPTQ(LayerwiseMethod):
             report.layers.append(round_to_nearest(self.config, model, name, module))
             untie_head(model)
         return report
-
-    def make_accumulator(self, name: str, module: nn.Module) -> HessianAccumulator:  # noqa: ARG002
-        W = weight_matrix(module)
-        return HessianAccumulator(
-            W.shape[1], device=W.device, dtype=getattr(torch, self.config.hessian_dtype)
-        )
-
-    def statistic_of(self, accumulator: HessianAccumulator) -> torch.Tensor:
-        return accumulator.H
-
-    def accumulator_bytes(self, module: nn.Module) -> int:
-        """The (in, in) Hessian, and the solver's factor and working copy of it."""
-        columns = weight_matrix(module).shape[1]
-        bits = torch.finfo(getattr(torch, self.config.hessian_dtype)).bits
-        return 3 * columns * columns * bits // 8
 
     def compress_layer(
         self, model: nn.Module, name: str, module: nn.Module, statistic: torch.Tensor

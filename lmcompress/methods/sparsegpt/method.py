@@ -7,12 +7,11 @@ import time
 import torch
 from torch import nn
 
-from lmcompress.compressor.calibration.observers import HessianAccumulator
 from lmcompress.compressor.config import Sparsity
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.compressor.report import LayerReport
 from lmcompress.methods.common import prune_layer_
-from lmcompress.methods.obs import output_error
+from lmcompress.methods.obs import HessianStatistic, output_error
 from lmcompress.methods.pruning import LayerwisePruningMethod
 from lmcompress.methods.sparsegpt.config import SparseGPTConfig
 from lmcompress.methods.sparsegpt.solver import sparsegpt_prune
@@ -20,28 +19,11 @@ from lmcompress.methods.sparsegpt.solver import sparsegpt_prune
 __all__ = ["SparseGPT", "output_error"]
 
 
-class SparseGPT(LayerwisePruningMethod):
+class SparseGPT(HessianStatistic, LayerwisePruningMethod):
     config_class = SparseGPTConfig
-    statistic = "hessian"  # H = 2/n · Σ x xᵀ of the layer's inputs, (in, in)
-
-    def make_accumulator(self, name: str, module: nn.Module) -> HessianAccumulator:  # noqa: ARG002
-        W = weight_matrix(module)
-        return HessianAccumulator(
-            W.shape[1], device=W.device, dtype=getattr(torch, self.config.hessian_dtype)
-        )
-
-    def statistic_of(self, accumulator: HessianAccumulator) -> torch.Tensor:
-        return accumulator.H
 
     def pruning_group(self, shape: tuple[int, int]) -> int:
         return shape[0] * min(self.config.blocksize, shape[1])  # within each block of columns
-
-    def accumulator_bytes(self, module: nn.Module) -> int:
-        """The (in, in) Hessian, and the solver's inverse and working copy of it."""
-        columns = weight_matrix(module).shape[1]
-        return (
-            3 * columns * columns * torch.finfo(getattr(torch, self.config.hessian_dtype)).bits // 8
-        )
 
     def prune(
         self, name: str, module: nn.Module, statistic: torch.Tensor, sparsity: Sparsity
