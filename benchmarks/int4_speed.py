@@ -12,7 +12,12 @@ median of the rounds:
   where each layer's weights are read once a token (from L3 or memory: a 480 MB L3, as on the
   host of the committed results, holds the bf16 and int4 copies);
 - ``model``: one pass over all 210 of SmolLM2-135M's decoder linears (the lm_head is not
-  quantized: not included) at 1–16 tokens: the decode kernel's token limit;
+  quantized: not included) at 1–32 tokens: past the tiled decode kernel's token limit (16), and
+  prefill's path (dequantized blocks, bf16 matmul) at every count, for the crossover;
+
+``int4 fp32`` / ``int4 bf16`` read the codes tiled (``kernels/int4_tiles.py``: what an
+``Int4Linear`` holds where the kernels are built), ``rows`` the stored layout (the row kernel,
+what packed N:M codes and CPUs without the kernels keep).
 - ``error``: the decode output against the float dequantized matmul, for int16 activations
   (what the kernel computes) and, for comparison, int8 activations per group (absmax / 127).
 
@@ -34,7 +39,7 @@ import torch.nn.functional as F
 
 from benchmarks.harness import Table, add_harness_args, run_table
 from lmcompress.compressor.sparsity import nm_mask
-from lmcompress.kernels import int4_ops
+from lmcompress.kernels import int4_ops, int4_tiles
 from lmcompress.kernels import int4_reference as R4
 from lmcompress.kernels import reference as R
 
@@ -43,7 +48,7 @@ HIDDEN, INTERMEDIATE, KV, LAYERS = 576, 1536, 192, 30  # SmolLM2-135M
 SMOL = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN)]
 SMOL += [(INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]  # (out, in)
 SHAPES = [(576, 576, 64), (1536, 576, 64), (576, 1536, 64), (8192, 2048, 128), (2048, 8192, 128)]
-MODEL_TOKENS = (1, 2, 4, 8, 12, 16)
+MODEL_TOKENS = (1, 2, 4, 8, 12, 16, 24, 32)
 PREFILL_TOKENS = 512
 COLD_BYTES = 256 << 20
 
@@ -58,6 +63,7 @@ def int4_layer(out_features: int, in_features: int, group_size: int, g: torch.Ge
         "kept": R4.pack_codes((values - 1).to(torch.uint8), 4),
         "nm": (indices, 2, 4),
         "qweight": R4.pack_codes(q, 4),
+        "tiles": int4_tiles.tile(R4.pack_codes(q, 4)),
         "scales": torch.rand(out_features, groups, generator=g) / 50 + 1e-3,
         "zeros": torch.randint(0, 16, (out_features, groups), dtype=torch.uint8, generator=g),
         "fp32": W,
@@ -73,8 +79,20 @@ def fns() -> dict[str, Callable[[dict, torch.Tensor], Any]]:
 
     def int4(layer, x):
         return int4_ops.linear(
+            x, layer["tiles"], layer["scales"], layer["zeros"], bits=4,
+            group_size=layer["group_size"], in_features=layer["in"], tiled=True,
+        )  # fmt: skip
+
+    def int4_rows(layer, x):
+        return int4_ops.linear(
             x, layer["qweight"], layer["scales"], layer["zeros"], bits=4,
             group_size=layer["group_size"], in_features=layer["in"],
+        )  # fmt: skip
+
+    def int4_prefill(layer, x):
+        return int4_ops.prefill(
+            x, layer["qweight"], layer["scales"], layer["zeros"], 4, layer["group_size"],
+            layer["in"],
         )  # fmt: skip
 
     def int4_24(layer, x):
@@ -88,6 +106,8 @@ def fns() -> dict[str, Callable[[dict, torch.Tensor], Any]]:
         "dense bf16": lambda layer, x: F.linear(x.bfloat16(), layer["bf16"]),
         "int4 fp32": int4,
         "int4 bf16": lambda layer, x: int4(layer, x.bfloat16()),
+        "int4 bf16 rows": lambda layer, x: int4_rows(layer, x.bfloat16()),
+        "int4 bf16 prefill path": lambda layer, x: int4_prefill(layer, x.bfloat16()),
         "2:4 + int4 bf16": lambda layer, x: int4_24(layer, x.bfloat16()),
     }
 
@@ -245,7 +265,7 @@ def render(record: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=200)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
     add_harness_args(parser, work=False)
     args = parser.parse_args(argv)
     return run_table(Table(NAME, render, measure), args, parser)

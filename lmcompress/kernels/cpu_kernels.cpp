@@ -1497,3 +1497,218 @@ extern "C" void lmc_int4_dequant(const uint8_t* codes, int64_t code_stride, cons
     }
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Weight-only int4 decode on the tiled layout (lmcompress/kernels/int4_ops.py, "tiles16"):
+//
+//   lmc_int4_linear_tiled  y (T, out) = the int4 linear of x (T, in), T up to a few tokens,
+//                          equal to lmc_int4_linear (and int4_reference.decode_linear) bit for
+//                          bit; the codes in tiles of 16 rows.
+//   lmc_int4_untile_rows   rows [row0, row0 + rows) of the tiled codes back in the stored
+//                          layout (prefill dequantizes those with lmc_int4_dequant).
+//
+// Tiles: the stored row layout read as 32-bit words (8 codes: column c + i in bits 4i .. 4i+3,
+// little-endian) and transposed by blocks of 16 rows: word k of rows 16b .. 16b + 15 are the 16
+// consecutive words tiles[(b * K + k) * 16 + l], K = in / 8 (rows past `out` are zero words).
+// One 64-byte load is then 8 columns of 16 rows, one output row a vector lane: the masks
+// 0x000F000F after shifts of 0, 4, 8, 12 give the 16-bit code pairs (c + j, c + j + 4), and
+// one multiply-add of pairs (vpdpwssd) against the broadcast activation pair (x[c + j],
+// x[c + j + 4]) adds 32 products: no horizontal sums (the row layout needs one per group and
+// row), four independent accumulators. A group's integer sums D (exact: the same D as the row
+// kernel) then take the same float steps in 16 row lanes, into the partial g % 16 and the same
+// tree (int4_add_partial, int4_tree): bit-identical outputs.
+
+#ifndef LMC_TILE_PREFETCH
+#define LMC_TILE_PREFETCH 1024  // words (4 KiB) ahead: codes stream from memory at decode
+#endif
+
+struct Int4PairActs {  // the quantized activations, each word the pair (x[c + j], x[c + j + 4])
+  int32_t* pairs;      // (T, in / 2) words
+  float* scale;        // (T, groups)
+  int32_t* sum32;      // (T, groups): sum of the group's codes (int32: exact for G <= 65536)
+};
+
+// Per-thread scratch that grows to the largest call (no allocation per call); slots 0-3 are
+// the calling thread's activations, slot 4 each worker's (the calling thread is one of them).
+static float* lmc_scratch(size_t bytes, int which) {
+  static thread_local void* buffers[5] = {0, 0, 0, 0, 0};
+  static thread_local size_t sizes[5] = {0, 0, 0, 0, 0};
+  if (sizes[which] < bytes) {
+    free(buffers[which]);
+    buffers[which] = malloc(bytes);
+    sizes[which] = bytes;
+  }
+  return (float*)buffers[which];
+}
+
+static void load_row_float(const void* x_in, int x_kind, int64_t offset, int64_t n, float* x) {
+  if (x_kind == F32) {
+    memcpy(x, (const float*)x_in + offset, sizeof(float) * n);
+  } else if (x_kind == BF16) {
+    const uint16_t* v = (const uint16_t*)x_in + offset;
+    for (int64_t i = 0; i < n; i++) {
+      uint32_t u = (uint32_t)v[i] << 16;
+      memcpy(x + i, &u, 4);
+    }
+  } else {
+    for (int64_t i = 0; i < n; i++) x[i] = load_value(x_in, x_kind, offset + i);
+  }
+}
+
+// The same codes, scales and sums as int4_prepare (int4_reference.quantize_activations).
+static Int4PairActs int4_prepare_pairs(const void* x_in, int x_kind, int64_t T, int64_t in,
+                                       int64_t groups, int64_t G) {
+  Int4PairActs a;
+  a.pairs = (int32_t*)lmc_scratch(sizeof(int32_t) * T * (in / 2), 0);
+  a.scale = lmc_scratch(sizeof(float) * T * groups, 1);
+  a.sum32 = (int32_t*)lmc_scratch(sizeof(int32_t) * T * groups, 2);
+  float* x = lmc_scratch(sizeof(float) * in + sizeof(int16_t) * in, 3);
+  int16_t* q = (int16_t*)(x + in);
+  for (int64_t t = 0; t < T; t++) {
+    load_row_float(x_in, x_kind, t * in, in, x);
+    for (int64_t g = 0; g < groups; g++) {
+      const float* xg = x + g * G;
+      float hi = -INFINITY, lo = INFINITY;
+      for (int64_t i = 0; i < G; i++) {
+        hi = xg[i] > hi ? xg[i] : hi;
+        lo = xg[i] < lo ? xg[i] : lo;
+      }
+      float absmax = hi > -lo ? hi : -lo;
+      float s = absmax / INT4_ACT_QMAX;
+      if (s < 1e-12f) s = 1e-12f;
+      int4_quantize_group(xg, G, s, q + g * G);
+      int32_t total = 0;
+      for (int64_t i = 0; i < G; i++) total += q[g * G + i];
+      a.scale[t * groups + g] = s;
+      a.sum32[t * groups + g] = total;
+    }
+    uint16_t* p = (uint16_t*)(a.pairs + t * (in / 2));
+    for (int64_t c = 0; c < in; c += 8)
+      for (int j = 0; j < 4; j++) {
+        p[c + 2 * j] = (uint16_t)q[c + j];
+        p[c + 2 * j + 1] = (uint16_t)q[c + j + 4];
+      }
+  }
+  return a;
+}
+
+// One block of 16 rows for tokens t0 .. t0 + TN: out[t * 16 + l] = row 16b + l's sum before
+// the bias. s16, z16: the block's scales and zero points, (groups, 16).
+template <int TN>
+static void int4_tile_block(const Int4PairActs& a, int64_t t0, int64_t in, int64_t groups,
+                            int64_t G, const uint32_t* tb, const float* s16, const int32_t* z16,
+                            int vector, float* out) {
+  const int64_t kg = G / 8;
+#ifdef LMC_INT4_VECTOR
+  if (vector) {
+    const __m512i M = _mm512_set1_epi32(0x000F000F);
+    __m512 part[TN][16];
+    for (int t = 0; t < TN; t++)
+      for (int i = 0; i < 16; i++) part[t][i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+      __m512i acc[TN][4];
+      for (int t = 0; t < TN; t++)
+        for (int j = 0; j < 4; j++) acc[t][j] = _mm512_setzero_si512();
+      for (int64_t k = g * kg; k < (g + 1) * kg; k++) {
+        _mm_prefetch((const char*)(tb + k * 16 + LMC_TILE_PREFETCH), _MM_HINT_T0);
+        __m512i v = _mm512_loadu_si512(tb + k * 16);
+        __m512i p[4] = {_mm512_and_si512(v, M), _mm512_and_si512(_mm512_srli_epi32(v, 4), M),
+                        _mm512_and_si512(_mm512_srli_epi32(v, 8), M),
+                        _mm512_and_si512(_mm512_srli_epi32(v, 12), M)};
+        for (int t = 0; t < TN; t++) {
+          const int32_t* x = a.pairs + (t0 + t) * (in / 2) + 4 * k;
+          for (int j = 0; j < 4; j++) acc[t][j] = madd16(acc[t][j], p[j], _mm512_set1_epi32(x[j]));
+        }
+      }
+      const __m512 s = _mm512_loadu_ps(s16 + 16 * g);
+      const __m512i z = _mm512_loadu_si512(z16 + 16 * g);
+      for (int t = 0; t < TN; t++) {
+        __m512i sum = _mm512_add_epi32(_mm512_add_epi32(acc[t][0], acc[t][1]),
+                                       _mm512_add_epi32(acc[t][2], acc[t][3]));
+        __m512i sx = _mm512_set1_epi32(a.sum32[(t0 + t) * groups + g]);
+        __m512i D = _mm512_sub_epi32(sum, _mm512_mullo_epi32(z, sx));
+        __m512 pr = _mm512_mul_ps(_mm512_cvtepi32_ps(D), s);
+        pr = _mm512_mul_ps(pr, _mm512_set1_ps(a.scale[(t0 + t) * groups + g]));
+        LMC_OPAQUE_V(pr);  // rounded here: never contracted with the sum into an FMA
+        part[t][g & 15] = _mm512_add_ps(part[t][g & 15], pr);
+      }
+    }
+    for (int t = 0; t < TN; t++) {  // int4_tree, lane by lane
+      __m512 s8[8], s4[4];
+      for (int i = 0; i < 8; i++) s8[i] = _mm512_add_ps(part[t][i], part[t][i + 8]);
+      for (int i = 0; i < 4; i++) s4[i] = _mm512_add_ps(s8[i], s8[i + 4]);
+      _mm512_storeu_ps(out + 16 * t, _mm512_add_ps(_mm512_add_ps(s4[0], s4[2]),
+                                                   _mm512_add_ps(s4[1], s4[3])));
+    }
+    return;
+  }
+#endif
+  (void)vector;
+  for (int l = 0; l < 16; l++) {
+    float part[TN][16];
+    memset(part, 0, sizeof(part));
+    for (int64_t g = 0; g < groups; g++) {
+      int64_t sum[TN] = {0};
+      for (int64_t k = g * kg; k < (g + 1) * kg; k++) {
+        uint32_t w = tb[k * 16 + l];
+        for (int t = 0; t < TN; t++) {
+          const int16_t* x = (const int16_t*)(a.pairs + (t0 + t) * (in / 2) + 4 * k);
+          for (int j = 0; j < 4; j++)
+            sum[t] += (int64_t)((w >> (4 * j)) & 15) * x[2 * j] +
+                      (int64_t)((w >> (4 * j + 16)) & 15) * x[2 * j + 1];
+        }
+      }
+      for (int t = 0; t < TN; t++) {
+        int64_t D = sum[t] - (int64_t)z16[16 * g + l] * a.sum32[(t0 + t) * groups + g];
+        int4_add_partial(part[t], g, D, s16[16 * g + l], a.scale[(t0 + t) * groups + g]);
+      }
+    }
+    for (int t = 0; t < TN; t++) out[16 * t + l] = int4_tree(part[t]);
+  }
+}
+
+extern "C" void lmc_int4_linear_tiled(const void* x_in, int x_kind, int64_t T, int64_t in,
+                                      const uint32_t* tiles, const float* scales,
+                                      const uint8_t* zeros, int64_t groups, int64_t G,
+                                      int64_t out, const void* bias, int b_kind, void* y,
+                                      int y_kind, int vector, int threads) {
+  Int4PairActs a = int4_prepare_pairs(x_in, x_kind, T, in, groups, G);
+  const int64_t blocks = (out + 15) / 16, K = in / 8;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t b = 0; b < blocks; b++) {
+    float* s16 = lmc_scratch((sizeof(float) + sizeof(int32_t)) * 16 * groups, 4);
+    int32_t* z16 = (int32_t*)(s16 + 16 * groups);
+    for (int64_t g = 0; g < groups; g++)  // the block's grid, (groups, 16)
+      for (int l = 0; l < 16; l++) {
+        int64_t o = b * 16 + l < out ? b * 16 + l : out - 1;  // padding rows: any finite grid
+        s16[16 * g + l] = scales[o * groups + g];
+        z16[16 * g + l] = zeros[o * groups + g];
+      }
+    const uint32_t* tb = tiles + b * K * 16;
+    for (int64_t t0 = 0; t0 < T; t0 += TILE) {
+      int64_t tn = T - t0 < TILE ? T - t0 : TILE;
+      float acc[TILE * 16];
+      if (tn == 4) int4_tile_block<4>(a, t0, in, groups, G, tb, s16, z16, vector, acc);
+      else if (tn == 3) int4_tile_block<3>(a, t0, in, groups, G, tb, s16, z16, vector, acc);
+      else if (tn == 2) int4_tile_block<2>(a, t0, in, groups, G, tb, s16, z16, vector, acc);
+      else int4_tile_block<1>(a, t0, in, groups, G, tb, s16, z16, vector, acc);
+      for (int l = 0; l < 16 && b * 16 + l < out; l++)
+        for (int64_t t = 0; t < tn; t++) {
+          float v = acc[16 * t + l];
+          if (bias) v = v + load_value(bias, b_kind, b * 16 + l);
+          store_value(y, y_kind, (t0 + t) * out + b * 16 + l, v);
+        }
+    }
+  }
+}
+
+extern "C" void lmc_int4_untile_rows(const uint32_t* tiles, int64_t in, int64_t row0,
+                                     int64_t rows, uint8_t* codes, int threads) {
+  const int64_t K = in / 8;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t r = 0; r < rows; r++) {
+    int64_t o = row0 + r, b = o / 16, l = o % 16;
+    uint32_t* dst = (uint32_t*)(codes + r * (in / 2));
+    for (int64_t k = 0; k < K; k++) dst[k] = tiles[(b * K + k) * 16 + l];
+  }
+}

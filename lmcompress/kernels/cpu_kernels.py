@@ -10,8 +10,9 @@ each compressed weight once per call for up to four tokens at a time:
 - int8 W8A8: activation quantization, the integer products and the rescale in one pass,
   bit-identical to the torch computation;
 - low rank: both factors' products in one call;
-- weight-only int4 (``lmc_int4_*``, called by :mod:`lmcompress.kernels.int4_ops`): the packed
-  4-bit codes for a few tokens, their dequantization by blocks for more.
+- weight-only int4 (``lmc_int4_*``, called by :mod:`lmcompress.kernels.int4_ops` and
+  :mod:`lmcompress.kernels.int4_tiles`): the packed 4-bit codes for a few tokens (16 rows a
+  vector on the tiled layout), their dequantization by blocks for more.
 
 On SmolLM2's 210 decoder linears at one token they run 2–4× faster than torch's
 (``benchmarks/results/speed.md``).
@@ -87,6 +88,9 @@ SIGNATURES = {
     + [_I64, _INT, _INT, _INT, _I64, _VOID, _INT, _VOID, _INT, _INT, _INT],
     "lmc_int4_dequant": [_VOID, _I64, _VOID, _VOID, _I64, _I64, _VOID, _I64, _INT, _INT, _INT]
     + [_I64, _I64, _I64, _VOID, _INT, _INT],
+    "lmc_int4_linear_tiled": [_VOID, _INT, _I64, _I64, _VOID, _VOID, _VOID, _I64, _I64, _I64]
+    + [_VOID, _INT, _VOID, _INT, _INT, _INT],
+    "lmc_int4_untile_rows": [_VOID, _I64, _I64, _I64, _VOID, _INT],
 }
 
 

@@ -9,7 +9,9 @@ the same way over the kept axis, and ``nm = (indices, n, m)`` their positions
 :func:`linear` takes one of two paths:
 
 - **decode** (at most ``MAX_TOKENS`` = 6 tokens, bits ≤ 4, fp32 or bf16 activations, eager on
-  CPU, the kernels built): ``lmc_int4_linear`` reads the packed codes directly. Each token's
+  CPU, the kernels built): ``lmc_int4_linear`` reads the packed codes directly (codes held in
+  :mod:`lmcompress.kernels.int4_tiles`' layout, ``tiled=True``: its kernel, up to 16 tokens,
+  the same results). Each token's
   activations are quantized per weight group to **int16** (``absmax / 32767``), the group's
   products are exact integers on 16-bit lanes (AVX-512 ``vpdpwssd`` with VNNI, ``vpmaddwd`` +
   add without; a plain loop without AVX-512 BW/VL), and the float part (per group
@@ -48,7 +50,7 @@ import threading
 
 import torch
 
-from lmcompress.kernels import cpu_kernels, int4_reference, reference
+from lmcompress.kernels import cpu_kernels, int4_reference, int4_tiles, reference
 
 # The decode kernel up to this many tokens: its cost grows with each token (16-bit products),
 # the prefill path's hardly (one dequantization, then the bf16 matmul). Over SmolLM2's 210
@@ -72,24 +74,30 @@ def linear(
     in_features: int,
     bias: torch.Tensor | None = None,
     nm: NM | None = None,
+    tiled: bool = False,
 ) -> torch.Tensor:
     """``x @ Wᵀ + bias`` for ``x`` (..., in) and the packed weight (module doc): (..., out) in
     ``x``'s dtype. ``qweight`` uint8, ``scales`` float32 (out, groups), ``zeros`` uint8
     (out, groups), ``bias`` (out,) or ``None``; ``nm = (indices, n, m)`` for packed N:M kept
-    codes (groups counted over the original columns; ``group_size`` a multiple of ``m``).
+    codes (groups counted over the original columns; ``group_size`` a multiple of ``m``);
+    ``tiled``: ``qweight`` is :func:`int4_tiles.tile`'s layout (dense codes only).
     Trusts its arguments (the format checks them at load)."""
     x2 = x if x.dim() == 2 else x.reshape(-1, in_features)
-    if use_decode_kernel(x2, bits):
+    if tiled and use_decode_kernel(x2, bits, int4_tiles.MAX_TOKENS):
+        y = int4_tiles.decode(_c(x2), qweight, scales, zeros, group_size, in_features, bias)
+    elif tiled:
+        y = prefill(x2, qweight, scales, zeros, bits, group_size, in_features, bias, tiled=True)
+    elif use_decode_kernel(x2, bits):
         y = decode(x2, qweight, scales, zeros, bits, group_size, in_features, bias, nm)
     else:
         y = prefill(x2, qweight, scales, zeros, bits, group_size, in_features, bias, nm)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[1])
 
 
-def use_decode_kernel(x2: torch.Tensor, bits: int) -> bool:
-    """Whether :func:`linear` runs the compiled decode kernel on ``x2`` (tokens, in)."""
+def use_decode_kernel(x2: torch.Tensor, bits: int, max_tokens: int = MAX_TOKENS) -> bool:
+    """Whether :func:`linear` runs a compiled decode kernel on ``x2`` (tokens, in)."""
     return (
-        x2.shape[0] <= MAX_TOKENS
+        x2.shape[0] <= max_tokens
         and bits <= 4
         and x2.dtype in KERNEL_DTYPES
         and _eager_cpu(x2)
@@ -240,9 +248,11 @@ def prefill(
     in_features: int,
     bias: torch.Tensor | None = None,
     nm: NM | None = None,
+    tiled: bool = False,
 ) -> torch.Tensor:
     """:func:`int4_reference.prefill_linear` with :func:`dequantize_rows`: (T, out) in ``x``'s
-    dtype (float dtypes; other inputs are computed in float32)."""
+    dtype (float dtypes; other inputs are computed in float32). ``tiled``: each block's rows
+    untiled first (:func:`int4_tiles.untile_rows`)."""
     dtype = x.dtype if x.dtype.is_floating_point else torch.float32
     x = x.to(dtype)
     out_features, block = scales.shape[0], block_rows(in_features, dtype)
@@ -251,6 +261,13 @@ def prefill(
         buffer = _buffer(min(block, out_features) * in_features, dtype).view(-1, in_features)
 
     def rows(start: int, end: int) -> torch.Tensor:
+        if tiled:
+            codes = int4_tiles.untile_rows(qweight, in_features, start, end)
+            part = slice(start, end)
+            return dequantize_rows(
+                codes, scales[part], zeros[part], bits, group_size, in_features, 0,
+                end - start, dtype, None, buffer,
+            )  # fmt: skip
         return dequantize_rows(
             qweight, scales, zeros, bits, group_size, in_features, start, end, dtype, nm, buffer
         )

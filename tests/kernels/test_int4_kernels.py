@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from lmcompress.compressor.sparsity import nm_mask
-from lmcompress.kernels import cpu_kernels, int4_ops
+from lmcompress.kernels import cpu_kernels, int4_ops, int4_tiles
 from lmcompress.kernels import int4_reference as R4
 from lmcompress.kernels import reference as R
 
@@ -244,6 +244,9 @@ def test_the_avx512_loops_without_vnni_are_the_reference_too(tmp_path, monkeypat
             x = torch.randn(5, in_features, generator=g)
             want = R4.decode_linear(x, qweight, scales, zeros, 4, group_size, in_features)
             got = int4_ops.decode(x, qweight, scales, zeros, 4, group_size, in_features)
+            assert torch.equal(got, want)
+            tiles = int4_tiles.tile(qweight)  # the tiled kernel's vpmaddwd too
+            got = int4_tiles.decode(x, tiles, scales, zeros, group_size, in_features)
             assert torch.equal(got, want)
         qweight, scales, zeros, nm = _nm_weight(7, 512, 4, 128, 2, 4)
         x = torch.randn(3, 512, generator=g).bfloat16()

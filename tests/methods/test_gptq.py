@@ -152,7 +152,7 @@ def test_rtn_options_reach_the_layers(bits, sym, group_size):
     layer = model.get_submodule(report.layers[0].name)
     assert isinstance(layer, Int4Linear) and layer.conv1d
     assert (layer.bits, layer.symmetric, layer.group_size) == (bits, sym, group_size)
-    assert layer.qweight.shape[1] == (32 if bits == 8 else 16)
+    assert layer.stored_codes().shape[1] == (32 if bits == 8 else 16)
     assert int(layer.weight_codes().max()) <= 2**bits - 1
     assert sym == bool((layer.zeros == 2 ** (bits - 1)).all())
     assert not torch.equal(layer.scales, layer.scales.half().float())  # float32 by default

@@ -29,7 +29,7 @@ from lmcompress.compressor.formats.quant import check_scale
 from lmcompress.compressor.formats.registry import register_format
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.errors import ModelLoadError
-from lmcompress.kernels import int4_ops, ops
+from lmcompress.kernels import int4_ops, int4_tiles, ops
 from lmcompress.kernels.int4_reference import (
     check_bits,
     dequantize_codes,
@@ -47,6 +47,7 @@ class Int4CodedLinear(CompressedLinear):
     :meth:`init_grid`, and implements :meth:`weight_codes`, :meth:`code_tensors`."""
 
     exact_tensors = frozenset({"scales"})  # float32 at any save dtype
+    tiled = False  # qweight in int4_tiles' layout (Int4Linear, where the kernels can read it)
     # the dense copy: pack-quantized (W4A16 / W8A16), as llm-compressor writes GPTQ and vLLM
     # reads; 3 bits, asymmetric grids and Conv1D fall back to dequantized weights (save.py)
     interop = "compressed-tensors"
@@ -137,11 +138,15 @@ class Int4CodedLinear(CompressedLinear):
         reads the packed codes for a few tokens on CPU; otherwise blocks of rows are
         dequantized into ``x``'s dtype for ``F.linear``. While ``torch.compile`` traces (no
         gradient needed), the same computation as one opaque op (``ops.int4_linear``)."""
+        if self.tiled:  # the decode kernel's short path (None where it does not apply)
+            y = int4_tiles.try_decode(x, self._buffers, self.in_features)
+            if y is not None:
+                return y
         if torch.compiler.is_compiling() and not (x.requires_grad and torch.is_grad_enabled()):
             indices, n, m = self.nm() or (None, 1, 1)
             return ops.int4_linear(
                 x, self.qweight, self.scales, self.zeros, self.bits, self.group_size,
-                self.in_features, self.bias, indices, n, m,
+                self.in_features, self.bias, indices, n, m, self.tiled,
             )  # fmt: skip
         return int4_ops.linear(
             x,
@@ -153,6 +158,7 @@ class Int4CodedLinear(CompressedLinear):
             in_features=self.in_features,
             bias=self.bias,
             nm=self.nm(),
+            tiled=self.tiled,
         )
 
     def expanded(self) -> nn.Module:
@@ -190,6 +196,27 @@ class Int4Linear(Int4CodedLinear):
         super().__init__(in_features, qweight.shape[0], conv1d=conv1d)
         self.register_buffer("qweight", qweight)
         self.init_grid(scales, zeros, bits, group_size, symmetric, bias, dtype)
+        self.tile_codes()
+
+    def tile_codes(self) -> None:
+        """Hold the codes in :mod:`lmcompress.kernels.int4_tiles`' layout where its decode
+        kernel reads them (``qweight`` then has that layout; :meth:`stored_codes` gives the
+        stored one). Called at construction, and by the Hugging Face quantizer once
+        transformers has filled a module built on the meta device."""
+        if not self.tiled and int4_tiles.tileable(
+            self.qweight, self.bits, self.group_size, self.in_features
+        ):
+            self.qweight = int4_tiles.tile(self.qweight)
+            self.scales, self.zeros = self.scales.contiguous(), self.zeros.contiguous()
+            if self.bias is not None:
+                self.bias = self.bias.contiguous()
+            self.tiled = True
+
+    def stored_codes(self) -> torch.Tensor:
+        """The packed codes in the stored layout (out, ceil(in/2)) (8 bits: (out, in))."""
+        if self.tiled:
+            return int4_tiles.untile(self.qweight, self.out_features)
+        return self.qweight
 
     @classmethod
     def from_codes(
@@ -238,10 +265,10 @@ class Int4Linear(Int4CodedLinear):
         )
 
     def weight_codes(self) -> torch.Tensor:
-        return unpack_codes(self.qweight, self.bits, self.in_features)
+        return unpack_codes(self.stored_codes(), self.bits, self.in_features)
 
     def code_tensors(self) -> dict[str, torch.Tensor]:
-        return {"qweight": self.qweight}
+        return {"qweight": self.stored_codes()}
 
     @classmethod
     def from_state(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Int4Linear:

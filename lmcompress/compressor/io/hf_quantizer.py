@@ -234,6 +234,8 @@ class LmcompressHfQuantizer(HfQuantizer):
                 format_class(entry["format"]).from_state(module.state_tensors(), meta)
             except ModelLoadError as err:
                 raise ModelLoadError(f"compressed layer {name}: {err}") from None
+            if hasattr(module, "tile_codes"):  # int4: the decode kernel's layout, as replay's
+                module.tile_codes()
         device = next(model.parameters()).device
         for index, entry in enumerate(self.quantization_config.transforms):
             try:

@@ -16,6 +16,7 @@ from transformers.quantizers import auto
 from lmcompress import compress, load_compressed, save_compressed
 from lmcompress.compressor.formats.base import installed
 from lmcompress.compressor.formats.compose import compose_
+from lmcompress.compressor.formats.int4 import Int4Linear
 from lmcompress.compressor.formats.int8 import QuantLinear
 from lmcompress.compressor.formats.int8_softmax import Int8Softmax
 from lmcompress.compressor.formats.low_rank import LowRankLinear
@@ -30,6 +31,8 @@ from lmcompress.compressor.io.layout import (
 )
 from lmcompress.compressor.io.load import read_manifest
 from lmcompress.errors import ModelLoadError
+from lmcompress.kernels import cpu_kernels
+from lmcompress.methods.gptq import RTNConfig
 from lmcompress.methods.int8 import Int8Config
 from lmcompress.methods.magnitude import MagnitudeConfig
 from lmcompress.methods.svd import SVDConfig
@@ -56,6 +59,8 @@ CASES = {  # config, runtime class, save dtype
     "svd": (SVDConfig(ratio=0.5), LowRankLinear, None),
     # bf16 storage with fp32 scales, and a transform (the 8-bit softmax)
     "int8-softmax": (Int8Config(softmax_bits=8), QuantLinear, torch.bfloat16),
+    # int4 codes: built on meta in the stored layout, then tiled as load_compressed tiles them
+    "rtn-int4": (RTNConfig(bits=4, group_size=16), Int4Linear, None),
 }
 
 
@@ -71,6 +76,8 @@ def test_from_pretrained_builds_the_packed_runtime_of_load_compressed(tmp_path, 
     assert len(layers) >= len(report.layers) // 2  # svd keeps layers where rank saves nothing
     for name in layers:
         assert type(hf.get_submodule(name)) is runtime_class, name
+        if runtime_class is Int4Linear and cpu_kernels.library() is not None:
+            assert hf.get_submodule(name).tiled and ref.get_submodule(name).tiled, name
     hf_state, ref_state = hf.state_dict(), ref.state_dict()
     assert list(hf_state) == list(ref_state)
     for key, value in ref_state.items():

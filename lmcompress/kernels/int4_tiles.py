@@ -1,0 +1,146 @@
+"""The tiled in-memory layout of int4 codes, and the decode kernel that reads it.
+
+The stored layout (:mod:`lmcompress.kernels.int4_reference`) keeps each output row's codes
+together, two a byte: a decode kernel on it multiplies a row's codes with the activations in
+vector lanes and then sums each group's lanes into one number, a horizontal sum per group and
+row that costs as much as the products at SmolLM2's group of 64.
+
+**Tiles** (``tiles16``): the same bytes read as 32-bit words (8 codes, column ``c + i`` in
+bits ``4i .. 4i + 3``) and transposed by blocks of 16 rows, an int32 tensor (blocks, in / 8,
+16): word ``k`` of rows ``16b .. 16b + 15`` are 16 consecutive words. One 64-byte load is then
+8 columns of 16 rows, each row a vector lane, and ``lmc_int4_linear_tiled`` needs no horizontal
+sum at all (``cpu_kernels.cpp`` describes the loop). Its results are those of the row kernel,
+:func:`lmcompress.kernels.int4_ops.decode` and :func:`int4_reference.decode_linear`, bit for
+bit: the same integer group sums and the same float steps in the same order.
+
+Tiling is a transposition of whole words (no code changes), so :func:`untile` gives back the
+stored bytes exactly. An :class:`~lmcompress.compressor.formats.int4.Int4Linear` holds its codes
+tiled where :func:`tileable` (a CPU tensor, the compiled kernels loaded, bits ≤ 4, the input
+width and the group a multiple of 8) and in the stored layout otherwise; it writes the stored
+layout. Prefill untiles a block of rows at a time into the stored layout before dequantizing it
+(the words copied are a quarter of the dequantized bf16 bytes).
+
+Speed: ``python -m benchmarks.int4_speed`` (``benchmarks/results/int4_speed.md``: each layer
+shape and all 210 SmolLM2 decoder linears, tiled beside the row kernel and dense). The loads
+are prefetched 4 KiB ahead: a decode step reads each layer's codes from memory, not cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lmcompress.kernels import cpu_kernels, int4_reference
+
+ROWS = 16  # rows per tile: one AVX-512 vector of int32 lanes
+COLUMNS = 8  # columns per word
+# The tiled decode kernel up to this many tokens, then prefill's path (dequantized blocks and
+# the BLAS matmul): faster to about 24 tokens over SmolLM2's decoder linears in bf16
+# (benchmarks/results/int4_speed.md, by token count); 16, the counts the tests cover.
+MAX_TOKENS = 16
+
+
+def tileable(qweight: torch.Tensor, bits: int, group_size: int, in_features: int) -> bool:
+    """Whether codes ``qweight`` (the stored layout) are held tiled: on CPU (not meta), with
+    the compiled kernels, at most 4 bits, the input width and the group width multiples of 8."""
+    width = int4_reference.group_width(group_size, in_features)
+    return (
+        bits <= 4
+        and in_features % COLUMNS == 0
+        and width % COLUMNS == 0
+        and qweight.device.type == "cpu"
+        and cpu_kernels.library() is not None
+    )
+
+
+def tile(qweight: torch.Tensor) -> torch.Tensor:
+    """The stored codes (out, in / 2) uint8 as tiles (ceil(out / 16), in / 8, 16) int32; rows
+    past ``out`` are zero words."""
+    out = qweight.shape[0]
+    words = qweight.contiguous().view(torch.int32)  # (out, in / 8), little-endian
+    blocks = -(-out // ROWS)
+    padded = F.pad(words, (0, 0, 0, blocks * ROWS - out))
+    return padded.reshape(blocks, ROWS, -1).transpose(1, 2).contiguous()
+
+
+def untile(tiles: torch.Tensor, out: int) -> torch.Tensor:
+    """:func:`tile` undone: the stored codes (out, in / 2) uint8."""
+    blocks, words, _ = tiles.shape
+    rows = tiles.transpose(1, 2).reshape(blocks * ROWS, words)[:out]
+    return rows.contiguous().view(torch.uint8)
+
+
+def untile_rows(tiles: torch.Tensor, in_features: int, start: int, end: int) -> torch.Tensor:
+    """Rows ``start:end`` of the stored codes (end - start, in / 2) uint8 (prefill's blocks)."""
+    lib = cpu_kernels.library()
+    if lib is None or tiles.device.type != "cpu":
+        return untile(tiles, end)[start:]
+    codes = torch.empty((end - start, in_features // 2), dtype=torch.uint8)
+    lib.lmc_int4_untile_rows(
+        tiles.data_ptr(), in_features, start, end - start, codes.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return codes
+
+
+def decode(
+    x: torch.Tensor,
+    tiles: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+    vector: bool = True,
+) -> torch.Tensor:
+    """``lmc_int4_linear_tiled`` on ``x`` (T, in) fp32 or bf16 (contiguous): (T, out) in
+    ``x``'s dtype, equal to :func:`int4_reference.decode_linear` bit for bit. ``scales``,
+    ``zeros``, ``bias`` contiguous (the format's buffers are). ``vector=False`` runs the plain
+    loop (what a CPU without AVX-512 runs), for tests."""
+    width = in_features if group_size == -1 else group_size
+    kinds = cpu_kernels.FLOAT_KINDS
+    out = scales.shape[0]
+    y = torch.empty((x.shape[0], out), dtype=x.dtype)
+    cpu_kernels.library().lmc_int4_linear_tiled(
+        x.data_ptr(), kinds[x.dtype], x.shape[0], in_features, tiles.data_ptr(),
+        scales.data_ptr(), zeros.data_ptr(), in_features // width, width, out,
+        None if bias is None else bias.data_ptr(), 0 if bias is None else kinds[bias.dtype],
+        y.data_ptr(), kinds[x.dtype], int(vector), torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
+_KINDS = cpu_kernels.FLOAT_KINDS
+
+
+def try_decode(
+    x: torch.Tensor, buffers: dict[str, torch.Tensor | None], in_features: int
+) -> torch.Tensor | None:
+    """A tiled layer's forward at decode, on the shortest path (a decode step calls it for
+    every linear): :func:`decode` of ``x`` (..., in) with the layer's ``buffers`` (``qweight``
+    tiled, ``scales``, ``zeros``, ``bias``: contiguous CPU tensors), or ``None`` where that
+    kernel does not apply (more than :data:`MAX_TOKENS` tokens, another dtype or device, a
+    gradient needed, tracing, no compiled kernels)."""
+    kind = _KINDS.get(x.dtype, 2)
+    tokens = x.numel() // in_features
+    if (
+        kind == 2  # the kernel takes fp32 and bf16
+        or tokens > MAX_TOKENS
+        or not x.is_cpu
+        or (x.requires_grad and torch.is_grad_enabled())
+        or torch.compiler.is_compiling()
+        or (lib := cpu_kernels.library()) is None
+    ):
+        return None
+    if not x.is_contiguous():
+        x = x.contiguous()
+    scales, bias = buffers["scales"], buffers["bias"]
+    out, groups = scales.shape
+    y = torch.empty((*x.shape[:-1], out), dtype=x.dtype)
+    lib.lmc_int4_linear_tiled(
+        x.data_ptr(), kind, tokens, in_features, buffers["qweight"].data_ptr(),
+        scales.data_ptr(), buffers["zeros"].data_ptr(), groups, in_features // groups, out,
+        None if bias is None else bias.data_ptr(), 0 if bias is None else _KINDS[bias.dtype],
+        y.data_ptr(), kind, 1, torch.get_num_threads(),
+    )  # fmt: skip
+    return y

@@ -1,0 +1,172 @@
+"""The tiled int4 layout and its decode kernel (``kernels/int4_tiles.py``,
+``lmc_int4_linear_tiled`` in ``cpu_kernels.cpp``): the layout as specified (word by word), its
+inverse, the kernel bit for bit equal to ``int4_reference.decode_linear`` at 1–16 tokens (odd
+row counts, group widths 8 to 4096 and -1, 3 and 4 bits, both zero kinds, a bias, fp32 and bf16,
+vector and plain loops), :func:`int4_ops.linear` on tiles equal to it on the stored codes at
+decode and prefill, and where :class:`Int4Linear` holds its codes tiled."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lmcompress.compressor.formats.int4 import Int4Linear, PackedNMInt4Linear
+from lmcompress.compressor.sparsity import nm_mask
+from lmcompress.kernels import cpu_kernels, int4_ops, int4_tiles
+from lmcompress.kernels import int4_reference as R4
+
+pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler here")
+
+# (out, in, group_size): row counts below, between and above multiples of 16; one group of the
+# whole row (-1); groups of 8 (one word), 32, 64, 96, 128 and 4096; more than 16 groups
+SHAPES = [(37, 128, 32), (5, 96, 32), (16, 1056, 32), (9, 576, 64), (33, 2048, 64)]
+SHAPES += [(13, 256, 128), (7, 104, -1), (5, 192, 96), (3, 64, 8), (2, 8192, 4096)]
+
+
+def _weight(out, in_features, bits, group_size, symmetric=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    groups = R4.groups_of(group_size, in_features)
+    q = torch.randint(0, 2**bits, (out, in_features), dtype=torch.uint8, generator=g)
+    scales = torch.rand(out, groups, generator=g) / 20 + 1e-3
+    if symmetric:
+        zeros = torch.full((out, groups), 2 ** (bits - 1), dtype=torch.uint8)
+    else:
+        zeros = torch.randint(0, 2**bits, (out, groups), dtype=torch.uint8, generator=g)
+    return R4.pack_codes(q, bits), scales, zeros
+
+
+def test_the_layout_is_words_of_16_rows():
+    """Word k (8 codes, column 8k + i in bits 4i..4i+3) of row r is tiles[r // 16, k, r % 16];
+    rows past the last are zero words; untile gives the stored bytes back."""
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 16, (19, 24), dtype=torch.uint8, generator=g)
+    qweight = R4.pack_codes(codes, 4)
+    tiles = int4_tiles.tile(qweight)
+    assert tiles.shape == (2, 3, 16) and tiles.dtype == torch.int32
+    for r in range(19):
+        for k in range(3):
+            word = sum(int(codes[r, 8 * k + i]) << (4 * i) for i in range(8))
+            assert int(tiles[r // 16, k, r % 16]) & 0xFFFFFFFF == word, (r, k)
+    assert (tiles[1, :, 3:] == 0).all()
+    assert torch.equal(int4_tiles.untile(tiles, 19), qweight)
+    for start, end in [(0, 19), (3, 17), (16, 19), (5, 6)]:
+        assert torch.equal(int4_tiles.untile_rows(tiles, 24, start, end), qweight[start:end])
+
+
+@pytest.mark.parametrize(("out", "in_features", "group_size"), SHAPES)
+@pytest.mark.parametrize("bits", [3, 4])
+def test_tiled_decode_is_the_reference_bit_for_bit(out, in_features, group_size, bits):
+    g = torch.Generator().manual_seed(out * in_features + bits)
+    for symmetric in (False, True) if bits == 4 else (False,):
+        qweight, scales, zeros = _weight(out, in_features, bits, group_size, symmetric, seed=bits)
+        tiles = int4_tiles.tile(qweight)
+        bias = torch.randn(out, generator=g)
+        for tokens in range(1, 17):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (torch.randn(tokens, in_features, generator=g) * 3).to(dtype)
+                x[0, : in_features // 2] = 0  # a zero group takes the floor scale
+                b = bias.to(dtype) if tokens % 2 else None
+                want = R4.decode_linear(x, qweight, scales, zeros, bits, group_size, in_features, b)
+                for vector in (True, False):
+                    got = int4_tiles.decode(
+                        x, tiles, scales, zeros, group_size, in_features, b, vector=vector
+                    )
+                    assert got.dtype == dtype and torch.equal(got, want), (tokens, dtype, vector)
+
+
+def test_extreme_codes_and_activations_sum_exactly():
+    """15 · 32767 over a group of 4096: the int32 limit of a group sum, split over the four
+    accumulators and the zero-point term, gives the reference's integers."""
+    qweight = R4.pack_codes(torch.full((17, 8192), 15, dtype=torch.uint8), 4)
+    scales = torch.full((17, 2), 1e-6)
+    for zero in (0, 15):
+        zeros = torch.full((17, 2), zero, dtype=torch.uint8)
+        x = torch.full((2, 8192), 7.0)
+        x[1, 4096:] = -7.0
+        want = R4.decode_linear(x, qweight, scales, zeros, 4, 4096, 8192)
+        for vector in (True, False):
+            tiles = int4_tiles.tile(qweight)
+            got = int4_tiles.decode(x, tiles, scales, zeros, 4096, 8192, None, vector)
+            assert torch.equal(got, want), (zero, vector)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_on_tiles_is_linear_on_the_stored_codes(monkeypatch, dtype):
+    """Up to the tiled MAX_TOKENS (any leading shape): the decode kernel's result (the
+    reference's); more tokens: prefill by blocks of untiled rows (blocks of 16 rows here, so
+    several), what prefill gives on the stored codes."""
+    monkeypatch.setattr(int4_ops, "BLOCK_BYTES", 16 * 64 * 4)
+    qweight, scales, zeros = _weight(40, 64, 4, 32)
+    tiles = int4_tiles.tile(qweight)
+    bias = torch.randn(40).to(dtype)
+    kw = {"bits": 4, "group_size": 32, "in_features": 64, "bias": bias}
+    most = int4_tiles.MAX_TOKENS
+    for shape in [(1, 64), (1, 1, 64), (most, 64), (2, most // 2, 64), (most + 1, 64)]:
+        x = torch.randn(shape).to(dtype)
+        x2 = x.reshape(-1, 64)
+        if x2.shape[0] <= most:
+            want = R4.decode_linear(x2, qweight, scales, zeros, 4, 32, 64, bias)
+        else:
+            want = int4_ops.prefill(x2, qweight, scales, zeros, 4, 32, 64, bias)
+        got = int4_ops.linear(x, tiles, scales, zeros, tiled=True, **kw)
+        assert got.shape == (*shape[:-1], 40) and torch.equal(got, want.view(got.shape)), shape
+
+
+def test_the_short_path_applies_only_to_decode():
+    """``try_decode``: None for more than MAX_TOKENS tokens, fp16, a gradient to keep; else
+    the kernel's output in the input's leading shape (a non-contiguous input copied)."""
+    qweight, scales, zeros = _weight(24, 64, 4, 32)
+    buffers = {"qweight": int4_tiles.tile(qweight), "scales": scales, "zeros": zeros, "bias": None}
+    most = int4_tiles.MAX_TOKENS
+    assert int4_tiles.try_decode(torch.randn(most + 1, 64), buffers, 64) is None
+    assert int4_tiles.try_decode(torch.randn(1, 64).half(), buffers, 64) is None
+    assert int4_tiles.try_decode(torch.randn(1, 64, requires_grad=True), buffers, 64) is None
+    x = torch.randn(64, 3).t()  # (3, 64), not contiguous
+    got = int4_tiles.try_decode(x[None], buffers, 64)
+    want = R4.decode_linear(x.contiguous(), qweight, scales, zeros, 4, 32, 64)
+    assert got.shape == (1, 3, 24) and torch.equal(got[0], want)
+
+
+def test_int4_linear_holds_tiles_where_the_kernel_reads_them():
+    """Tiled: 4 bits with widths multiple of 8; stored layout: 8 bits, an input width not a
+    multiple of 8, packed N:M. Either way the same codes, state, outputs and copies."""
+    linear = torch.nn.Linear(64, 40)
+    tiled = Int4Linear.from_linear(linear, bits=4, group_size=32)
+    assert tiled.tiled and tiled.qweight.dtype == torch.int32
+    assert not Int4Linear.from_linear(linear, bits=8, group_size=32).tiled
+    assert not Int4Linear.from_linear(torch.nn.Linear(36, 8), bits=4, group_size=-1).tiled
+    sparse = torch.nn.Linear(64, 40)
+    with torch.no_grad():
+        sparse.weight *= nm_mask(sparse.weight.abs(), 2, 4)
+    assert not PackedNMInt4Linear.from_linear(sparse, n=2, m=4, bits=4, group_size=32).tiled
+    stored = tiled.state_tensors()
+    assert stored["qweight"].shape == (40, 32) and stored["qweight"].dtype == torch.uint8
+    meta = {**tiled.meta(), "conv1d": False}
+    again = Int4Linear.from_state(stored, meta)
+    assert again.tiled and torch.equal(again.weight_codes(), tiled.weight_codes())
+    plain = copy.deepcopy(tiled)  # the stored layout, as without kernels
+    plain.tiled, plain.qweight = False, stored["qweight"]
+    with torch.inference_mode():
+        for tokens in (1, 3, 40):
+            x = torch.randn(2, tokens, 64)
+            assert torch.equal(tiled(x), plain(x)), tokens
+            assert torch.equal(copy.deepcopy(tiled)(x), plain(x)), tokens
+    torch.testing.assert_close(tiled.dense_weight(), plain.dense_weight(), rtol=0, atol=0)
+
+
+def test_a_module_built_on_meta_keeps_the_stored_layout_until_filled():
+    """The Hugging Face quantizer builds modules on the meta device (transformers then fills
+    the stored shapes), and tiles them afterwards with ``tile_codes``."""
+    linear = torch.nn.Linear(64, 40)
+    real = Int4Linear.from_linear(linear, bits=4, group_size=32)
+    stored = {k: v.to("meta") for k, v in real.state_tensors().items()}
+    meta = {**real.meta(), "conv1d": False}
+    on_meta = Int4Linear.from_state(stored, meta)
+    assert not on_meta.tiled and on_meta.qweight.shape == (40, 32)
+    for key, tensor in real.state_tensors().items():  # as transformers' loader assigns them
+        setattr(on_meta, key, tensor.clone())
+    on_meta.tile_codes()
+    x = torch.randn(1, 64)
+    assert on_meta.tiled and torch.equal(on_meta(x), real(x))
