@@ -82,6 +82,8 @@ def linear(
     codes (groups counted over the original columns; ``group_size`` a multiple of ``m``);
     ``tiled``: ``qweight`` is :func:`int4_tiles.tile`'s layout (dense codes only).
     Trusts its arguments (the format checks them at load)."""
+    if x.shape[-1] != in_features:  # as nn.Linear: never a silent reshape into other rows
+        raise ValueError(f"int4 linear: input {tuple(x.shape)}, {in_features} features expected")
     x2 = x if x.dim() == 2 else x.reshape(-1, in_features)
     if tiled and use_decode_kernel(x2, bits, int4_tiles.MAX_TOKENS):
         y = int4_tiles.decode(_c(x2), qweight, scales, zeros, group_size, in_features, bias)

@@ -123,6 +123,10 @@ def test_the_short_path_applies_only_to_decode():
     assert int4_tiles.try_decode(torch.randn(most + 1, 64), buffers, 64) is None
     assert int4_tiles.try_decode(torch.randn(1, 64).half(), buffers, 64) is None
     assert int4_tiles.try_decode(torch.randn(1, 64, requires_grad=True), buffers, 64) is None
+    assert int4_tiles.try_decode(torch.randn(1, 128), buffers, 64) is None  # a wrong width
+    with pytest.raises(ValueError, match="64 features expected"):  # not read as two tokens
+        int4_ops.linear(torch.randn(1, 128), buffers["qweight"], scales, zeros, bits=4,
+                        group_size=32, in_features=64, tiled=True)  # fmt: skip
     x = torch.randn(64, 3).t()  # (3, 64), not contiguous
     got = int4_tiles.try_decode(x[None], buffers, 64)
     want = R4.decode_linear(x.contiguous(), qweight, scales, zeros, 4, 32, 64)

@@ -139,7 +139,11 @@ class Int4CodedLinear(CompressedLinear):
         dequantized into ``x``'s dtype for ``F.linear``. While ``torch.compile`` traces (no
         gradient needed), the same computation as one opaque op (``ops.int4_linear``)."""
         if self.tiled:  # the decode kernel's short path (None where it does not apply)
-            y = int4_tiles.try_decode(x, self._buffers, self.in_features)
+            shared = self.__dict__.get("shared_input")  # formats.int4_shared: one call for all
+            if shared is not None:
+                y = shared[0].forward(self, shared[1], x)
+            else:
+                y = int4_tiles.try_decode(x, self._buffers, self.in_features)
             if y is not None:
                 return y
         if torch.compiler.is_compiling() and not (x.requires_grad and torch.is_grad_enabled()):

@@ -20,9 +20,18 @@ class Family:
     embeddings: tuple[str, ...]  # input embeddings (token, and position where learned)
     head: str  # output projection to the vocabulary
     needs_bos: bool = False  # every window must start with BOS (Gemma)
+    # linears of one parent module that the model's code calls on the same input tensor
+    # (formats.int4_shared makes one decode kernel call of them)
+    shared_inputs: tuple[tuple[str, ...], ...] = ()
 
 
-_LLAMA = Family(blocks="model.layers", embeddings=("model.embed_tokens",), head="lm_head")
+_QKV_GATE_UP = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+_LLAMA = Family(
+    blocks="model.layers",
+    embeddings=("model.embed_tokens",),
+    head="lm_head",
+    shared_inputs=_QKV_GATE_UP,
+)
 
 FAMILIES: dict[str, Family] = {
     "llama": _LLAMA,
@@ -30,7 +39,11 @@ FAMILIES: dict[str, Family] = {
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,
     "gemma3_text": Family(
-        blocks="model.layers", embeddings=("model.embed_tokens",), head="lm_head", needs_bos=True
+        blocks="model.layers",
+        embeddings=("model.embed_tokens",),
+        head="lm_head",
+        needs_bos=True,
+        shared_inputs=_QKV_GATE_UP,
     ),
     "gpt2": Family(
         blocks="transformer.h", embeddings=("transformer.wte", "transformer.wpe"), head="lm_head"
@@ -39,6 +52,7 @@ FAMILIES: dict[str, Family] = {
         blocks="model.decoder.layers",
         embeddings=("model.decoder.embed_tokens", "model.decoder.embed_positions"),
         head="lm_head",
+        shared_inputs=(("q_proj", "k_proj", "v_proj"),),
     ),
     # transformers >= 5 calls GPT-NeoX's head lm_head (embed_out before).
     "gpt_neox": Family(blocks="gpt_neox.layers", embeddings=("gpt_neox.embed_in",), head="lm_head"),

@@ -1,0 +1,105 @@
+"""One decode call for the int4 siblings that read one input (``formats/int4_shared.py``):
+which layers are grouped, their buffers views of the group's (stored tensors unchanged),
+decoding bit for bit equal to the separate calls, and each sibling served once per input
+object (a reused, rewritten input buffer, a member called alone or twice, a member whose
+buffers were replaced: each computes its own rows)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import make_odd_llama, make_tiny_model, make_tiny_tokenizer
+
+from lmcompress import compress, load_compressed, save_compressed
+from lmcompress.compressor.formats.int4 import Int4Linear
+from lmcompress.compressor.formats.int4_shared import share_inputs
+from lmcompress.kernels import cpu_kernels
+from lmcompress.methods.gptq import RTNConfig
+
+pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler here")
+
+
+def _int4(model, group_size=16):
+    compress(model, RTNConfig(bits=4, group_size=group_size))
+    return model.eval()
+
+
+def _members(model):
+    return [
+        m for m in model.modules() if isinstance(m, Int4Linear) and "shared_input" in m.__dict__
+    ]
+
+
+def test_qkv_and_gate_up_of_every_block_share_one_call():
+    model = _int4(make_tiny_model("llama"))
+    stored = {n: m.state_tensors() for n, m in model.named_modules() if isinstance(m, Int4Linear)}
+    assert share_inputs(model) == 2 * model.config.num_hidden_layers
+    attn = model.model.layers[0].self_attn
+    group, index = attn.k_proj.shared_input
+    assert group is attn.q_proj.shared_input[0] and index == 1
+    assert attn.k_proj.qweight.untyped_storage().data_ptr() == (
+        group.buffers["qweight"].untyped_storage().data_ptr()
+    )
+    assert "shared_input" not in model.model.layers[0].mlp.down_proj.__dict__
+    assert len(_members(model)) == 5 * model.config.num_hidden_layers
+    for name, module in model.named_modules():
+        if isinstance(module, Int4Linear):
+            for key, tensor in module.state_tensors().items():
+                assert torch.equal(tensor, stored[name][key]), (name, key)
+    assert share_inputs(model) == 0  # already shared
+
+
+def test_siblings_off_the_tile_grid_are_not_grouped():
+    """An intermediate width of 36 (not a multiple of 16 rows): gate and up stay apart."""
+    model = _int4(make_odd_llama(), group_size=-1)
+    assert share_inputs(model) == 1  # q, k, v only
+    assert "shared_input" not in model.model.layers[0].mlp.gate_proj.__dict__
+
+
+@torch.inference_mode()
+def test_decoding_is_the_separate_calls_bit_for_bit(tmp_path):
+    model = make_tiny_model("llama")
+    report = compress(model, RTNConfig(bits=4, group_size=16))
+    out = save_compressed(model, tmp_path / "out", report, tokenizer=make_tiny_tokenizer())
+    shared = load_compressed(out, runtime="packed")[0]
+    assert len(_members(shared)) == 5 * shared.config.num_hidden_layers
+    alone = load_compressed(out, runtime="packed")[0]
+    for module in _members(alone):
+        del module.__dict__["shared_input"]  # the views stay: the same tensors, one call each
+    ids = torch.randint(0, 200, (1, 7), generator=torch.Generator().manual_seed(0))
+    kw = {"max_new_tokens": 6, "do_sample": False, "output_logits": True}
+    a = shared.generate(ids, return_dict_in_generate=True, **kw)
+    b = alone.generate(ids, return_dict_in_generate=True, **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits, strict=True))
+
+
+@torch.inference_mode()
+def test_each_sibling_is_served_once_per_input_object():
+    model = _int4(make_tiny_model("llama"))
+    reference = copy.deepcopy(model).model.layers[0].self_attn  # never shared
+    share_inputs(model)
+    attn = model.model.layers[0].self_attn
+    names = ("q_proj", "k_proj", "v_proj")
+
+    def want(x):
+        return {name: getattr(reference, name)(x.clone()) for name in names}
+
+    width = model.config.hidden_size
+    x = torch.randn(1, 1, width)
+    first = want(x)
+    for name in names:
+        assert torch.equal(getattr(attn, name)(x), first[name]), name
+    assert attn.q_proj.shared_input[0].pending is None  # all three served: nothing kept
+    x.mul_(2)  # a reused input buffer, rewritten for the next step
+    second = want(x)
+    assert torch.equal(attn.q_proj(x), second["q_proj"])
+    assert torch.equal(attn.q_proj(x), second["q_proj"])  # twice on one object: again
+    assert torch.equal(attn.k_proj(x), second["k_proj"])
+    attn.k_proj.scales = attn.k_proj.scales.clone()  # replaced: k computes from its own
+    assert torch.equal(attn.k_proj(x), second["k_proj"])
+    other = torch.randn(1, 1, width)  # another object while x's call is pending for v
+    assert torch.equal(attn.v_proj(other), want(other)["v_proj"])
+    assert torch.equal(attn.v_proj(x), second["v_proj"])
