@@ -1522,17 +1522,19 @@ extern "C" void lmc_int4_dequant(const uint8_t* codes, int64_t code_stride, cons
 #define LMC_TILE_PREFETCH 1024  // words (4 KiB) ahead: codes stream from memory at decode
 #endif
 
-struct Int4PairActs {  // the quantized activations, each word the pair (x[c + j], x[c + j + 4])
-  int32_t* pairs;      // (T, in / 2) words
+struct Int4PairActs {  // the quantized activations of T tokens
+  int32_t* pairs;      // (T, in / 2) words: the int16 pairs (x[c + j], x[c + j + 4])
+  int32_t* bytes;      // (T, in / 2) words, 4 per 8 columns: the high bytes (x >> 8, signed) of
+                       // columns c, c+2, c+4, c+6, their low bytes (x & 255), the same of c+1..c+7
   float* scale;        // (T, groups)
   int32_t* sum32;      // (T, groups): sum of the group's codes (int32: exact for G <= 65536)
 };
 
-// Per-thread scratch that grows to the largest call (no allocation per call); slots 0-3 are
-// the calling thread's activations, slot 4 each worker's (the calling thread is one of them).
+// Per-thread scratch that grows to the largest call (no allocation per call): the calling
+// thread's activations.
 static float* lmc_scratch(size_t bytes, int which) {
-  static thread_local void* buffers[5] = {0, 0, 0, 0, 0};
-  static thread_local size_t sizes[5] = {0, 0, 0, 0, 0};
+  static thread_local void* buffers[4] = {0, 0, 0, 0};
+  static thread_local size_t sizes[4] = {0, 0, 0, 0};
   if (sizes[which] < bytes) {
     free(buffers[which]);
     buffers[which] = malloc(bytes);
@@ -1559,7 +1561,8 @@ static void load_row_float(const void* x_in, int x_kind, int64_t offset, int64_t
 static Int4PairActs int4_prepare_pairs(const void* x_in, int x_kind, int64_t T, int64_t in,
                                        int64_t groups, int64_t G) {
   Int4PairActs a;
-  a.pairs = (int32_t*)lmc_scratch(sizeof(int32_t) * T * (in / 2), 0);
+  a.pairs = (int32_t*)lmc_scratch(sizeof(int32_t) * T * in, 0);
+  a.bytes = a.pairs + T * (in / 2);
   a.scale = lmc_scratch(sizeof(float) * T * groups, 1);
   a.sum32 = (int32_t*)lmc_scratch(sizeof(int32_t) * T * groups, 2);
   float* x = lmc_scratch(sizeof(float) * in + sizeof(int16_t) * in, 3);
@@ -1583,20 +1586,28 @@ static Int4PairActs int4_prepare_pairs(const void* x_in, int x_kind, int64_t T, 
       a.sum32[t * groups + g] = total;
     }
     uint16_t* p = (uint16_t*)(a.pairs + t * (in / 2));
-    for (int64_t c = 0; c < in; c += 8)
+    uint8_t* b = (uint8_t*)(a.bytes + t * (in / 2));
+    for (int64_t c = 0; c < in; c += 8) {
       for (int j = 0; j < 4; j++) {
         p[c + 2 * j] = (uint16_t)q[c + j];
         p[c + 2 * j + 1] = (uint16_t)q[c + j + 4];
       }
+      for (int odd = 0; odd < 2; odd++)
+        for (int j = 0; j < 4; j++) {
+          int16_t v = q[c + 2 * j + odd];
+          b[2 * c + 8 * odd + j] = (uint8_t)(v >> 8);  // arithmetic shift: signed high byte
+          b[2 * c + 8 * odd + 4 + j] = (uint8_t)(v & 255);  // v = 256 (v >> 8) + (v & 255)
+        }
+    }
   }
   return a;
 }
 
 // One block of 16 rows for tokens t0 .. t0 + TN: out[t * 16 + l] = row 16b + l's sum before
-// the bias. s16, z16: the block's scales and zero points, (groups, 16).
+// the bias. s16, z16: the block's scales and zero points, (groups, 16) (int4_tiles.tile_grid).
 template <int TN>
 static void int4_tile_block(const Int4PairActs& a, int64_t t0, int64_t in, int64_t groups,
-                            int64_t G, const uint32_t* tb, const float* s16, const int32_t* z16,
+                            int64_t G, const uint32_t* tb, const float* s16, const uint8_t* z16,
                             int vector, float* out) {
   const int64_t kg = G / 8;
 #ifdef LMC_INT4_VECTOR
@@ -1612,6 +1623,20 @@ static void int4_tile_block(const Int4PairActs& a, int64_t t0, int64_t in, int64
       for (int64_t k = g * kg; k < (g + 1) * kg; k++) {
         _mm_prefetch((const char*)(tb + k * 16 + LMC_TILE_PREFETCH), _MM_HINT_T0);
         __m512i v = _mm512_loadu_si512(tb + k * 16);
+#ifdef __AVX512VNNI__
+        // bytes: codes of c, c+2, c+4, c+6 (lo) and c+1 .. c+7 (hi) in each lane's 4 bytes;
+        // vpdpbusd multiplies unsigned by signed bytes, 4 products a lane: codes by the
+        // activations' signed high bytes, the unsigned low bytes by codes (0..15 as signed)
+        const __m512i M8 = _mm512_set1_epi32(0x0F0F0F0F);
+        __m512i lo = _mm512_and_si512(v, M8), hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), M8);
+        for (int t = 0; t < TN; t++) {
+          const int32_t* x = a.bytes + (t0 + t) * (in / 2) + 4 * k;
+          acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], lo, _mm512_set1_epi32(x[0]));
+          acc[t][1] = _mm512_dpbusd_epi32(acc[t][1], _mm512_set1_epi32(x[1]), lo);
+          acc[t][2] = _mm512_dpbusd_epi32(acc[t][2], hi, _mm512_set1_epi32(x[2]));
+          acc[t][3] = _mm512_dpbusd_epi32(acc[t][3], _mm512_set1_epi32(x[3]), hi);
+        }
+#else
         __m512i p[4] = {_mm512_and_si512(v, M), _mm512_and_si512(_mm512_srli_epi32(v, 4), M),
                         _mm512_and_si512(_mm512_srli_epi32(v, 8), M),
                         _mm512_and_si512(_mm512_srli_epi32(v, 12), M)};
@@ -1619,12 +1644,19 @@ static void int4_tile_block(const Int4PairActs& a, int64_t t0, int64_t in, int64
           const int32_t* x = a.pairs + (t0 + t) * (in / 2) + 4 * k;
           for (int j = 0; j < 4; j++) acc[t][j] = madd16(acc[t][j], p[j], _mm512_set1_epi32(x[j]));
         }
+#endif
       }
       const __m512 s = _mm512_loadu_ps(s16 + 16 * g);
-      const __m512i z = _mm512_loadu_si512(z16 + 16 * g);
+      const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(z16 + 16 * g)));
       for (int t = 0; t < TN; t++) {
+#ifdef __AVX512VNNI__
+        __m512i sum = _mm512_add_epi32(
+            _mm512_slli_epi32(_mm512_add_epi32(acc[t][0], acc[t][2]), 8),
+            _mm512_add_epi32(acc[t][1], acc[t][3]));  // exact modulo 2^32, as D is
+#else
         __m512i sum = _mm512_add_epi32(_mm512_add_epi32(acc[t][0], acc[t][1]),
                                        _mm512_add_epi32(acc[t][2], acc[t][3]));
+#endif
         __m512i sx = _mm512_set1_epi32(a.sum32[(t0 + t) * groups + g]);
         __m512i D = _mm512_sub_epi32(sum, _mm512_mullo_epi32(z, sx));
         __m512 pr = _mm512_mul_ps(_mm512_cvtepi32_ps(D), s);
@@ -1668,23 +1700,17 @@ static void int4_tile_block(const Int4PairActs& a, int64_t t0, int64_t in, int64
 }
 
 extern "C" void lmc_int4_linear_tiled(const void* x_in, int x_kind, int64_t T, int64_t in,
-                                      const uint32_t* tiles, const float* scales,
-                                      const uint8_t* zeros, int64_t groups, int64_t G,
+                                      const uint32_t* tiles, const float* scales16,
+                                      const uint8_t* zeros16, int64_t groups, int64_t G,
                                       int64_t out, const void* bias, int b_kind, void* y,
                                       int y_kind, int vector, int threads) {
   Int4PairActs a = int4_prepare_pairs(x_in, x_kind, T, in, groups, G);
   const int64_t blocks = (out + 15) / 16, K = in / 8;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t b = 0; b < blocks; b++) {
-    float* s16 = lmc_scratch((sizeof(float) + sizeof(int32_t)) * 16 * groups, 4);
-    int32_t* z16 = (int32_t*)(s16 + 16 * groups);
-    for (int64_t g = 0; g < groups; g++)  // the block's grid, (groups, 16)
-      for (int l = 0; l < 16; l++) {
-        int64_t o = b * 16 + l < out ? b * 16 + l : out - 1;  // padding rows: any finite grid
-        s16[16 * g + l] = scales[o * groups + g];
-        z16[16 * g + l] = zeros[o * groups + g];
-      }
     const uint32_t* tb = tiles + b * K * 16;
+    const float* s16 = scales16 + b * groups * 16;
+    const uint8_t* z16 = zeros16 + b * groups * 16;
     for (int64_t t0 = 0; t0 < T; t0 += TILE) {
       int64_t tn = T - t0 < TILE ? T - t0 : TILE;
       float acc[TILE * 16];

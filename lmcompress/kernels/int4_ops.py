@@ -75,18 +75,22 @@ def linear(
     bias: torch.Tensor | None = None,
     nm: NM | None = None,
     tiled: bool = False,
+    grid16: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``x @ Wᵀ + bias`` for ``x`` (..., in) and the packed weight (module doc): (..., out) in
     ``x``'s dtype. ``qweight`` uint8, ``scales`` float32 (out, groups), ``zeros`` uint8
     (out, groups), ``bias`` (out,) or ``None``; ``nm = (indices, n, m)`` for packed N:M kept
     codes (groups counted over the original columns; ``group_size`` a multiple of ``m``);
-    ``tiled``: ``qweight`` is :func:`int4_tiles.tile`'s layout (dense codes only).
+    ``tiled``: ``qweight`` is :func:`int4_tiles.tile`'s layout (dense codes only), ``grid16``
+    the grid's :func:`int4_tiles.tile_grid` (computed where not given).
     Trusts its arguments (the format checks them at load)."""
     if x.shape[-1] != in_features:  # as nn.Linear: never a silent reshape into other rows
         raise ValueError(f"int4 linear: input {tuple(x.shape)}, {in_features} features expected")
     x2 = x if x.dim() == 2 else x.reshape(-1, in_features)
     if tiled and use_decode_kernel(x2, bits, int4_tiles.MAX_TOKENS):
-        y = int4_tiles.decode(_c(x2), qweight, scales, zeros, group_size, in_features, bias)
+        y = int4_tiles.decode(
+            x2, qweight, scales, zeros, group_size, in_features, bias, True, grid16
+        )
     elif tiled:
         y = prefill(x2, qweight, scales, zeros, bits, group_size, in_features, bias, tiled=True)
     elif use_decode_kernel(x2, bits):

@@ -63,6 +63,20 @@ def tile(qweight: torch.Tensor) -> torch.Tensor:
     return padded.reshape(blocks, ROWS, -1).transpose(1, 2).contiguous()
 
 
+def tile_grid(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid in the kernel's order: ``scales`` float32 and ``zeros`` uint8, each (out, groups)
+    -> (ceil(out / 16), groups, 16): group ``g`` of rows ``16b .. 16b + 15`` in one vector
+    (padding rows: scale 0, zero 0). A copy beside the row-major grid, which everything else
+    reads: 5 bytes a group and row (a sixth of the codes' 32 at group 64)."""
+    out = scales.shape[0]
+    pad = -(-out // ROWS) * ROWS - out
+
+    def tiled(t: torch.Tensor) -> torch.Tensor:
+        return F.pad(t, (0, 0, 0, pad)).reshape(-1, ROWS, t.shape[1]).transpose(1, 2).contiguous()
+
+    return tiled(scales.float()), tiled(zeros.to(torch.uint8))
+
+
 def untile(tiles: torch.Tensor, out: int) -> torch.Tensor:
     """:func:`tile` undone: the stored codes (out, in / 2) uint8."""
     blocks, words, _ = tiles.shape
@@ -92,56 +106,59 @@ def decode(
     in_features: int,
     bias: torch.Tensor | None = None,
     vector: bool = True,
+    grid16: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``lmc_int4_linear_tiled`` on ``x`` (T, in) fp32 or bf16 (contiguous): (T, out) in
-    ``x``'s dtype, equal to :func:`int4_reference.decode_linear` bit for bit. ``scales``,
-    ``zeros``, ``bias`` contiguous (the format's buffers are). ``vector=False`` runs the plain
-    loop (what a CPU without AVX-512 runs), for tests."""
+    """``lmc_int4_linear_tiled`` on ``x`` (T, in) fp32 or bf16: (T, out) in ``x``'s dtype,
+    equal to :func:`int4_reference.decode_linear` bit for bit. ``scales`` and ``zeros``
+    (out, groups) as the format stores them, ``grid16`` their :func:`tile_grid` (computed here
+    where not given); ``bias`` contiguous. ``vector=False`` runs the plain loop (what a CPU
+    without AVX-512 runs), for tests."""
     width = in_features if group_size == -1 else group_size
-    kinds = cpu_kernels.FLOAT_KINDS
-    out = scales.shape[0]
-    y = torch.empty((x.shape[0], out), dtype=x.dtype)
-    cpu_kernels.library().lmc_int4_linear_tiled(
-        x.data_ptr(), kinds[x.dtype], x.shape[0], in_features, tiles.data_ptr(),
-        scales.data_ptr(), zeros.data_ptr(), in_features // width, width, out,
-        None if bias is None else bias.data_ptr(), 0 if bias is None else kinds[bias.dtype],
-        y.data_ptr(), kinds[x.dtype], int(vector), torch.get_num_threads(),
-    )  # fmt: skip
-    return y
+    if scales.shape[1] * width != in_features:
+        raise ValueError(f"int4 decode: {scales.shape[1]} groups of {width} for {in_features}")
+    if grid16 is None:
+        grid16 = tile_grid(scales, zeros)
+    buffers = {"qweight": tiles, "scales16": grid16[0], "zeros16": grid16[1], "bias": bias}
+    return _call(x.contiguous(), buffers, in_features, scales.shape[0], int(vector))
 
 
-_KINDS = cpu_kernels.FLOAT_KINDS
+_KINDS = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's activations (FLOAT_KINDS')
 
 
 def try_decode(
-    x: torch.Tensor, buffers: dict[str, torch.Tensor | None], in_features: int
+    x: torch.Tensor, buffers: dict[str, torch.Tensor | None], in_features: int, out: int
 ) -> torch.Tensor | None:
     """A tiled layer's forward at decode, on the shortest path (a decode step calls it for
-    every linear): :func:`decode` of ``x`` (..., in) with the layer's ``buffers`` (``qweight``
-    tiled, ``scales``, ``zeros``, ``bias``: contiguous CPU tensors), or ``None`` where that
-    kernel does not apply (more than :data:`MAX_TOKENS` tokens, another dtype or device, a
-    gradient needed, tracing, no compiled kernels)."""
-    kind = _KINDS.get(x.dtype, 2)
-    tokens = x.numel() // in_features
+    every linear): the kernel on ``x`` (..., in) with the layer's ``buffers`` (``qweight``
+    tiled, ``scales16`` and ``zeros16`` from :func:`tile_grid`, ``bias``: contiguous CPU
+    tensors), or ``None`` where it does not apply (more than :data:`MAX_TOKENS` tokens, another
+    dtype, width or device, a gradient needed, tracing, no compiled kernels)."""
     if (
-        kind == 2  # the kernel takes fp32 and bf16
-        or x.shape[-1] != in_features  # (the general path raises torch's error)
-        or tokens > MAX_TOKENS
+        x.dtype not in _KINDS
+        or x.shape[-1] != in_features  # (the general path raises the error)
+        or x.numel() > MAX_TOKENS * in_features
         or not x.is_cpu
         or (x.requires_grad and torch.is_grad_enabled())
         or torch.compiler.is_compiling()
-        or (lib := cpu_kernels.library()) is None
+        or cpu_kernels.library() is None
     ):
         return None
-    if not x.is_contiguous():
-        x = x.contiguous()
-    scales, bias = buffers["scales"], buffers["bias"]
-    out, groups = scales.shape
+    return _call(x if x.is_contiguous() else x.contiguous(), buffers, in_features, out, 1)
+
+
+def _call(x: torch.Tensor, buffers: dict, in_features: int, out: int, vector: int) -> torch.Tensor:
+    scales16, bias = buffers["scales16"], buffers["bias"]
+    groups = scales16.shape[1]
+    kind = _KINDS[x.dtype]
     y = torch.empty((*x.shape[:-1], out), dtype=x.dtype)
-    lib.lmc_int4_linear_tiled(
-        x.data_ptr(), kind, tokens, in_features, buffers["qweight"].data_ptr(),
-        scales.data_ptr(), buffers["zeros"].data_ptr(), groups, in_features // groups, out,
-        None if bias is None else bias.data_ptr(), 0 if bias is None else _KINDS[bias.dtype],
-        y.data_ptr(), kind, 1, torch.get_num_threads(),
+    cpu_kernels.library().lmc_int4_linear_tiled(
+        x.data_ptr(), kind, x.numel() // in_features, in_features, buffers["qweight"].data_ptr(),
+        scales16.data_ptr(), buffers["zeros16"].data_ptr(), groups, in_features // groups, out,
+        None if bias is None else bias.data_ptr(), _bias_kind(bias), y.data_ptr(), kind, vector,
+        torch.get_num_threads(),
     )  # fmt: skip
     return y
+
+
+def _bias_kind(bias: torch.Tensor | None) -> int:
+    return 0 if bias is None else cpu_kernels.FLOAT_KINDS[bias.dtype]

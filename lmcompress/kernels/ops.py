@@ -269,21 +269,25 @@ def int4_linear(
     n: int = 1,
     m: int = 1,
     tiled: bool = False,
+    scales16: torch.Tensor | None = None,
+    zeros16: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The int4 runtime's linear (:func:`lmcompress.kernels.int4_ops.linear`; ``indices``,
-    ``n``, ``m``: packed N:M kept codes; ``tiled``: codes in ``int4_tiles``' layout) as an op
+    ``n``, ``m``: packed N:M kept codes; ``tiled``: codes in ``int4_tiles``' layout, with the
+    grid's tiled copy ``scales16``, ``zeros16`` where given) as an op
     ``torch.compile`` keeps whole: a compiled graph calls the decode kernel for a few tokens,
     as eager mode does, instead of tracing the torch-op fallback (a dequantization of the
     whole weight each call). ``x (..., in)`` -> ``(..., out)`` in ``x``'s dtype."""
     nm = None if indices is None else (indices, n, m)
     return int4_ops.linear(
         x, qweight, scales, zeros, bits=bits, group_size=group_size, in_features=in_features,
-        bias=bias, nm=nm, tiled=tiled,
+        bias=bias, nm=nm, tiled=tiled, grid16=None if scales16 is None else (scales16, zeros16),
     )  # fmt: skip
 
 
 @int4_linear.register_fake
 def _int4_linear_fake(x, qweight, scales, zeros, bits, group_size, in_features, bias=None,  # noqa: ARG001
-                      indices=None, n=1, m=1, tiled=False):  # noqa: ARG001  # fmt: skip
+                      indices=None, n=1, m=1, tiled=False, scales16=None,  # noqa: ARG001
+                      zeros16=None):  # noqa: ARG001  # fmt: skip
     torch._check(x.shape[-1] == in_features, lambda: f"int4_linear: x {tuple(x.shape)}")
     return x.new_empty((*x.shape[:-1], scales.shape[0]))

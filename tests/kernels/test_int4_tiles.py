@@ -53,6 +53,13 @@ def test_the_layout_is_words_of_16_rows():
     assert torch.equal(int4_tiles.untile(tiles, 19), qweight)
     for start, end in [(0, 19), (3, 17), (16, 19), (5, 6)]:
         assert torch.equal(int4_tiles.untile_rows(tiles, 24, start, end), qweight[start:end])
+    scales = torch.rand(19, 3)
+    zeros = torch.randint(0, 16, (19, 3), dtype=torch.uint8)
+    scales16, zeros16 = int4_tiles.tile_grid(scales, zeros)
+    assert scales16.shape == zeros16.shape == (2, 3, 16) and zeros16.dtype == torch.uint8
+    for r in range(19):
+        assert torch.equal(scales16[r // 16, :, r % 16], scales[r]), r
+        assert torch.equal(zeros16[r // 16, :, r % 16], zeros[r]), r
 
 
 @pytest.mark.parametrize(("out", "in_features", "group_size"), SHAPES)
@@ -118,17 +125,19 @@ def test_the_short_path_applies_only_to_decode():
     """``try_decode``: None for more than MAX_TOKENS tokens, fp16, a gradient to keep; else
     the kernel's output in the input's leading shape (a non-contiguous input copied)."""
     qweight, scales, zeros = _weight(24, 64, 4, 32)
-    buffers = {"qweight": int4_tiles.tile(qweight), "scales": scales, "zeros": zeros, "bias": None}
+    scales16, zeros16 = int4_tiles.tile_grid(scales, zeros)
+    tiles = int4_tiles.tile(qweight)
+    buffers = {"qweight": tiles, "scales16": scales16, "zeros16": zeros16, "bias": None}
     most = int4_tiles.MAX_TOKENS
-    assert int4_tiles.try_decode(torch.randn(most + 1, 64), buffers, 64) is None
-    assert int4_tiles.try_decode(torch.randn(1, 64).half(), buffers, 64) is None
-    assert int4_tiles.try_decode(torch.randn(1, 64, requires_grad=True), buffers, 64) is None
-    assert int4_tiles.try_decode(torch.randn(1, 128), buffers, 64) is None  # a wrong width
+    assert int4_tiles.try_decode(torch.randn(most + 1, 64), buffers, 64, 24) is None
+    assert int4_tiles.try_decode(torch.randn(1, 64).half(), buffers, 64, 24) is None
+    assert int4_tiles.try_decode(torch.randn(1, 64, requires_grad=True), buffers, 64, 24) is None
+    assert int4_tiles.try_decode(torch.randn(1, 128), buffers, 64, 24) is None  # a wrong width
     with pytest.raises(ValueError, match="64 features expected"):  # not read as two tokens
-        int4_ops.linear(torch.randn(1, 128), buffers["qweight"], scales, zeros, bits=4,
+        int4_ops.linear(torch.randn(1, 128), tiles, scales, zeros, bits=4,
                         group_size=32, in_features=64, tiled=True)  # fmt: skip
     x = torch.randn(64, 3).t()  # (3, 64), not contiguous
-    got = int4_tiles.try_decode(x[None], buffers, 64)
+    got = int4_tiles.try_decode(x[None], buffers, 64, 24)
     want = R4.decode_linear(x.contiguous(), qweight, scales, zeros, 4, 32, 64)
     assert got.shape == (1, 3, 24) and torch.equal(got[0], want)
 

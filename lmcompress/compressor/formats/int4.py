@@ -117,9 +117,11 @@ class Int4CodedLinear(CompressedLinear):
 
     def _apply(self, fn, recurse=True):
         """Scales stay float32 whatever the model is cast to; they follow device moves."""
-        scales = self.scales
+        scales, scales16 = self.scales, self._buffers.get("scales16")
         super()._apply(fn, recurse)
         self.scales = scales.to(fn(scales).device)
+        if scales16 is not None:
+            self.scales16 = scales16.to(fn(scales16).device)
         return self
 
     def dequantized(self) -> torch.Tensor:
@@ -143,14 +145,15 @@ class Int4CodedLinear(CompressedLinear):
             if shared is not None:
                 y = shared[0].forward(self, shared[1], x)
             else:
-                y = int4_tiles.try_decode(x, self._buffers, self.in_features)
+                y = int4_tiles.try_decode(x, self._buffers, self.in_features, self.out_features)
             if y is not None:
                 return y
         if torch.compiler.is_compiling() and not (x.requires_grad and torch.is_grad_enabled()):
             indices, n, m = self.nm() or (None, 1, 1)
+            grid16 = self._buffers.get("scales16"), self._buffers.get("zeros16")
             return ops.int4_linear(
                 x, self.qweight, self.scales, self.zeros, self.bits, self.group_size,
-                self.in_features, self.bias, indices, n, m, self.tiled,
+                self.in_features, self.bias, indices, n, m, self.tiled, *grid16,
             )  # fmt: skip
         return int4_ops.linear(
             x,
@@ -163,6 +166,7 @@ class Int4CodedLinear(CompressedLinear):
             bias=self.bias,
             nm=self.nm(),
             tiled=self.tiled,
+            grid16=(self.scales16, self.zeros16) if self.tiled else None,
         )
 
     def expanded(self) -> nn.Module:
@@ -211,7 +215,9 @@ class Int4Linear(Int4CodedLinear):
             self.qweight, self.bits, self.group_size, self.in_features
         ):
             self.qweight = int4_tiles.tile(self.qweight)
-            self.scales, self.zeros = self.scales.contiguous(), self.zeros.contiguous()
+            scales16, zeros16 = int4_tiles.tile_grid(self.scales, self.zeros)
+            self.register_buffer("scales16", scales16, persistent=False)  # the kernel's copy
+            self.register_buffer("zeros16", zeros16, persistent=False)
             if self.bias is not None:
                 self.bias = self.bias.contiguous()
             self.tiled = True

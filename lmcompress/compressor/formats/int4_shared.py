@@ -28,7 +28,7 @@ from lmcompress.kernels import int4_tiles
 
 logger = logging.getLogger(__name__)
 
-_KEYS = ("qweight", "scales", "zeros", "bias")
+_KEYS = ("qweight", "scales16", "zeros16", "bias")  # what the decode kernel reads
 
 
 class SharedInput:
@@ -41,18 +41,14 @@ class SharedInput:
         for member in members:
             self.spans.append((start, start + member.out_features))
             start += member.out_features
-        self.buffers = {
-            "qweight": torch.cat([m.qweight for m in members]),
-            "scales": torch.cat([m.scales for m in members]),
-            "zeros": torch.cat([m.zeros for m in members]),
-            "bias": None if first.bias is None else torch.cat([m.bias for m in members]),
-        }
+        self.out_features = start
+        self.buffers = {key: _cat([m._buffers[key] for m in members]) for key in _KEYS}
         self.views = []
         for index, (member, (a, b)) in enumerate(zip(members, self.spans, strict=True)):
             blocks = slice(a // int4_tiles.ROWS, b // int4_tiles.ROWS)
             member.qweight = self.buffers["qweight"][blocks]
-            member.scales = self.buffers["scales"][a:b]
-            member.zeros = self.buffers["zeros"][a:b]
+            member.scales16 = self.buffers["scales16"][blocks]
+            member.zeros16 = self.buffers["zeros16"][blocks]
             if member.bias is not None:
                 member.bias = self.buffers["bias"][a:b]
             self.views.append(tuple(member._buffers[k] for k in _KEYS))
@@ -74,12 +70,16 @@ class SharedInput:
             views = zip(_KEYS, self.views[index], strict=True)
             if any(member._buffers[k] is not v for k, v in views):
                 return None  # moved or reassigned since sharing: its own buffers
-            y = int4_tiles.try_decode(x, self.buffers, self.in_features)
+            y = int4_tiles.try_decode(x, self.buffers, self.in_features, self.out_features)
             if y is None:
                 return None
             self.pending = (x, y, {index})
         a, b = self.spans[index]
         return y[..., a:b]
+
+
+def _cat(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if tensors[0] is None else torch.cat(tensors)
 
 
 def _siblings(parent: nn.Module, names: tuple[str, ...]) -> list[Int4Linear] | None:
