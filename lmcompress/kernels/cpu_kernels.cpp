@@ -1446,6 +1446,26 @@ static void int4_dequant_24_group(const uint8_t* codes, const uint8_t* row_idx, 
 }
 #endif
 
+// One dense row's codes (out of groups groups of G) into fp32 wf or bf16 wb (the other null).
+static void int4_dequant_dense_row(const uint8_t* row, const float* srow, const uint8_t* zrow,
+                                   int64_t groups, int64_t G, float* wf, uint16_t* wb) {
+  for (int64_t g = 0; g < groups; g++) {
+    float s = srow[g];
+    int z = zrow[g];
+#ifdef LMC_INT4_VECTOR
+    if (G % 32 == 0) {  // 32 columns (16 bytes) a step
+      int4_dequant_group(row + g * G / 2, G / 2, z, s, wf ? (void*)(wf + g * G) : (void*)(wb + g * G), wf != 0);
+      continue;
+    }
+#endif
+    if (wf) {
+      for (int64_t i = g * G; i < (g + 1) * G; i++) wf[i] = (float)(int4_code(row, i) - z) * s;
+    } else {
+      for (int64_t i = g * G; i < (g + 1) * G; i++) wb[i] = f32_to_bf16((float)(int4_code(row, i) - z) * s);
+    }
+  }
+}
+
 extern "C" void lmc_int4_dequant(const uint8_t* codes, int64_t code_stride, const float* scales,
                                  const uint8_t* zeros, int64_t groups, int64_t G,
                                  const uint8_t* idx, int64_t idx_stride, int n, int m, int bits,
@@ -1480,21 +1500,7 @@ extern "C" void lmc_int4_dequant(const uint8_t* codes, int64_t code_stride, cons
       }
       continue;
     }
-    for (int64_t g = 0; g < groups; g++) {
-      float s = scales[o * groups + g];
-      int z = zeros[o * groups + g];
-#ifdef LMC_INT4_VECTOR
-      if (G % 32 == 0) {  // 32 columns (16 bytes) a step
-        int4_dequant_group(row + g * G / 2, G / 2, z, s, wf ? (void*)(wf + g * G) : (void*)(wb + g * G), wf != 0);
-        continue;
-      }
-#endif
-      if (wf) {
-        for (int64_t i = g * G; i < (g + 1) * G; i++) wf[i] = (float)(int4_code(row, i) - z) * s;
-      } else {
-        for (int64_t i = g * G; i < (g + 1) * G; i++) wb[i] = f32_to_bf16((float)(int4_code(row, i) - z) * s);
-      }
-    }
+    int4_dequant_dense_row(row, scales + o * groups, zeros + o * groups, groups, G, wf, wb);
   }
 }
 
@@ -1530,8 +1536,8 @@ struct Int4PairActs {  // the quantized activations of T tokens
   int32_t* sum32;      // (T, groups): sum of the group's codes (int32: exact for G <= 65536)
 };
 
-// Per-thread scratch that grows to the largest call (no allocation per call): the calling
-// thread's activations.
+// Per-thread scratch that grows to the largest call (no allocation per call): slots 0-2 the
+// calling thread's activations, 3 its row of floats, or a dequantizing worker's row of codes.
 static float* lmc_scratch(size_t bytes, int which) {
   static thread_local void* buffers[4] = {0, 0, 0, 0};
   static thread_local size_t sizes[4] = {0, 0, 0, 0};
@@ -1724,6 +1730,31 @@ extern "C" void lmc_int4_linear_tiled(const void* x_in, int x_kind, int64_t T, i
           if (bias) v = v + load_value(bias, b_kind, b * 16 + l);
           store_value(y, y_kind, (t0 + t) * out + b * 16 + l, v);
         }
+    }
+  }
+}
+
+// lmc_int4_dequant of rows [row0, row0 + rows) of tiled codes, by blocks of 16 rows: a block's
+// words untiled into a per-thread buffer of its 16 rows (each tile line read once), then the
+// same loops as the stored layout's.
+extern "C" void lmc_int4_dequant_tiled(const uint32_t* tiles, const float* scales,
+                                       const uint8_t* zeros, int64_t groups, int64_t G,
+                                       int64_t row0, int64_t rows, int64_t in, void* W,
+                                       int w_kind, int threads) {
+  const int64_t K = in / 8, first = row0 / 16, last = (row0 + rows + 15) / 16;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t b = first; b < last; b++) {
+    uint32_t* block = (uint32_t*)lmc_scratch(sizeof(uint32_t) * 16 * K, 3);  // (16, K)
+    const uint32_t* tb = tiles + b * K * 16;
+    for (int64_t k = 0; k < K; k++)
+      for (int l = 0; l < 16; l++) block[l * K + k] = tb[k * 16 + l];
+    for (int l = 0; l < 16; l++) {
+      int64_t o = b * 16 + l, r = o - row0;
+      if (r < 0 || r >= rows) continue;
+      float* wf = w_kind == F32 ? (float*)W + r * in : 0;
+      uint16_t* wb = w_kind == F32 ? 0 : (uint16_t*)W + r * in;
+      int4_dequant_dense_row((const uint8_t*)(block + l * K), scales + o * groups,
+                             zeros + o * groups, groups, G, wf, wb);
     }
   }
 }

@@ -91,6 +91,8 @@ SIGNATURES = {
     "lmc_int4_linear_tiled": [_VOID, _INT, _I64, _I64, _VOID, _VOID, _VOID, _I64, _I64, _I64]
     + [_VOID, _INT, _VOID, _INT, _INT, _INT],
     "lmc_int4_untile_rows": [_VOID, _I64, _I64, _I64, _VOID, _INT],
+    "lmc_int4_dequant_tiled": [_VOID, _VOID, _VOID, _I64, _I64, _I64, _I64, _I64, _VOID, _INT]
+    + [_INT],
 }
 
 

@@ -257,8 +257,9 @@ def prefill(
     tiled: bool = False,
 ) -> torch.Tensor:
     """:func:`int4_reference.prefill_linear` with :func:`dequantize_rows`: (T, out) in ``x``'s
-    dtype (float dtypes; other inputs are computed in float32). ``tiled``: each block's rows
-    untiled first (:func:`int4_tiles.untile_rows`)."""
+    dtype (float dtypes; other inputs are computed in float32). ``tiled``: the codes in
+    :mod:`~lmcompress.kernels.int4_tiles`' layout (dequantized from the tiles by
+    ``lmc_int4_dequant_tiled``; where that does not apply, each block's rows untiled first)."""
     dtype = x.dtype if x.dtype.is_floating_point else torch.float32
     x = x.to(dtype)
     out_features, block = scales.shape[0], block_rows(in_features, dtype)
@@ -267,6 +268,14 @@ def prefill(
         buffer = _buffer(min(block, out_features) * in_features, dtype).view(-1, in_features)
 
     def rows(start: int, end: int) -> torch.Tensor:
+        if tiled and dtype in KERNEL_DTYPES and _eager_cpu(x) and cpu_kernels.library():
+            W = buffer[: end - start]  # the kernel reads the tiles directly
+            cpu_kernels.library().lmc_int4_dequant_tiled(
+                qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), scales.shape[1],
+                in_features // scales.shape[1], start, end - start, in_features, W.data_ptr(),
+                cpu_kernels.FLOAT_KINDS[dtype], torch.get_num_threads(),
+            )  # fmt: skip
+            return W
         if tiled:
             codes = int4_tiles.untile_rows(qweight, in_features, start, end)
             part = slice(start, end)

@@ -150,15 +150,14 @@ def _call(x: torch.Tensor, buffers: dict, in_features: int, out: int, vector: in
     scales16, bias = buffers["scales16"], buffers["bias"]
     groups = scales16.shape[1]
     kind = _KINDS[x.dtype]
-    y = torch.empty((*x.shape[:-1], out), dtype=x.dtype)
+    y = x.new_empty((*x.shape[:-1], out))
+    if bias is None:
+        bias_ptr = bias_kind = 0
+    else:
+        bias_ptr, bias_kind = bias.data_ptr(), cpu_kernels.FLOAT_KINDS[bias.dtype]
     cpu_kernels.library().lmc_int4_linear_tiled(
         x.data_ptr(), kind, x.numel() // in_features, in_features, buffers["qweight"].data_ptr(),
         scales16.data_ptr(), buffers["zeros16"].data_ptr(), groups, in_features // groups, out,
-        None if bias is None else bias.data_ptr(), _bias_kind(bias), y.data_ptr(), kind, vector,
-        torch.get_num_threads(),
+        bias_ptr or None, bias_kind, y.data_ptr(), kind, vector, torch.get_num_threads(),
     )  # fmt: skip
     return y
-
-
-def _bias_kind(bias: torch.Tensor | None) -> int:
-    return 0 if bias is None else cpu_kernels.FLOAT_KINDS[bias.dtype]

@@ -99,26 +99,39 @@ def test_extreme_codes_and_activations_sum_exactly():
             assert torch.equal(got, want), (zero, vector)
 
 
+@pytest.mark.parametrize(("out", "width", "group_size"), [(40, 64, 32), (37, 104, -1), (21, 48, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_on_tiles_is_linear_on_the_stored_codes(monkeypatch, dtype):
+def test_linear_on_tiles_is_linear_on_the_stored_codes(monkeypatch, out, width, group_size, dtype):
     """Up to the tiled MAX_TOKENS (any leading shape): the decode kernel's result (the
-    reference's); more tokens: prefill by blocks of untiled rows (blocks of 16 rows here, so
-    several), what prefill gives on the stored codes."""
-    monkeypatch.setattr(int4_ops, "BLOCK_BYTES", 16 * 64 * 4)
-    qweight, scales, zeros = _weight(40, 64, 4, 32)
+    reference's); more tokens: prefill, dequantized from the tiles by blocks (of 16 rows here,
+    so several; groups the vector loop takes and ones only the plain loop takes), what prefill
+    gives on the stored codes; and the same without the kernels (the tiles untiled)."""
+    monkeypatch.setattr(int4_ops, "BLOCK_BYTES", 16 * width * 4)
+    qweight, scales, zeros = _weight(out, width, 4, group_size)
     tiles = int4_tiles.tile(qweight)
-    bias = torch.randn(40).to(dtype)
-    kw = {"bits": 4, "group_size": 32, "in_features": 64, "bias": bias}
+    bias = torch.randn(out).to(dtype)
+    kw = {"bits": 4, "group_size": group_size, "in_features": width, "bias": bias}
     most = int4_tiles.MAX_TOKENS
-    for shape in [(1, 64), (1, 1, 64), (most, 64), (2, most // 2, 64), (most + 1, 64)]:
+    for shape in [
+        (1, width),
+        (1, 1, width),
+        (most, width),
+        (2, most // 2, width),
+        (most + 1, width),
+    ]:
         x = torch.randn(shape).to(dtype)
-        x2 = x.reshape(-1, 64)
+        x2 = x.reshape(-1, width)
         if x2.shape[0] <= most:
-            want = R4.decode_linear(x2, qweight, scales, zeros, 4, 32, 64, bias)
+            want = R4.decode_linear(x2, qweight, scales, zeros, 4, group_size, width, bias)
         else:
-            want = int4_ops.prefill(x2, qweight, scales, zeros, 4, 32, 64, bias)
+            want = int4_ops.prefill(x2, qweight, scales, zeros, 4, group_size, width, bias)
         got = int4_ops.linear(x, tiles, scales, zeros, tiled=True, **kw)
-        assert got.shape == (*shape[:-1], 40) and torch.equal(got, want.view(got.shape)), shape
+        assert got.shape == (*shape[:-1], out) and torch.equal(got, want.view(got.shape)), shape
+    x = torch.randn(most + 3, width).to(dtype)
+    want = int4_ops.linear(x, tiles, scales, zeros, tiled=True, **kw)
+    monkeypatch.setattr(cpu_kernels, "library", lambda: None)
+    plain = int4_ops.linear(x, tiles, scales, zeros, tiled=True, **kw)  # torch's dequantization
+    torch.testing.assert_close(plain, want, rtol=0, atol=0)
 
 
 def test_the_short_path_applies_only_to_decode():

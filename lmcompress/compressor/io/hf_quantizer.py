@@ -223,7 +223,7 @@ class LmcompressHfQuantizer(HfQuantizer):
         """Check the loaded values as ``from_state`` does; install the transforms."""
         from lmcompress.compressor.formats.base import check_finite
         from lmcompress.compressor.formats.catalog import format_class, transform_class
-        from lmcompress.compressor.formats.int4_shared import share_inputs
+        from lmcompress.compressor.formats.int4_shared import prepare_decode
 
         skip = tuple(f"{name}." for name in self.quantization_config.compressed_layers)
         dense = {k: p for k, p in model.named_parameters() if not k.startswith(skip)}
@@ -237,7 +237,7 @@ class LmcompressHfQuantizer(HfQuantizer):
                 raise ModelLoadError(f"compressed layer {name}: {err}") from None
             if hasattr(module, "tile_codes"):  # int4: the decode kernel's layout, as replay's
                 module.tile_codes()
-        share_inputs(model)  # as load_compressed's packed runtime
+        prepare_decode(model)  # as load_compressed's packed runtime
         device = next(model.parameters()).device
         for index, entry in enumerate(self.quantization_config.transforms):
             try:

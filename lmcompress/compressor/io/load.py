@@ -28,7 +28,7 @@ from torch import nn
 
 from lmcompress.compressor.formats.base import CompressedLinear, check_finite
 from lmcompress.compressor.formats.catalog import transform_class
-from lmcompress.compressor.formats.int4_shared import share_inputs
+from lmcompress.compressor.formats.int4_shared import prepare_decode
 from lmcompress.compressor.formats.schema import FLOAT_NAMES
 from lmcompress.compressor.io.layout import (
     COMPRESSED_TENSORS,
@@ -145,7 +145,7 @@ def load_compressed(
     elif runtime == "expanded":
         expand(model, list(manifest["compressed_layers"]), resolve_dtype(manifest["dtype"]))
     else:
-        share_inputs(model)  # int4 siblings (q, k, v; gate, up): one decode kernel call
+        prepare_decode(model)  # int4: siblings share a decode call; huge pages
     transforms = manifest.get("transforms", [])  # e.g. an 8-bit softmax
     if transforms:
         with open_safetensors(out_dir / COMPRESSED_TENSORS, device) as packed:
