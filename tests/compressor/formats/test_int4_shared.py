@@ -13,6 +13,7 @@ import torch
 from conftest import make_odd_llama, make_tiny_model, make_tiny_tokenizer
 
 from lmcompress import compress, load_compressed, save_compressed
+from lmcompress.compressor.formats import int4_shared as shared_module
 from lmcompress.compressor.formats.int4 import Int4Linear
 from lmcompress.compressor.formats.int4_shared import share_inputs
 from lmcompress.kernels import cpu_kernels
@@ -103,3 +104,33 @@ def test_each_sibling_is_served_once_per_input_object():
     other = torch.randn(1, 1, width)  # another object while x's call is pending for v
     assert torch.equal(attn.v_proj(other), want(other)["v_proj"])
     assert torch.equal(attn.v_proj(x), second["v_proj"])
+
+
+@torch.inference_mode()
+def test_the_decode_tensors_move_into_one_mapping_with_the_same_values(monkeypatch):
+    """``place_in_huge_pages`` (forced here: the tiny model holds less than a huge page): every
+    tile and tiled grid in one storage, the shared groups' views rebound to it (the shared call
+    still serves the siblings), outputs unchanged; a copy of the model takes its own memory."""
+    monkeypatch.setattr(shared_module, "_HUGE_PAGE", 0)
+    model = _int4(make_tiny_model("llama"))
+    share_inputs(model)
+    x = torch.randn(1, 1, model.config.hidden_size)
+    ids = torch.randint(0, 200, (1, 5), generator=torch.Generator().manual_seed(1))
+    before = model(ids).logits
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    moved = shared_module.place_in_huge_pages(model)
+    if moved == 0:
+        pytest.skip("no MADV_HUGEPAGE on this platform")
+    storages = {
+        m._buffers[key].untyped_storage().data_ptr()
+        for m in layers
+        for key in ("qweight", "scales16", "zeros16")
+    }
+    assert len(storages) == 1 and moved >= sum(m.qweight.nbytes for m in layers)
+    assert torch.equal(model(ids).logits, before)
+    attn = model.model.layers[0].self_attn
+    attn.q_proj(x)
+    assert attn.q_proj.shared_input[0].pending is not None  # one call, kept for k and v
+    copied = copy.deepcopy(model)
+    assert copied.model.layers[0].mlp.down_proj.qweight.untyped_storage().data_ptr() not in storages
+    assert torch.equal(copied(ids).logits, before)
