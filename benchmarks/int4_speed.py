@@ -59,11 +59,10 @@ def int4_layer(out_features: int, in_features: int, group_size: int, g: torch.Ge
     W = torch.randn(out_features, in_features, generator=g) / in_features**0.5
     mask = nm_mask(torch.rand(out_features, in_features, generator=g), 2, 4)
     values, indices = R.pack_nm((q.to(torch.int16) + 1) * mask.to(torch.int16), 2, 4)
-    return {
+    layer = {
         "kept": R4.pack_codes((values - 1).to(torch.uint8), 4),
         "nm": (indices, 2, 4),
         "qweight": R4.pack_codes(q, 4),
-        "tiles": int4_tiles.tile(R4.pack_codes(q, 4)),
         "scales": torch.rand(out_features, groups, generator=g) / 50 + 1e-3,
         "zeros": torch.randint(0, 16, (out_features, groups), dtype=torch.uint8, generator=g),
         "fp32": W,
@@ -71,6 +70,10 @@ def int4_layer(out_features: int, in_features: int, group_size: int, g: torch.Ge
         "in": in_features,
         "group_size": group_size,
     }
+    # what an Int4Linear holds where the kernels are built: the tiles and the grid's tiled copy
+    layer["tiles"] = int4_tiles.tile(layer["qweight"])
+    layer["grid16"] = int4_tiles.tile_grid(layer["scales"], layer["zeros"])
+    return layer
 
 
 def fns() -> dict[str, Callable[[dict, torch.Tensor], Any]]:
@@ -81,6 +84,7 @@ def fns() -> dict[str, Callable[[dict, torch.Tensor], Any]]:
         return int4_ops.linear(
             x, layer["tiles"], layer["scales"], layer["zeros"], bits=4,
             group_size=layer["group_size"], in_features=layer["in"], tiled=True,
+            grid16=layer["grid16"],
         )  # fmt: skip
 
     def int4_rows(layer, x):

@@ -66,15 +66,21 @@ def tile(qweight: torch.Tensor) -> torch.Tensor:
 def tile_grid(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The grid in the kernel's order: ``scales`` float32 and ``zeros`` uint8, each (out, groups)
     -> (ceil(out / 16), groups, 16): group ``g`` of rows ``16b .. 16b + 15`` in one vector
-    (padding rows: scale 0, zero 0). A copy beside the row-major grid, which everything else
-    reads: 5 bytes a group and row (a sixth of the codes' 32 at group 64)."""
-    out = scales.shape[0]
-    pad = -(-out // ROWS) * ROWS - out
+    (padding rows: scale 0, zero 0). A tiled Int4Linear holds its grid so (``scales16``,
+    ``zeros16``) instead of row-major (its ``scales``, ``zeros`` then untile on reading)."""
+    return tile_rows(scales.float()), tile_rows(zeros.to(torch.uint8))
 
-    def tiled(t: torch.Tensor) -> torch.Tensor:
-        return F.pad(t, (0, 0, 0, pad)).reshape(-1, ROWS, t.shape[1]).transpose(1, 2).contiguous()
 
-    return tiled(scales.float()), tiled(zeros.to(torch.uint8))
+def tile_rows(t: torch.Tensor) -> torch.Tensor:
+    """One grid tensor (out, groups) in the kernel's order (ceil(out / 16), groups, 16)
+    (padding rows zero)."""
+    pad = -(-t.shape[0] // ROWS) * ROWS - t.shape[0]
+    return F.pad(t, (0, 0, 0, pad)).reshape(-1, ROWS, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def untile_rows_of_grid(t16: torch.Tensor, out: int) -> torch.Tensor:
+    """:func:`tile_rows` undone: (out, groups)."""
+    return t16.transpose(1, 2).reshape(-1, t16.shape[1])[:out].contiguous()
 
 
 def untile(tiles: torch.Tensor, out: int) -> torch.Tensor:

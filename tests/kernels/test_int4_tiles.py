@@ -155,9 +155,10 @@ def test_the_short_path_applies_only_to_decode():
     assert got.shape == (1, 3, 24) and torch.equal(got[0], want)
 
 
-def test_int4_linear_holds_tiles_where_the_kernel_reads_them():
+def test_int4_linear_holds_tiles_where_the_kernel_reads_them(monkeypatch):
     """Tiled: 4 bits with widths multiple of 8; stored layout: 8 bits, an input width not a
-    multiple of 8, packed N:M. Either way the same codes, state, outputs and copies."""
+    multiple of 8, packed N:M. Either way the same codes, grid, stored state, outputs and
+    copies; a tiled layer holds its grid tiled only (``scales``/``zeros`` read untiled)."""
     linear = torch.nn.Linear(64, 40)
     tiled = Int4Linear.from_linear(linear, bits=4, group_size=32)
     assert tiled.tiled and tiled.qweight.dtype == torch.int32
@@ -172,8 +173,12 @@ def test_int4_linear_holds_tiles_where_the_kernel_reads_them():
     meta = {**tiled.meta(), "conv1d": False}
     again = Int4Linear.from_state(stored, meta)
     assert again.tiled and torch.equal(again.weight_codes(), tiled.weight_codes())
-    plain = copy.deepcopy(tiled)  # the stored layout, as without kernels
-    plain.tiled, plain.qweight = False, stored["qweight"]
+    with monkeypatch.context() as patch:  # the stored layout, as where the kernels are not built
+        patch.setattr(int4_tiles, "tileable", lambda *_: False)
+        plain = Int4Linear.from_state(stored, meta)
+    assert not plain.tiled and plain.qweight.shape == (40, 32)
+    assert set(tiled.state_dict()) == {"qweight", "scales16", "zeros16", "bias"}
+    assert torch.equal(tiled.scales, plain.scales) and torch.equal(tiled.zeros, plain.zeros)
     with torch.inference_mode():
         for tokens in (1, 3, 40):
             x = torch.randn(2, tokens, 64)
@@ -196,3 +201,19 @@ def test_a_module_built_on_meta_keeps_the_stored_layout_until_filled():
     on_meta.tile_codes()
     x = torch.randn(1, 64)
     assert on_meta.tiled and torch.equal(on_meta(x), real(x))
+
+
+def test_a_tiled_layers_grid_reads_and_writes_untiled_and_stays_float32():
+    """``scales``/``zeros`` of a tiled layer: (out, groups) on reading, tiled on writing; a
+    cast of the model to bf16 leaves the scales float32 (and the codes, zeros, uint8/int32)."""
+    layer = Int4Linear.from_linear(torch.nn.Linear(64, 40), bits=4, group_size=32)
+    assert layer.tiled and layer.scales.shape == (40, 2) and "scales" not in layer._buffers
+    doubled = layer.scales * 2
+    layer.scales = doubled
+    assert torch.equal(layer.scales, doubled) and layer.scales16.shape == (3, 2, 16)
+    x = torch.randn(3, 64)
+    want = torch.nn.functional.linear(x, layer.dense_weight(), layer.bias)
+    layer.to(torch.bfloat16)
+    assert layer.scales16.dtype == torch.float32 and layer.zeros16.dtype == torch.uint8
+    assert layer.bias.dtype == torch.bfloat16
+    torch.testing.assert_close(layer(x.bfloat16()).float(), want, rtol=2e-2, atol=2e-2)

@@ -117,11 +117,10 @@ class Int4CodedLinear(CompressedLinear):
 
     def _apply(self, fn, recurse=True):
         """Scales stay float32 whatever the model is cast to; they follow device moves."""
-        scales, scales16 = self.scales, self._buffers.get("scales16")
+        key = "scales16" if "scales16" in self._buffers else "scales"
+        scales = self._buffers[key]
         super()._apply(fn, recurse)
-        self.scales = scales.to(fn(scales).device)
-        if scales16 is not None:
-            self.scales16 = scales16.to(fn(scales16).device)
+        self._buffers[key] = scales.to(fn(scales).device)
         return self
 
     def dequantized(self) -> torch.Tensor:
@@ -180,6 +179,9 @@ class Int4CodedLinear(CompressedLinear):
         return f"{super().extra_repr()}, bits={self.bits}, per {groups}, {kind}"
 
 
+_GRID = {"scales": "scales16", "zeros": "zeros16"}  # a tiled Int4Linear's grid buffers
+
+
 @register_format
 class Int4Linear(Int4CodedLinear):
     """Packed low-bit codes ``qweight`` uint8 (out, ceil(in/2)) (8 bits: (out, in)), then the
@@ -216,11 +218,26 @@ class Int4Linear(Int4CodedLinear):
         ):
             self.qweight = int4_tiles.tile(self.qweight)
             scales16, zeros16 = int4_tiles.tile_grid(self.scales, self.zeros)
-            self.register_buffer("scales16", scales16, persistent=False)  # the kernel's copy
-            self.register_buffer("zeros16", zeros16, persistent=False)
+            del self._buffers["scales"], self._buffers["zeros"]  # held tiled only (__getattr__)
+            self.register_buffer("scales16", scales16)
+            self.register_buffer("zeros16", zeros16)
             if self.bias is not None:
                 self.bias = self.bias.contiguous()
             self.tiled = True
+
+    def __getattr__(self, name: str) -> Any:
+        """A tiled layer's ``scales`` and ``zeros``: its tiled grid (``scales16``,
+        ``zeros16``), untiled to (out, groups) on reading."""
+        if name in _GRID and self.__dict__.get("tiled"):
+            return int4_tiles.untile_rows_of_grid(self._buffers[_GRID[name]], self.out_features)
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Setting a tiled layer's ``scales`` or ``zeros`` (out, groups) tiles them."""
+        if name in _GRID and self.__dict__.get("tiled"):
+            value = value.float() if name == "scales" else value.to(torch.uint8)
+            name, value = _GRID[name], int4_tiles.tile_rows(value)
+        super().__setattr__(name, value)
 
     def stored_codes(self) -> torch.Tensor:
         """The packed codes in the stored layout (out, ceil(in/2)) (8 bits: (out, in))."""

@@ -49,7 +49,8 @@ def test_compiled_equals_eager(runtime, tmp_path):
 def test_a_compiled_int4_layer_runs_the_eager_kernels_bit_for_bit(nm, tokens):
     """The compiled graph holds the int4 op, which runs what eager runs: for one token the
     decode kernel (int16 activations), which the torch-op fallback a graph would otherwise
-    trace (float activations) does not equal bit for bit; for 9 the blocked dequantization."""
+    trace (float activations) does not equal bit for bit; for 9 the tiled decode kernel (dense
+    codes, up to 16 tokens) or the blocked dequantization (packed N:M codes)."""
     from lmcompress.compressor.formats.int4 import Int4Linear, PackedNMInt4Linear
     from lmcompress.kernels import cpu_kernels
 
