@@ -231,10 +231,26 @@ def prefill_linear(
 ) -> torch.Tensor:
     """``x`` (T, in) times the weight ``dequantize_rows(start, end)`` gives a block of rows of
     (in ``x``'s dtype), one block of ``block_rows`` output rows at a time (``F.linear`` on each,
-    with its part of the bias): (T, out) in ``x``'s dtype."""
-    parts = []
+    with its part of the bias): (T, out) in ``x``'s dtype. Each block's product is written into
+    its columns of the output (what ``F.linear`` computes: ``addmm`` with the bias, ``mm``
+    without), not concatenated afterwards: at a 49152-word head over 1024 tokens that copy was
+    100 MB a forward."""
+    if out_features <= block_rows:
+        part = None if bias is None else bias.to(x.dtype)
+        return torch.nn.functional.linear(x, dequantize_rows(0, out_features), part)
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        parts = []  # autograd: out= is not differentiable
+        for start in range(0, out_features, block_rows):
+            end = min(start + block_rows, out_features)
+            part = None if bias is None else bias[start:end].to(x.dtype)
+            parts.append(torch.nn.functional.linear(x, dequantize_rows(start, end), part))
+        return torch.cat(parts, dim=1)
+    y = torch.empty((x.shape[0], out_features), dtype=x.dtype, device=x.device)
     for start in range(0, out_features, block_rows):
         end = min(start + block_rows, out_features)
-        part = None if bias is None else bias[start:end].to(x.dtype)
-        parts.append(torch.nn.functional.linear(x, dequantize_rows(start, end), part))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        W = dequantize_rows(start, end)
+        if bias is None:
+            torch.mm(x, W.t(), out=y[:, start:end])
+        else:
+            torch.addmm(bias[start:end].to(x.dtype), x, W.t(), out=y[:, start:end])
+    return y
