@@ -174,22 +174,23 @@ REMEDIES = {
     "(2:4's decode goal is the packed runtime's).",
     "int4": "Prefill: an fp32 export computes in fp32, a third of bf16's speed here, as the "
     "dense fp32 row does; `int4 bf16` is the row to read. Decode: as `int4 bf16, int4 head`.",
-    "int4 bf16": "Decode: beside its int4 layers it reads the bf16 lm_head (57 MB a token); "
-    "see `int4 bf16, int4 head`.",
+    "int4 bf16": "Decode: beside its int4 layers it reads the bf16 lm_head (57 MB a token) "
+    "through torch's bf16 matrix-vector product, far from the bandwidth; see "
+    "`int4 bf16, int4 head`.",
     "int4, int4 head": "As `int4` (fp32 prefill) and `int4 bf16, int4 head` (decode).",
-    "int4 bf16, int4 head": "Decode: the 210 int4 kernel calls take about half of the profiled "
-    "step, far longer than their 61 MB of codes take to read at the measured bandwidth: on "
-    "SmolLM2's small layers each call's fixed cost (Python, ctypes, starting the threads) is "
-    "as large as its arithmetic (the same kernel runs several times dense on 1B shapes, "
-    "`benchmarks.int4_speed`). What no weight format shrinks (attention, norms, the model's "
-    "Python: 13.8 of the 30.0 profiled ms) caps decode near three times the best dense row "
-    "even with free linears. A call per decoder block (fused QKV and gate/up) or a C++ op "
-    "without Python in between is what would close the rest. Prefill: the int4 head "
-    "dequantizes its 49152 x 576 weight in blocks every call, slower than bf16's matmul.",
+    "int4 bf16, int4 head": "Decode: the int4 layers (tiled codes, 16 rows a vector; q/k/v and "
+    "gate/up one call each) stream their codes at about the rate two cores read them (the "
+    "host reports a 480 MiB L3, which holds them); the rest of the step, which no weight "
+    "format shrinks (attention, norms, the model's Python between modules: the profile's other "
+    "buckets), is about half of it. What would move it further is a runtime of the model's "
+    "own (no transformers Python between the kernels), not the linears. Prefill: the int4 head "
+    "dequantizes its 49152 x 576 weight by blocks every call.",
     "2:4 + int4": "As `2:4 + int4 bf16`.",
-    "2:4 + int4 bf16": "Decode: the packed 2:4 codes are fewer bytes, but gathering each "
-    "token's activations by their 2-bit positions costs the kernel more instructions than the "
-    "bytes save at these sizes (its compressed linears take longer than int4's).",
+    "2:4 + int4 bf16": "Decode: packed 2:4 codes run the row kernel (a row at a time, a "
+    "horizontal sum per group, each token's activations gathered by 2-bit positions); the "
+    "dense codes' tiled kernel (16 rows in the lanes of one vector) has no counterpart for "
+    "packed codes, whose positions differ from row to row: their 25 % fewer code bytes do not "
+    "pay for the gathers.",
 }
 
 

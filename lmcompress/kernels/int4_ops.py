@@ -33,11 +33,12 @@ visibly disagree with prefill (float activations); int16 stays 4-90x inside bf16
 The price is two 16-bit multiply-adds per 64 weights instead of one 8-bit one: the kernel is
 bound by its instructions on weights held in cache, by the weight bytes from memory.
 
-Speed (``python -m benchmarks.int4_speed``, one thread of a 2-core Xeon with AMX and AVX-512
-VNNI shared with other processes; medians): batch-1 decode of SmolLM2's 576×576, 1536×576 and
-576×1536 layers (group 64) 1.8-2.2× the faster dense ``F.linear`` (fp32 or bf16), 4.5-6.9× on
-8192×2048 / 2048×8192 (group 128); one pass over SmolLM2's 210 decoder linears 1.9× at one token;
-prefill of 512 tokens 0.7-0.9× dense bf16 (the dequantization is ~10 % of the bf16 matmul).
+Speed (``python -m benchmarks.int4_speed`` → ``benchmarks/results/int4_speed.md``, 2 threads of
+an Intel Xeon with AMX and AVX-512 VNNI; medians; codes tiled, :mod:`int4_tiles`): batch-1
+decode of SmolLM2's 576×576, 1536×576 and 576×1536 layers (group 64) 2.17, 3.28 and 2.76× the
+faster dense ``F.linear`` (fp32 or bf16), 4.27 and 4.93× on 8192×2048 / 2048×8192 (group 128);
+one pass over SmolLM2's 210 decoder linears 2.42× at one token; prefill of 512 tokens 0.71-0.95×
+dense bf16.
 
 Where there is no compiler (``cpu_kernels.library()`` is ``None``) or while ``torch.compile``
 traces, every call takes the prefill path in torch ops: the same dequantized weight, float
@@ -52,10 +53,10 @@ import torch
 
 from lmcompress.kernels import cpu_kernels, int4_reference, int4_tiles, reference
 
-# The decode kernel up to this many tokens: its cost grows with each token (16-bit products),
-# the prefill path's hardly (one dequantization, then the bf16 matmul). Over SmolLM2's 210
-# decoder linears in bf16, one thread (ms, decode / prefill): 4 tokens 58 / 89, 6 tokens
-# 43 / 46, 8 tokens 76 / 65, 12 tokens 154 / 92 (a CPU shared with other processes).
+# The row kernel (codes in the stored layout) up to this many tokens: its cost grows with each
+# token (16-bit products), the prefill path's hardly (one dequantization, then the bf16
+# matmul). Over SmolLM2's 210 decoder linears in bf16, 2 threads (ms, row kernel / prefill,
+# benchmarks/results/int4_speed.md): 4 tokens 18.95 / 26.40, 8 tokens 27.41 / 25.86.
 MAX_TOKENS = 6
 BLOCK_BYTES = 4 << 20  # dequantized weight per prefill block (stays in cache for the matmul)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
