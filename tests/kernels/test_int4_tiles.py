@@ -146,6 +146,9 @@ def test_the_short_path_applies_only_to_decode():
     assert int4_tiles.try_decode(torch.randn(1, 64).half(), buffers, 64, 24) is None
     assert int4_tiles.try_decode(torch.randn(1, 64, requires_grad=True), buffers, 64, 24) is None
     assert int4_tiles.try_decode(torch.randn(1, 128), buffers, 64, 24) is None  # a wrong width
+    x = torch.randn(most, 64)  # the most it takes
+    want = R4.decode_linear(x, qweight, scales, zeros, 4, 32, 64)
+    assert torch.equal(int4_tiles.try_decode(x, buffers, 64, 24), want)
     with pytest.raises(ValueError, match="64 features expected"):  # not read as two tokens
         int4_ops.linear(torch.randn(1, 128), tiles, scales, zeros, bits=4,
                         group_size=32, in_features=64, tiled=True)  # fmt: skip

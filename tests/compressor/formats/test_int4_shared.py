@@ -97,10 +97,14 @@ def test_each_sibling_is_served_once_per_input_object():
     x.mul_(2)  # a reused input buffer, rewritten for the next step
     second = want(x)
     assert torch.equal(attn.q_proj(x), second["q_proj"])
-    assert torch.equal(attn.q_proj(x), second["q_proj"])  # twice on one object: again
+    x.mul_(-1)  # rewritten while that call is kept for k and v: q again computes anew
+    second = want(x)
+    assert torch.equal(attn.q_proj(x), second["q_proj"])
     assert torch.equal(attn.k_proj(x), second["k_proj"])
-    attn.k_proj.scales = attn.k_proj.scales.clone()  # replaced: k computes from its own
-    assert torch.equal(attn.k_proj(x), second["k_proj"])
+    doubled = attn.k_proj.scales * 2  # replaced: k computes from its own grid, not the group's
+    attn.k_proj.scales = doubled
+    reference.k_proj.scales = doubled
+    assert torch.equal(attn.k_proj(x), want(x)["k_proj"])
     other = torch.randn(1, 1, width)  # another object while x's call is pending for v
     assert torch.equal(attn.v_proj(other), want(other)["v_proj"])
     assert torch.equal(attn.v_proj(x), second["v_proj"])
