@@ -1505,13 +1505,15 @@ extern "C" void lmc_int4_dequant(const uint8_t* codes, int64_t code_stride, cons
 }
 
 // ---------------------------------------------------------------------------------------------
-// Weight-only int4 decode on the tiled layout (lmcompress/kernels/int4_ops.py, "tiles16"):
+// Weight-only int4 decode on the tiled layout (lmcompress/kernels/int4_tiles.py):
 //
 //   lmc_int4_linear_tiled  y (T, out) = the int4 linear of x (T, in), T up to a few tokens,
 //                          equal to lmc_int4_linear (and int4_reference.decode_linear) bit for
-//                          bit; the codes in tiles of 16 rows.
+//                          bit; the codes in tiles of 16 rows, the grid (scales16, zeros16)
+//                          tiled the same way, (blocks, groups, 16).
+//   lmc_int4_dequant_tiled the prefill dequantization of rows of tiled codes (block by block).
 //   lmc_int4_untile_rows   rows [row0, row0 + rows) of the tiled codes back in the stored
-//                          layout (prefill dequantizes those with lmc_int4_dequant).
+//                          layout (where the dequantization runs in torch).
 //
 // Tiles: the stored row layout read as 32-bit words (8 codes: column c + i in bits 4i .. 4i+3,
 // little-endian) and transposed by blocks of 16 rows: word k of rows 16b .. 16b + 15 are the 16
@@ -1520,9 +1522,12 @@ extern "C" void lmc_int4_dequant(const uint8_t* codes, int64_t code_stride, cons
 // 0x000F000F after shifts of 0, 4, 8, 12 give the 16-bit code pairs (c + j, c + j + 4), and
 // one multiply-add of pairs (vpdpwssd) against the broadcast activation pair (x[c + j],
 // x[c + j + 4]) adds 32 products: no horizontal sums (the row layout needs one per group and
-// row), four independent accumulators. A group's integer sums D (exact: the same D as the row
-// kernel) then take the same float steps in 16 row lanes, into the partial g % 16 and the same
-// tree (int4_add_partial, int4_tree): bit-identical outputs.
+// row), four independent accumulators. With VNNI the masks 0x0F0F0F0F (after a shift of 0 or
+// 4) give the codes as bytes instead, and vpdpbusd multiplies them by the activations' signed
+// high and unsigned low bytes (x = 256 (x >> 8) + (x & 255)): 4 products a lane, one shift a
+// chunk. A group's integer sums D (exact: the same D as the row kernel) then take the same
+// float steps in 16 row lanes, into the partial g % 16 and the same tree (int4_add_partial,
+// int4_tree): bit-identical outputs.
 
 #ifndef LMC_TILE_PREFETCH
 #define LMC_TILE_PREFETCH 1024  // words (4 KiB) ahead: codes stream from memory at decode

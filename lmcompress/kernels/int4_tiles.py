@@ -13,12 +13,14 @@ sum at all (``cpu_kernels.cpp`` describes the loop). Its results are those of th
 :func:`lmcompress.kernels.int4_ops.decode` and :func:`int4_reference.decode_linear`, bit for
 bit: the same integer group sums and the same float steps in the same order.
 
-Tiling is a transposition of whole words (no code changes), so :func:`untile` gives back the
-stored bytes exactly. An :class:`~lmcompress.compressor.formats.int4.Int4Linear` holds its codes
-tiled where :func:`tileable` (a CPU tensor, the compiled kernels loaded, bits ≤ 4, the input
-width and the group a multiple of 8) and in the stored layout otherwise; it writes the stored
-layout. Prefill untiles a block of rows at a time into the stored layout before dequantizing it
-(the words copied are a quarter of the dequantized bf16 bytes).
+The grid is tiled the same way (:func:`tile_grid`: a group's 16 scales in one vector, and its 16
+zero points), so the kernel reads it with one load a group. Tiling is a transposition of whole
+words (no code changes), so :func:`untile` gives back the stored bytes exactly. An
+:class:`~lmcompress.compressor.formats.int4.Int4Linear` holds its codes and grid tiled where
+:func:`tileable` (a CPU tensor, the compiled kernels loaded, bits ≤ 4, the input width and the
+group a multiple of 8) and in the stored layout otherwise; it writes the stored layout. Prefill
+dequantizes straight from the tiles (``lmc_int4_dequant_tiled``: a block of 16 rows untiled in a
+per-thread buffer, then the stored layout's loops).
 
 Speed (``python -m benchmarks.int4_speed`` → ``benchmarks/results/int4_speed.md``, 2 threads
 of an Intel Xeon with AVX-512 VNNI): one pass over SmolLM2's 210 decoder linears at one token,
