@@ -154,19 +154,12 @@ class Int4CodedLinear(CompressedLinear):
                 x, self.qweight, self.scales, self.zeros, self.bits, self.group_size,
                 self.in_features, self.bias, indices, n, m, self.tiled, *grid16,
             )  # fmt: skip
+        grid16 = (self.scales16, self.zeros16) if self.tiled else None
         return int4_ops.linear(
-            x,
-            self.qweight,
-            self.scales,
-            self.zeros,
-            bits=self.bits,
-            group_size=self.group_size,
-            in_features=self.in_features,
-            bias=self.bias,
-            nm=self.nm(),
-            tiled=self.tiled,
-            grid16=(self.scales16, self.zeros16) if self.tiled else None,
-        )
+            x, self.qweight, self.scales, self.zeros, bits=self.bits, group_size=self.group_size,
+            in_features=self.in_features, bias=self.bias, nm=self.nm(), tiled=self.tiled,
+            grid16=grid16,
+        )  # fmt: skip
 
     def expanded(self) -> nn.Module:
         """Dequantized once: a dense linear of :attr:`dtype` (the same function for inputs of
