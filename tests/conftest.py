@@ -24,6 +24,8 @@ if not torch.cuda.is_available():
 
 import transformers  # noqa: E402
 
+from lmcompress.kernels import int4_reference  # noqa: E402
+
 VOCAB = 256
 
 TINY_CONFIGS = {
@@ -202,3 +204,17 @@ def peak_allocated_bytes(fn) -> int:
         live += event.nbytes()
         peak = max(peak, live)
     return peak
+
+
+def int4_weight(out, in_features, bits, group_size, symmetric=False, seed=0):
+    """Random packed int4 (or 3/8-bit) codes, scales and zero points of one layer (the int4
+    kernel tests' weights): ``(qweight, scales, zeros)``."""
+    g = torch.Generator().manual_seed(seed)
+    groups = int4_reference.groups_of(group_size, in_features)
+    q = torch.randint(0, 2**bits, (out, in_features), dtype=torch.uint8, generator=g)
+    scales = torch.rand(out, groups, generator=g) / 20 + 1e-3
+    if symmetric:
+        zeros = torch.full((out, groups), 2 ** (bits - 1), dtype=torch.uint8)
+    else:
+        zeros = torch.randint(0, 2**bits, (out, groups), dtype=torch.uint8, generator=g)
+    return int4_reference.pack_codes(q, bits), scales, zeros

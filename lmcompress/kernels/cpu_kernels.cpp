@@ -891,6 +891,24 @@ static void int4_quantize_group(const float* x, int64_t len, float s, int16_t* q
   }
 }
 
+// One group's activations x (len) to int16 codes q at the scale absmax / 32767 (floored at 1e-12;
+// written to *scale): int4_reference.quantize_activations. Returns the codes' sum.
+static int64_t int4_quantize_absmax(const float* x, int64_t len, int16_t* q, float* scale) {
+  float hi = -INFINITY, lo = INFINITY;
+  for (int64_t i = 0; i < len; i++) {
+    hi = x[i] > hi ? x[i] : hi;
+    lo = x[i] < lo ? x[i] : lo;
+  }
+  float absmax = hi > -lo ? hi : -lo;
+  float s = absmax / INT4_ACT_QMAX;
+  if (s < 1e-12f) s = 1e-12f;
+  int4_quantize_group(x, len, s, q);
+  int64_t total = 0;
+  for (int64_t i = 0; i < len; i++) total += q[i];
+  *scale = s;
+  return total;
+}
+
 static Int4Acts int4_prepare(const void* x_in, int x_kind, int64_t T, int64_t in, int64_t groups,
                              int64_t G) {
   Int4Acts a;
@@ -905,20 +923,8 @@ static Int4Acts int4_prepare(const void* x_in, int x_kind, int64_t T, int64_t in
   for (int64_t t = 0; t < T; t++) {
     for (int64_t i = 0; i < in; i++) x[i] = load_value(x_in, x_kind, t * in + i);
     for (int64_t g = 0; g < groups; g++) {
-      const float* xg = x + g * G;
-      float hi = -INFINITY, lo = INFINITY;
-      for (int64_t i = 0; i < G; i++) {
-        hi = xg[i] > hi ? xg[i] : hi;
-        lo = xg[i] < lo ? xg[i] : lo;
-      }
-      float absmax = hi > -lo ? hi : -lo;
-      float s = absmax / INT4_ACT_QMAX;
-      if (s < 1e-12f) s = 1e-12f;
-      int16_t* q = a.xq + t * in + g * G;
-      int4_quantize_group(xg, G, s, q);
-      int64_t total = 0;
-      for (int64_t i = 0; i < G; i++) total += q[i];
-      a.scale[t * groups + g] = s;
+      int64_t total = int4_quantize_absmax(x + g * G, G, a.xq + t * in + g * G,
+                                           &a.scale[t * groups + g]);
       a.sum[t * groups + g] = total;
       a.sum32[t * groups + g] = (int32_t)total;
     }
@@ -1580,22 +1586,9 @@ static Int4PairActs int4_prepare_pairs(const void* x_in, int x_kind, int64_t T, 
   int16_t* q = (int16_t*)(x + in);
   for (int64_t t = 0; t < T; t++) {
     load_row_float(x_in, x_kind, t * in, in, x);
-    for (int64_t g = 0; g < groups; g++) {
-      const float* xg = x + g * G;
-      float hi = -INFINITY, lo = INFINITY;
-      for (int64_t i = 0; i < G; i++) {
-        hi = xg[i] > hi ? xg[i] : hi;
-        lo = xg[i] < lo ? xg[i] : lo;
-      }
-      float absmax = hi > -lo ? hi : -lo;
-      float s = absmax / INT4_ACT_QMAX;
-      if (s < 1e-12f) s = 1e-12f;
-      int4_quantize_group(xg, G, s, q + g * G);
-      int32_t total = 0;
-      for (int64_t i = 0; i < G; i++) total += q[g * G + i];
-      a.scale[t * groups + g] = s;
-      a.sum32[t * groups + g] = total;
-    }
+    for (int64_t g = 0; g < groups; g++)
+      a.sum32[t * groups + g] =
+          (int32_t)int4_quantize_absmax(x + g * G, G, q + g * G, &a.scale[t * groups + g]);
     uint16_t* p = (uint16_t*)(a.pairs + t * (in / 2));
     uint8_t* b = (uint8_t*)(a.bytes + t * (in / 2));
     for (int64_t c = 0; c < in; c += 8) {
@@ -1739,27 +1732,33 @@ extern "C" void lmc_int4_linear_tiled(const void* x_in, int x_kind, int64_t T, i
   }
 }
 
-// lmc_int4_dequant of rows [row0, row0 + rows) of tiled codes, by blocks of 16 rows: a block's
-// words untiled into a per-thread buffer of its 16 rows (each tile line read once), then the
-// same loops as the stored layout's.
-extern "C" void lmc_int4_dequant_tiled(const uint32_t* tiles, const float* scales,
-                                       const uint8_t* zeros, int64_t groups, int64_t G,
+// lmc_int4_dequant of rows [row0, row0 + rows) of tiled codes and grid (scales16, zeros16:
+// (blocks, groups, 16)), by blocks of 16 rows: a block's words and grid untiled into a
+// per-thread buffer of its 16 rows (each tile line read once), then the stored layout's loops.
+extern "C" void lmc_int4_dequant_tiled(const uint32_t* tiles, const float* scales16,
+                                       const uint8_t* zeros16, int64_t groups, int64_t G,
                                        int64_t row0, int64_t rows, int64_t in, void* W,
                                        int w_kind, int threads) {
   const int64_t K = in / 8, first = row0 / 16, last = (row0 + rows + 15) / 16;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t b = first; b < last; b++) {
-    uint32_t* block = (uint32_t*)lmc_scratch(sizeof(uint32_t) * 16 * K, 3);  // (16, K)
+    // (16, K) code words, then one row's scales and zero points
+    uint32_t* block = (uint32_t*)lmc_scratch((4 * 16 * K + 5 * groups), 3);
+    float* srow = (float*)(block + 16 * K);
+    uint8_t* zrow = (uint8_t*)(srow + groups);
     const uint32_t* tb = tiles + b * K * 16;
     for (int64_t k = 0; k < K; k++)
       for (int l = 0; l < 16; l++) block[l * K + k] = tb[k * 16 + l];
     for (int l = 0; l < 16; l++) {
       int64_t o = b * 16 + l, r = o - row0;
       if (r < 0 || r >= rows) continue;
+      for (int64_t g = 0; g < groups; g++) {
+        srow[g] = scales16[(b * groups + g) * 16 + l];
+        zrow[g] = zeros16[(b * groups + g) * 16 + l];
+      }
       float* wf = w_kind == F32 ? (float*)W + r * in : 0;
       uint16_t* wb = w_kind == F32 ? 0 : (uint16_t*)W + r * in;
-      int4_dequant_dense_row((const uint8_t*)(block + l * K), scales + o * groups,
-                             zeros + o * groups, groups, G, wf, wb);
+      int4_dequant_dense_row((const uint8_t*)(block + l * K), srow, zrow, groups, G, wf, wb);
     }
   }
 }

@@ -77,23 +77,27 @@ def linear(
     nm: NM | None = None,
     tiled: bool = False,
     grid16: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_features: int | None = None,
 ) -> torch.Tensor:
     """``x @ Wᵀ + bias`` for ``x`` (..., in) and the packed weight (module doc): (..., out) in
     ``x``'s dtype. ``qweight`` uint8, ``scales`` float32 (out, groups), ``zeros`` uint8
     (out, groups), ``bias`` (out,) or ``None``; ``nm = (indices, n, m)`` for packed N:M kept
     codes (groups counted over the original columns; ``group_size`` a multiple of ``m``);
     ``tiled``: ``qweight`` is :func:`int4_tiles.tile`'s layout (dense codes only), ``grid16``
-    the grid's :func:`int4_tiles.tile_grid` (computed where not given).
+    the grid's :func:`int4_tiles.tile_grid` (computed where not given; where given, ``scales``
+    and ``zeros`` may be ``None`` and ``out_features`` says the rows).
     Trusts its arguments (the format checks them at load)."""
     if x.shape[-1] != in_features:  # as nn.Linear: never a silent reshape into other rows
         raise ValueError(f"int4 linear: input {tuple(x.shape)}, {in_features} features expected")
     x2 = x if x.dim() == 2 else x.reshape(-1, in_features)
+    if tiled:
+        if grid16 is None:
+            grid16 = int4_tiles.tile_grid(scales, zeros)
+        out = scales.shape[0] if scales is not None else out_features
     if tiled and use_decode_kernel(x2, bits, int4_tiles.MAX_TOKENS):
-        y = int4_tiles.decode(
-            x2, qweight, scales, zeros, group_size, in_features, bias, True, grid16
-        )
+        y = int4_tiles.decode_grid16(x2, qweight, grid16, in_features, out, bias)
     elif tiled:
-        y = prefill(x2, qweight, scales, zeros, bits, group_size, in_features, bias, tiled=True)
+        y = prefill_tiled(x2, qweight, grid16, out, bits, group_size, in_features, bias)
     elif use_decode_kernel(x2, bits):
         y = decode(x2, qweight, scales, zeros, bits, group_size, in_features, bias, nm)
     else:
@@ -255,37 +259,64 @@ def prefill(
     in_features: int,
     bias: torch.Tensor | None = None,
     nm: NM | None = None,
-    tiled: bool = False,
 ) -> torch.Tensor:
     """:func:`int4_reference.prefill_linear` with :func:`dequantize_rows`: (T, out) in ``x``'s
-    dtype (float dtypes; other inputs are computed in float32). ``tiled``: the codes in
-    :mod:`~lmcompress.kernels.int4_tiles`' layout (dequantized from the tiles by
-    ``lmc_int4_dequant_tiled``; where that does not apply, each block's rows untiled first)."""
-    dtype = x.dtype if x.dtype.is_floating_point else torch.float32
-    x = x.to(dtype)
-    out_features, block = scales.shape[0], block_rows(in_features, dtype)
-    buffer = None  # autograd keeps each block's weight for the backward: a new one each
-    if _eager_cpu(x):
-        buffer = _buffer(min(block, out_features) * in_features, dtype).view(-1, in_features)
+    dtype (float dtypes; other inputs are computed in float32)."""
+    x, dtype, block, buffer = _prefill_setup(x, scales.shape[0], in_features)
 
     def rows(start: int, end: int) -> torch.Tensor:
-        if tiled and dtype in KERNEL_DTYPES and _eager_cpu(x) and cpu_kernels.library():
-            W = buffer[: end - start]  # the kernel reads the tiles directly
-            cpu_kernels.library().lmc_int4_dequant_tiled(
-                qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), scales.shape[1],
-                in_features // scales.shape[1], start, end - start, in_features, W.data_ptr(),
-                cpu_kernels.FLOAT_KINDS[dtype], torch.get_num_threads(),
-            )  # fmt: skip
-            return W
-        if tiled:
-            codes = int4_tiles.untile_rows(qweight, in_features, start, end)
-            part = slice(start, end)
-            return dequantize_rows(
-                codes, scales[part], zeros[part], bits, group_size, in_features, 0,
-                end - start, dtype, None, buffer,
-            )  # fmt: skip
         return dequantize_rows(
             qweight, scales, zeros, bits, group_size, in_features, start, end, dtype, nm, buffer
         )
 
+    return int4_reference.prefill_linear(x, scales.shape[0], block, rows, bias)
+
+
+def prefill_tiled(
+    x: torch.Tensor,
+    tiles: torch.Tensor,
+    grid16: tuple[torch.Tensor, torch.Tensor],
+    out_features: int,
+    bits: int,
+    group_size: int,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`prefill` of codes and grid in :mod:`~lmcompress.kernels.int4_tiles`' layout:
+    ``lmc_int4_dequant_tiled`` reads them directly; where it does not apply, each block's rows
+    are untiled first."""
+    x, dtype, block, buffer = _prefill_setup(x, out_features, in_features)
+    scales16, zeros16 = grid16
+    stored: list[torch.Tensor] = []  # the row-major grid, made only where the kernel is not used
+
+    def rows(start: int, end: int) -> torch.Tensor:
+        if dtype in KERNEL_DTYPES and _eager_cpu(x) and cpu_kernels.library():
+            W = buffer[: end - start]
+            cpu_kernels.library().lmc_int4_dequant_tiled(
+                tiles.data_ptr(), scales16.data_ptr(), zeros16.data_ptr(), scales16.shape[1],
+                in_features // scales16.shape[1], start, end - start, in_features, W.data_ptr(),
+                cpu_kernels.FLOAT_KINDS[dtype], torch.get_num_threads(),
+            )  # fmt: skip
+            return W
+        if not stored:
+            stored.extend(int4_tiles.untile_rows_of_grid(t, out_features) for t in grid16)
+        codes = int4_tiles.untile_rows(tiles, in_features, start, end)
+        part = slice(start, end)
+        return dequantize_rows(
+            codes, stored[0][part], stored[1][part], bits, group_size, in_features, 0,
+            end - start, dtype, None, buffer,
+        )  # fmt: skip
+
     return int4_reference.prefill_linear(x, out_features, block, rows, bias)
+
+
+def _prefill_setup(x: torch.Tensor, out_features: int, in_features: int):
+    """``x`` in its computing dtype, that dtype, the rows per block, and the block buffer
+    (``None`` where autograd keeps each block's weight for the backward: a new one each)."""
+    dtype = x.dtype if x.dtype.is_floating_point else torch.float32
+    x = x.to(dtype)
+    block = block_rows(in_features, dtype)
+    buffer = None
+    if _eager_cpu(x):
+        buffer = _buffer(min(block, out_features) * in_features, dtype).view(-1, in_features)
+    return x, dtype, block, buffer

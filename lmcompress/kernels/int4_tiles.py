@@ -127,8 +127,21 @@ def decode(
         raise ValueError(f"int4 decode: {scales.shape[1]} groups of {width} for {in_features}")
     if grid16 is None:
         grid16 = tile_grid(scales, zeros)
+    return decode_grid16(x, tiles, grid16, in_features, scales.shape[0], bias, vector)
+
+
+def decode_grid16(
+    x: torch.Tensor,
+    tiles: torch.Tensor,
+    grid16: tuple[torch.Tensor, torch.Tensor],
+    in_features: int,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    vector: bool = True,
+) -> torch.Tensor:
+    """:func:`decode` with the grid given only tiled (what a tiled layer holds)."""
     buffers = {"qweight": tiles, "scales16": grid16[0], "zeros16": grid16[1], "bias": bias}
-    return _call(x.contiguous(), buffers, in_features, scales.shape[0], int(vector))
+    return _call(x.contiguous(), buffers, in_features, out_features, int(vector))
 
 
 _KINDS = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's activations (FLOAT_KINDS')

@@ -259,8 +259,8 @@ nm_linear.register_autograd(_backward, setup_context=_setup_context)
 def int4_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
+    scales: torch.Tensor | None,
+    zeros: torch.Tensor | None,
     bits: int,
     group_size: int,
     in_features: int,
@@ -271,10 +271,12 @@ def int4_linear(
     tiled: bool = False,
     scales16: torch.Tensor | None = None,
     zeros16: torch.Tensor | None = None,
+    out_features: int = -1,
 ) -> torch.Tensor:
     """The int4 runtime's linear (:func:`lmcompress.kernels.int4_ops.linear`; ``indices``,
     ``n``, ``m``: packed N:M kept codes; ``tiled``: codes in ``int4_tiles``' layout, with the
-    grid's tiled copy ``scales16``, ``zeros16`` where given) as an op
+    grid tiled ``scales16``, ``zeros16`` where given, ``scales``/``zeros`` then ``None`` and
+    ``out_features`` the rows) as an op
     ``torch.compile`` keeps whole: a compiled graph calls the decode kernel for a few tokens,
     as eager mode does, instead of tracing the torch-op fallback (a dequantization of the
     whole weight each call). ``x (..., in)`` -> ``(..., out)`` in ``x``'s dtype."""
@@ -282,12 +284,14 @@ def int4_linear(
     return int4_ops.linear(
         x, qweight, scales, zeros, bits=bits, group_size=group_size, in_features=in_features,
         bias=bias, nm=nm, tiled=tiled, grid16=None if scales16 is None else (scales16, zeros16),
+        out_features=out_features,
     )  # fmt: skip
 
 
 @int4_linear.register_fake
 def _int4_linear_fake(x, qweight, scales, zeros, bits, group_size, in_features, bias=None,  # noqa: ARG001
                       indices=None, n=1, m=1, tiled=False, scales16=None,  # noqa: ARG001
-                      zeros16=None):  # noqa: ARG001  # fmt: skip
+                      zeros16=None, out_features=-1):  # noqa: ARG001  # fmt: skip
     torch._check(x.shape[-1] == in_features, lambda: f"int4_linear: x {tuple(x.shape)}")
-    return x.new_empty((*x.shape[:-1], scales.shape[0]))
+    out = scales.shape[0] if scales is not None else out_features
+    return x.new_empty((*x.shape[:-1], out))

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import int4_weight as _weight
 
 from lmcompress.compressor.sparsity import nm_mask
 from lmcompress.kernels import cpu_kernels, int4_ops, int4_tiles
@@ -28,18 +29,6 @@ SHAPES = [(37, 128, 32), (5, 96, 32), (7, 1056, 32), (9, 576, 64), (11, 2048, 64
 SHAPES += [(13, 256, 128), (3, 640, 128), (7, 100, -1), (9, 99, -1), (5, 192, 96), (3, 64, 8)]
 SHAPES += [(3, 66, 33), (3, 8192, 4096), (2, 8192, -1)]
 TOKENS = list(range(1, 17))
-
-
-def _weight(out, in_features, bits, group_size, symmetric=False, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    groups = R4.groups_of(group_size, in_features)
-    q = torch.randint(0, 2**bits, (out, in_features), dtype=torch.uint8, generator=g)
-    scales = torch.rand(out, groups, generator=g) / 20 + 1e-3
-    if symmetric:
-        zeros = torch.full((out, groups), 2 ** (bits - 1), dtype=torch.uint8)
-    else:
-        zeros = torch.randint(0, 2**bits, (out, groups), dtype=torch.uint8, generator=g)
-    return R4.pack_codes(q, bits), scales, zeros
 
 
 def _nm_weight(out, in_features, bits, group_size, n, m, seed=0):

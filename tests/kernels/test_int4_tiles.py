@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from conftest import int4_weight as _weight
 
 from lmcompress.compressor.formats.int4 import Int4Linear, PackedNMInt4Linear
 from lmcompress.compressor.sparsity import nm_mask
@@ -23,18 +24,6 @@ pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ co
 # whole row (-1); groups of 8 (one word), 32, 64, 96, 128 and 4096; more than 16 groups
 SHAPES = [(37, 128, 32), (5, 96, 32), (16, 1056, 32), (9, 576, 64), (33, 2048, 64)]
 SHAPES += [(13, 256, 128), (7, 104, -1), (5, 192, 96), (3, 64, 8), (2, 8192, 4096)]
-
-
-def _weight(out, in_features, bits, group_size, symmetric=False, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    groups = R4.groups_of(group_size, in_features)
-    q = torch.randint(0, 2**bits, (out, in_features), dtype=torch.uint8, generator=g)
-    scales = torch.rand(out, groups, generator=g) / 20 + 1e-3
-    if symmetric:
-        zeros = torch.full((out, groups), 2 ** (bits - 1), dtype=torch.uint8)
-    else:
-        zeros = torch.randint(0, 2**bits, (out, groups), dtype=torch.uint8, generator=g)
-    return R4.pack_codes(q, bits), scales, zeros
 
 
 def test_the_layout_is_words_of_16_rows():

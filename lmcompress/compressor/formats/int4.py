@@ -147,18 +147,20 @@ class Int4CodedLinear(CompressedLinear):
                 y = int4_tiles.try_decode(x, self._buffers, self.in_features, self.out_features)
             if y is not None:
                 return y
+        # a tiled layer passes its grid tiled only (no "scales"/"zeros" buffers: None)
+        held = self._buffers
+        grid = held.get("scales"), held.get("zeros")
+        grid16 = held.get("scales16"), held.get("zeros16")
         if torch.compiler.is_compiling() and not (x.requires_grad and torch.is_grad_enabled()):
             indices, n, m = self.nm() or (None, 1, 1)
-            grid16 = self._buffers.get("scales16"), self._buffers.get("zeros16")
             return ops.int4_linear(
-                x, self.qweight, self.scales, self.zeros, self.bits, self.group_size,
-                self.in_features, self.bias, indices, n, m, self.tiled, *grid16,
+                x, self.qweight, *grid, self.bits, self.group_size, self.in_features, self.bias,
+                indices, n, m, self.tiled, *grid16, self.out_features,
             )  # fmt: skip
-        grid16 = (self.scales16, self.zeros16) if self.tiled else None
         return int4_ops.linear(
-            x, self.qweight, self.scales, self.zeros, bits=self.bits, group_size=self.group_size,
+            x, self.qweight, *grid, bits=self.bits, group_size=self.group_size,
             in_features=self.in_features, bias=self.bias, nm=self.nm(), tiled=self.tiled,
-            grid16=grid16,
+            grid16=grid16 if self.tiled else None, out_features=self.out_features,
         )  # fmt: skip
 
     def expanded(self) -> nn.Module:
