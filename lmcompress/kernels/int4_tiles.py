@@ -168,6 +168,24 @@ def try_decode(
     return _call(x if x.is_contiguous() else x.contiguous(), buffers, in_features, out, 1)
 
 
+def traced_decode_applies(x: torch.Tensor, in_features: int) -> bool:
+    """While ``torch.compile`` traces (``x`` a fake tensor of the graph's fixed shape): whether
+    :func:`try_decode` will run the kernel on ``x`` when the graph runs (what it checks that
+    tracing knows)."""
+    return (
+        x.dtype in _KINDS
+        and x.shape[-1] == in_features
+        and x.numel() <= MAX_TOKENS * in_features
+        and x.device.type == "cpu"
+        and _kernels_built()
+    )
+
+
+@torch.compiler.assume_constant_result  # called at tracing time, not traced
+def _kernels_built() -> bool:
+    return cpu_kernels.library() is not None
+
+
 def _call(x: torch.Tensor, buffers: dict, in_features: int, out: int, vector: int) -> torch.Tensor:
     scales16, bias = buffers["scales16"], buffers["bias"]
     groups = scales16.shape[1]

@@ -23,6 +23,7 @@ from transformers.pytorch_utils import Conv1D
 
 from lmcompress.compressor.formats import grid
 from lmcompress.compressor.formats.base import CompressedLinear
+from lmcompress.compressor.formats.int4_forward import tiled_forward
 from lmcompress.compressor.formats.int4_schema import INT4, NM_PACKED_INT4, bad_codes
 from lmcompress.compressor.formats.nm_packed import kept
 from lmcompress.compressor.formats.quant import check_scale
@@ -140,11 +141,7 @@ class Int4CodedLinear(CompressedLinear):
         dequantized into ``x``'s dtype for ``F.linear``. While ``torch.compile`` traces (no
         gradient needed), the same computation as one opaque op (``ops.int4_linear``)."""
         if self.tiled:  # the decode kernel's short path (None where it does not apply)
-            shared = self.__dict__.get("shared_input")  # formats.int4_shared: one call for all
-            if shared is not None:
-                y = shared[0].forward(self, shared[1], x)
-            else:
-                y = int4_tiles.try_decode(x, self._buffers, self.in_features, self.out_features)
+            y = tiled_forward(self, x)
             if y is not None:
                 return y
         # a tiled layer passes its grid tiled only (no "scales"/"zeros" buffers: None)

@@ -64,6 +64,12 @@ class SharedInput:
                 member.bias = buffers["bias"][a:b]
             self.views.append(tuple(member._buffers[k] for k in _KEYS))
 
+    def holds(self, member: Int4Linear, index: int) -> bool:
+        """Whether ``member`` (sibling ``index``) still holds the shared views (not moved to
+        another device or dtype, nor its buffers replaced, since sharing)."""
+        held = member._buffers
+        return all(held[key] is view for key, view in zip(_KEYS, self.views[index], strict=True))
+
     def forward(self, member: Int4Linear, index: int, x: torch.Tensor) -> torch.Tensor | None:
         """Member ``index``'s decode output for ``x``, from the shared call (made now, or kept
         from a sibling's call on this same ``x``); ``None`` where the decode kernel does not
@@ -75,13 +81,7 @@ class SharedInput:
             if len(pending[2]) == self.members:
                 self.pending = None  # every sibling served: nothing kept between steps
         else:
-            held, views = member._buffers, self.views[index]
-            if (
-                held["qweight"] is not views[0]
-                or held["scales16"] is not views[1]
-                or held["zeros16"] is not views[2]
-                or held["bias"] is not views[3]
-            ):
+            if not self.holds(member, index):
                 return None  # moved or reassigned since sharing: its own buffers
             y = int4_tiles.try_decode(x, self.buffers, self.in_features, self.out_features)
             if y is None:
