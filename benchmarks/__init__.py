@@ -65,6 +65,8 @@ Programs:
 - ``gguf_llama_cpp``: our GGUF exports through llama.cpp's own ``llama-perplexity`` and
   ``llama-tokenize`` (built from source; ``--llama-bin``), beside lmcompress under the same
   protocol.
+- ``ptx_report``: every Triton kernel and autotuning candidate compiled for sm_80 and sm_90 with
+  no GPU (Triton's compiler and its ptxas): registers, spills and shared memory.
 
 ``kernels`` (GPU only: the packed 2:4 Triton kernel against cuBLAS and cuSPARSELt, and decode
 tokens/s) was measured on an H200 (``scripts/gpu_checks.sh``) and re-rendered here from its
@@ -89,4 +91,5 @@ BENCHMARKS = (
     "learned_speed",
     "kernels",
     "gguf_llama_cpp",
+    "ptx_report",
 )

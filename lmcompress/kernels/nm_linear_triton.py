@@ -221,17 +221,26 @@ def nm_matmul_kernel(
         tl.store(where, acc, y_ok)
 
 
-def _configs(decode: bool) -> list[triton.Config]:
-    """GPU autotuning candidates (Hopper/Ampere-sized); the interpreter uses one fixed config."""
-    # Every candidate compiles for sm_90 without register spills (checked with ptxas, triton
-    # 3.9): the in-register expansion is register-hungry, so the big tiles get 8 warps.
+def _configs(decode: bool, arch: int = 90) -> list[triton.Config]:
+    """GPU autotuning candidates for compute capability ``arch`` (80: A100; 90: H100/H200),
+    each compiled without a register spill there (``ptx_report``: ``ptxas -v`` of every
+    candidate on both, checked by ``tests/kernels/test_ptx_report.py``). The in-register
+    expansion is register-hungry: the big tiles get 8 warps, and sm_80's compiler, which
+    spilled the largest tiles of sm_90's list (``benchmarks/results/ptx_report.md``), gets
+    smaller ones instead."""
     if decode:  # BLOCK_M = 16: the smallest tl.dot; the K slices are long to stream the weight
-        shapes = [(16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 128, 64, 4, 4)]
-        shapes += [(16, 64, 64, 4, 4), (16, 32, 256, 4, 3), (16, 128, 128, 8, 3)]
-        shapes += [(16, 256, 64, 8, 3), (16, 32, 64, 2, 4)]
+        shapes = [(16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 64, 64, 4, 4)]
+        shapes += [(16, 32, 256, 4, 3), (16, 32, 64, 2, 4)]
+        if arch >= 90:
+            shapes += [(16, 128, 64, 4, 4), (16, 128, 128, 8, 3), (16, 256, 64, 8, 3)]
+        else:
+            shapes += [(16, 128, 64, 8, 4), (16, 64, 256, 8, 3)]
     else:
-        shapes = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 8, 3)]
-        shapes += [(128, 64, 64, 8, 3), (128, 128, 32, 8, 4)]
+        shapes = [(64, 128, 64, 8, 3), (128, 128, 32, 8, 4)]
+        if arch >= 90:
+            shapes += [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 8, 3)]
+        else:
+            shapes += [(64, 64, 64, 8, 3), (64, 128, 32, 4, 4)]
     return [
         triton.Config(
             {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
@@ -243,9 +252,15 @@ def _configs(decode: bool) -> list[triton.Config]:
 
 
 @functools.cache
-def _autotuned(decode: bool):
+def _autotuned(decode: bool, arch: int = 90):
     key = ["out_features", "in_features", "tokens_bucket", "N", "M", "SPLIT_K", "HAS_BIAS"]
-    return triton.autotune(configs=_configs(decode), key=key)(nm_matmul_kernel)
+    return triton.autotune(configs=_configs(decode, arch), key=key)(nm_matmul_kernel)
+
+
+def _arch(device: torch.device) -> int:
+    """Compute capability as ``10 major + minor`` (90 for sm_90)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 def interpreted() -> bool:
@@ -327,7 +342,8 @@ def nm_linear_triton(
         _check_config(config, n, m)
         nm_matmul_kernel[grid](*args, **options, **config)
     else:
-        _autotuned(tokens <= DECODE_TOKENS)[grid](*args, **options)
+        arch = 90 if x.device.type != "cuda" else min(90, _arch(x.device))
+        _autotuned(tokens <= DECODE_TOKENS, 80 if arch < 90 else 90)[grid](*args, **options)
     if split_k > 1:  # (S, T, out) fp32 partial sums
         y = target.sum(0)
         if bias is not None:
