@@ -65,6 +65,9 @@ Programs:
 - ``gguf_llama_cpp``: our GGUF exports through llama.cpp's own ``llama-perplexity`` and
   ``llama-tokenize`` (built from source; ``--llama-bin``), beside lmcompress under the same
   protocol.
+- ``speed_scale``: ``compress-model bench`` on random-weight models of Llama-3.2-1B's and
+  Llama-3-8B's shapes (fewer blocks), every runtime eager and compiled, decode as a fraction
+  of the bandwidth limit;
 - ``ptx_report``: every Triton kernel and autotuning candidate compiled for sm_80 and sm_90 with
   no GPU (Triton's compiler and its ptxas): registers, spills and shared memory.
 
@@ -92,4 +95,5 @@ BENCHMARKS = (
     "kernels",
     "gguf_llama_cpp",
     "ptx_report",
+    "speed_scale",
 )
