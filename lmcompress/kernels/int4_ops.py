@@ -59,6 +59,11 @@ from lmcompress.kernels import cpu_kernels, int4_reference, int4_tiles, referenc
 # benchmarks/results/int4_speed.md): 4 tokens 18.95 / 26.40, 8 tokens 27.41 / 25.86.
 MAX_TOKENS = 6
 BLOCK_BYTES = 4 << 20  # dequantized weight per prefill block (stays in cache for the matmul)
+# ...but never fewer output rows than this: at 1,024 tokens a block of 144 to 512 rows made
+# the bf16 matmul of an 8B-shaped layer (4096 x 14336) about twice as slow as 1,024 rows,
+# which cost no more than the whole weight at once (2 threads, Intel Xeon with AMX; ad hoc).
+# Costs a buffer of 1,024 rows per thread: 29 MiB for a 14336-wide bf16 layer.
+MIN_BLOCK_ROWS = 1024
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 NM = tuple[torch.Tensor, int, int]  # (indices, n, m)
@@ -244,9 +249,10 @@ def _buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def block_rows(in_features: int, dtype: torch.dtype) -> int:
-    """Output rows per prefill block: ``BLOCK_BYTES`` of dequantized weight, a multiple of 16."""
+    """Output rows per prefill block: ``BLOCK_BYTES`` of dequantized weight, at least
+    ``MIN_BLOCK_ROWS``, a multiple of 16."""
     elem = torch.finfo(dtype).bits // 8
-    return max(16, BLOCK_BYTES // (in_features * elem) // 16 * 16)
+    return max(16, MIN_BLOCK_ROWS // 16 * 16, BLOCK_BYTES // (in_features * elem) // 16 * 16)
 
 
 def prefill(

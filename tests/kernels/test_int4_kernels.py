@@ -128,6 +128,7 @@ def test_prefill_by_blocks_is_the_reference_by_blocks(monkeypatch, dtype):
     then ``F.linear`` with its part of the bias, equals the torch dequantization's blocks bit for
     bit, and the float dequantized matmul to float rounding."""
     monkeypatch.setattr(int4_ops, "BLOCK_BYTES", 16 * 96 * 4)
+    monkeypatch.setattr(int4_ops, "MIN_BLOCK_ROWS", 16)
     qweight, scales, zeros = _weight(53, 96, 4, 32)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(40, 96, generator=g).to(dtype)
@@ -249,6 +250,7 @@ def test_gradients_through_prefill_blocks_are_the_dequantized_linear_s(monkeypat
     """A block's weight is saved for the backward: blocks are not written into one reused
     buffer when the input needs a gradient (they would all be the last block's)."""
     monkeypatch.setattr(int4_ops, "BLOCK_BYTES", 16 * 64 * 4)
+    monkeypatch.setattr(int4_ops, "MIN_BLOCK_ROWS", 16)
     qweight, scales, zeros = _weight(40, 64, 4, 32)
     W = R4.dequantize(qweight, scales, zeros, 4, 32, 64)
     x = torch.randn(20, 64, requires_grad=True)
@@ -257,3 +259,13 @@ def test_gradients_through_prefill_blocks_are_the_dequantized_linear_s(monkeypat
     x2 = x.detach().clone().requires_grad_(True)
     F.linear(x2, W).square().sum().backward()
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_blocks_are_never_narrower_than_the_minimum():
+    """Blocks of ``BLOCK_BYTES`` (4 MiB) where a row is narrow, at least ``MIN_BLOCK_ROWS``
+    (1,024) where it is wide: an 8B-shaped 14336-wide layer's bf16 matmul ran twice as slow
+    in blocks of 144 rows."""
+    assert int4_ops.block_rows(576, torch.bfloat16) == (4 << 20) // (576 * 2) // 16 * 16 == 3632
+    assert int4_ops.block_rows(14336, torch.bfloat16) == 1024
+    assert int4_ops.block_rows(2048, torch.float32) == 1024
+    assert int4_ops.block_rows(1536, torch.bfloat16) == 1360  # above the minimum: unchanged

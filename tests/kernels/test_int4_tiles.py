@@ -96,6 +96,7 @@ def test_linear_on_tiles_is_linear_on_the_stored_codes(monkeypatch, out, width, 
     so several; groups the vector loop takes and ones only the plain loop takes), what prefill
     gives on the stored codes; and the same without the kernels (the tiles untiled)."""
     monkeypatch.setattr(int4_ops, "BLOCK_BYTES", 16 * width * 4)
+    monkeypatch.setattr(int4_ops, "MIN_BLOCK_ROWS", 16)
     qweight, scales, zeros = _weight(out, width, 4, group_size)
     tiles = int4_tiles.tile(qweight)
     bias = torch.randn(out).to(dtype)
