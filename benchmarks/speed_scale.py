@@ -102,7 +102,8 @@ LIMIT_GOAL = 0.75  # every compressed row's decode as a fraction of its bandwidt
 
 
 def render(record: dict[str, Any]) -> str:
-    """The md of ``record`` (the benches' JSON files it names, under ``results/``)."""
+    """The md of ``record`` (each model's bench table, as ``compress-model bench`` wrote it to
+    ``results/speed_scale/MODEL/speed.json``)."""
     lines: list[str] = []
     for model, entry in record["models"].items():
         bench = entry["bench"]

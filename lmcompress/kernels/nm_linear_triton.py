@@ -257,10 +257,12 @@ def _autotuned(decode: bool, arch: int = 90):
     return triton.autotune(configs=_configs(decode, arch), key=key)(nm_matmul_kernel)
 
 
-def _arch(device: torch.device) -> int:
-    """Compute capability as ``10 major + minor`` (90 for sm_90)."""
-    major, minor = torch.cuda.get_device_capability(device)
-    return 10 * major + minor
+def _tuning_arch(device: torch.device) -> int:
+    """Which of :func:`_configs`' lists ``device`` autotunes over: 80 below compute capability
+    9 (A100-class), else 90 (and in the interpreter)."""
+    if device.type != "cuda":
+        return 90
+    return 90 if torch.cuda.get_device_capability(device)[0] >= 9 else 80
 
 
 def interpreted() -> bool:
@@ -342,8 +344,7 @@ def nm_linear_triton(
         _check_config(config, n, m)
         nm_matmul_kernel[grid](*args, **options, **config)
     else:
-        arch = 90 if x.device.type != "cuda" else min(90, _arch(x.device))
-        _autotuned(tokens <= DECODE_TOKENS, 80 if arch < 90 else 90)[grid](*args, **options)
+        _autotuned(tokens <= DECODE_TOKENS, _tuning_arch(x.device))[grid](*args, **options)
     if split_k > 1:  # (S, T, out) fp32 partial sums
         y = target.sum(0)
         if bias is not None:
