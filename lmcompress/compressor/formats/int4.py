@@ -139,7 +139,7 @@ class Int4CodedLinear(CompressedLinear):
         """The int4 runtime (:func:`lmcompress.kernels.int4_ops.linear`): a compiled kernel
         reads the packed codes for a few tokens on CPU; otherwise blocks of rows are
         dequantized into ``x``'s dtype for ``F.linear``. While ``torch.compile`` traces (no
-        gradient needed), the same computation as one opaque op (``ops.int4_decode`` for a
+        gradient needed), the same computation as one opaque op (``lean_ops.int4_decode`` for a
         tiled layer's few tokens: ``int4_forward``; else ``ops.int4_linear``)."""
         if self.tiled:  # the decode kernel's short path (None where it does not apply)
             y = tiled_forward(self, x)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmcompress.kernels import int4_tiles, ops
+from lmcompress.kernels import int4_tiles, lean_ops
 
 
 def tiled_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
@@ -32,7 +32,7 @@ def tiled_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     ):
         return None
     held = layer._buffers
-    return ops.int4_decode(
+    return lean_ops.int4_decode(
         x, held["qweight"], held["scales16"], held["zeros16"], held["bias"], layer.bits,
         layer.group_size, layer.out_features,
     )  # fmt: skip

@@ -38,7 +38,7 @@ from lmcompress.compressor.formats.schema import (
 )
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.errors import ConfigError
-from lmcompress.kernels import cpu_kernels, int8_ops, ops
+from lmcompress.kernels import cpu_kernels, int8_ops, lean_ops, ops
 
 ACTIVATIONS = ("dynamic", "static")
 PATHS = ("int", "simulated")
@@ -99,8 +99,12 @@ def int8_forward(
 ) -> torch.Tensor:
     """``Q(x) weight_qᵀ`` rescaled, plus ``bias``: the computation of every int8-coded layer
     (:class:`QuantLinear`, and the composed formats that unpack their codes first).
-    ``input_scale`` ``None``: per-token dynamic activation scales."""
+    ``input_scale`` ``None``: per-token dynamic activation scales. While ``torch.compile``
+    traces on CPU (no gradient), the ``int`` path is one op (``lean_ops.int8_layer``) that
+    runs the same kernels as eager."""
     out_features, in_features = weight_q.shape
+    if path == "int" and lean_ops.traced_cpu(x, in_features):  # compiled: eager's computation
+        return lean_ops.int8_layer(x, weight_q, weight_scale, input_scale, bias)
     if (
         path == "int"
         and weight_scale.shape[1] == 1

@@ -29,7 +29,7 @@ from lmcompress.compressor.formats.schema import (
 )
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.errors import ConfigError
-from lmcompress.kernels import ops
+from lmcompress.kernels import cpu_kernels, lean_ops, ops
 
 
 @torch.no_grad()
@@ -137,6 +137,16 @@ class LowRankLinear(CompressedLinear):
         return (self.B.to(compute) @ self.A.to(compute)).to(self.A.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        """``(x Aᵀ) Bᵀ + b``: the low-rank kernel for a few tokens on CPU, else two linears
+        (:func:`ops.low_rank_linear`); while ``torch.compile`` traces a few tokens without
+        gradients, the same computation as one op (``lean_ops.low_rank_layer``)."""
+        no_grad = not (torch.is_grad_enabled() and (self.A.requires_grad or self.B.requires_grad))
+        if (
+            no_grad
+            and self.A.dtype == self.B.dtype == x.dtype
+            and lean_ops.traced_cpu(x, self.in_features, cpu_kernels.LOW_RANK_MAX_TOKENS)
+        ):
+            return lean_ops.low_rank_layer(x, self.A, self.B, self.bias)
         return ops.low_rank_linear(x, self.A, self.B, self.bias)
 
     def extra_repr(self) -> str:

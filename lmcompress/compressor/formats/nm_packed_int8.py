@@ -32,7 +32,7 @@ from lmcompress.compressor.formats.nm_packed import NM_PACKED, kept
 from lmcompress.compressor.formats.registry import register_format
 from lmcompress.compressor.formats.schema import NM_META, Schema, StoredTensor, nm_rule
 from lmcompress.errors import ModelLoadError
-from lmcompress.kernels import cpu_kernels, int8_ops, ops
+from lmcompress.kernels import cpu_kernels, int8_ops, lean_ops, ops
 from lmcompress.kernels.reference import pack_nm
 
 # The nm_packed codes, int8 (out, in·n/m) and their uint8 positions, then the int8 scales
@@ -121,6 +121,11 @@ class PackedNMInt8Linear(Int8CodedLinear):
         :class:`QuantLinear`'s, bit for bit. Other paths unpack and run the int8 layer's."""
         if self.path != "int" or self.weight_scale.shape[1] != 1:
             return super().forward(x)
+        if lean_ops.traced_cpu(x, self.in_features):  # compiled: eager's computation, one op
+            return lean_ops.int8_layer(
+                x, self.values, self.weight_scale, self.input_scale, self.bias,
+                nm=(self.indices, self.n, self.m), in_features=self.in_features,
+            )  # fmt: skip
         if ops.few_tokens_cpu(x, self.in_features, cpu_kernels.MAX_TOKENS):  # one fused pass
             y = cpu_kernels.int8_linear(
                 x.reshape(-1, self.in_features), self.weight_scale, self.input_scale, self.bias,

@@ -13,7 +13,7 @@ from lmcompress import compress
 from lmcompress.compressor.formats import int4_forward
 from lmcompress.compressor.formats.int4 import Int4Linear
 from lmcompress.compressor.formats.int4_shared import prepare_decode
-from lmcompress.kernels import cpu_kernels, int4_ops, int4_tiles, ops
+from lmcompress.kernels import cpu_kernels, int4_ops, int4_tiles, lean_ops
 from lmcompress.methods.gptq import RTNConfig
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler here")
@@ -76,18 +76,18 @@ def test_the_op_equals_the_layer(dtype, tokens, bias):
     held = layer._buffers
     args = (held["qweight"], held["scales16"], held["zeros16"], held["bias"], 4, 16, 48)
     with torch.inference_mode():
-        y = ops.int4_decode(x, *args)
+        y = lean_ops.int4_decode(x, *args)
         assert torch.equal(y, layer(x))
         assert y.shape == (2, tokens, 48) and y.dtype == dtype
         with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True):
-            fake = ops.int4_decode(torch.empty(2, tokens, 64, dtype=dtype), *args)
+            fake = lean_ops.int4_decode(torch.empty(2, tokens, 64, dtype=dtype), *args)
     assert fake.shape == (2, tokens, 48) and fake.dtype == dtype
 
 
 def test_tracing_with_a_gradient_takes_the_general_path(monkeypatch):
     layer = Int4Linear.from_linear(torch.nn.Linear(64, 48), group_size=16)
     x = torch.randn(1, 64, requires_grad=True)
-    used = _count(monkeypatch, ops, "int4_decode")
+    used = _count(monkeypatch, lean_ops, "int4_decode")
     torch._dynamo.reset()
     y = torch.compile(layer, dynamic=False)(x)  # (the general path's tracing breaks the graph)
     y.sum().backward()
