@@ -27,7 +27,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from lmcompress.kernels import cpu_kernels, int4_ops, int4_tiles, reference
+from lmcompress.kernels import cpu_kernels, int4_ops, reference
 from lmcompress.kernels.int8_ops import int8_matmul
 
 logger = logging.getLogger(__name__)

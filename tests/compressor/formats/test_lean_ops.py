@@ -80,7 +80,6 @@ def test_a_compiled_low_rank_layer_runs_the_eager_kernel(monkeypatch, dtype, tok
 
 
 def test_tracing_with_a_gradient_keeps_the_torch_ops(monkeypatch):
-    layer = _int8_layer("channel")
     x = torch.randn(1, 2, 64)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert lean_ops.traced_cpu(x, 64) and lean_ops.traced_cpu(x, 64, max_tokens=2)
