@@ -45,6 +45,7 @@ LAYERS: list[tuple[str, ...]] = [
         "lmcompress.methods.svd.*",
         "lmcompress.methods.int8.*",
         "lmcompress.methods.gptq.*",
+        "lmcompress.methods.structured.*",
     ),
     ("lmcompress.methods.priors",),  # the one-shot masks the learned methods start from
     ("lmcompress.methods.maskllm.*", "lmcompress.methods.subnet.*"),

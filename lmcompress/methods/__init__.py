@@ -12,6 +12,7 @@ from lmcompress.methods.int8 import Int8
 from lmcompress.methods.magnitude import Magnitude
 from lmcompress.methods.maskllm import MaskLLM
 from lmcompress.methods.sparsegpt import SparseGPT
+from lmcompress.methods.structured import Structured
 from lmcompress.methods.subnet import Subnet
 from lmcompress.methods.svd import ASVD, FWSVD, GFWSVD, SVD, SVDLLM
 from lmcompress.methods.wanda import Wanda
@@ -22,6 +23,7 @@ METHODS: dict[str, type[Method]] = {
     "sparsegpt": SparseGPT,
     "maskllm": MaskLLM,
     "subnet": Subnet,
+    "structured": Structured,
     "svd": SVD,
     "asvd": ASVD,
     "svd-llm": SVDLLM,

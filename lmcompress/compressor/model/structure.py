@@ -88,7 +88,9 @@ def block_shape(model: nn.Module, block: nn.Module) -> BlockShape:
     if structures.kv_groups is not None:
         groups, per_group, head_dim = attention_layout(model.config)
         q, k, v, o = (block.get_submodule(p) for p in structures.kv_groups)
-        rows = per_group * _params_along(q, "out") + _params_along(k, "out") + _params_along(v, "out")
+        rows = (
+            per_group * _params_along(q, "out") + _params_along(k, "out") + _params_along(v, "out")
+        )
         group_params = head_dim * (rows + per_group * _params_along(o, "in"))
     return BlockShape(
         channels=channels,
@@ -106,12 +108,14 @@ def block_shapes(model: nn.Module) -> list[BlockShape]:
 class StructureGates:
     """Multipliers on ``model``'s structures of ``kinds``, applied by hooks: set ``values[kind]``
     to a tensor (blocks, channels), (blocks, groups) or (blocks, 2) (a block's attention and
-    MLP updates), or ``None`` (no gate); :meth:`remove` takes the hooks off."""
+    MLP updates), or ``None`` (no gate); ``enabled`` off: no gate at all (the dense model, a
+    distillation's teacher); :meth:`remove` takes the hooks off."""
 
     def __init__(self, model: nn.Module, kinds: Iterable[str]) -> None:
         kinds = tuple(kinds)
         structures = structures_of(model, kinds)
         self.values: dict[str, torch.Tensor | None] = dict.fromkeys(kinds)
+        self.enabled = True
         self._handles = []
         kv, _, _ = attention_layout(model.config) if "heads" in kinds else (0, 0, 0)
         for b, block in enumerate(decoder_blocks(model)):
@@ -128,14 +132,14 @@ class StructureGates:
 
     def _channels(self, b: int):
         def hook(_module, args):
-            gate = self.values["channels"]
+            gate = self.values["channels"] if self.enabled else None
             return None if gate is None else (args[0] * gate[b].to(args[0].dtype), *args[1:])
 
         return hook
 
     def _heads(self, b: int, kv: int):
         def hook(_module, args):
-            gate = self.values["heads"]
+            gate = self.values["heads"] if self.enabled else None
             if gate is None:
                 return None
             x = args[0]
@@ -146,7 +150,7 @@ class StructureGates:
 
     def _update(self, b: int, i: int):
         def hook(_module, _args, output):
-            gate = self.values["layers"]
+            gate = self.values["layers"] if self.enabled else None
             return None if gate is None else output * gate[b, i].to(output.dtype)
 
         return hook
@@ -184,7 +188,9 @@ def _scale_outputs_(module: nn.Module, factor: torch.Tensor) -> None:
 def _uniform(keep: torch.Tensor, kind: str) -> int:
     counts = keep.sum(dim=1)
     if not bool((counts == counts[0]).all()):
-        raise ConfigError(f"{kind}: blocks keep {counts.tolist()}; a standard config needs one width")
+        raise ConfigError(
+            f"{kind}: blocks keep {counts.tolist()}; a standard config needs one width"
+        )
     if int(counts[0]) == 0:
         raise ConfigError(f"{kind}: the budget removes every {kind[:-1]} of a block")
     return int(counts[0])

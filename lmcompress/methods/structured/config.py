@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from lmcompress.compressor.config import MethodConfig
+from lmcompress.compressor.model.structure import KINDS
+from lmcompress.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class StructuredConfig(MethodConfig):
+    """One-shot structured pruning: remove whole MLP channels, KV groups (with their query
+    heads) and decoder blocks, the same widths in every block, so that the result is a
+    standard checkpoint of the same architecture, smaller (``compressor.model.structure``).
+
+    ``ratio`` is the fraction of the decoder blocks' parameters KEPT (the low-rank methods'
+    convention). Widths are ranked by ``score``: ``magnitude`` (the sum of ``|W|`` over a
+    structure's weights) or ``activation`` (Wanda's ``|W| · ‖x‖`` summed over them, the
+    structured form of Wanda, "Wanda-sp" in An et al. 2024, FLAP); blocks by the angular
+    distance between the hidden states before and after them (Gromov et al. 2024)."""
+
+    method: ClassVar[str] = "structured"
+
+    structure: tuple[str, ...] = field(
+        default=("channels",),
+        metadata={"help": f"what to remove, any of: {', '.join(KINDS)}", "metavar": "KIND"},
+    )
+    ratio: float = field(
+        default=0.8, metadata={"help": "fraction of the decoder blocks' parameters kept"}
+    )
+    score: Literal["activation", "magnitude"] = field(
+        default="activation",
+        metadata={"help": "rank channels and KV groups by |W| times the input norm, or by |W|"},
+    )
+    calib_batch_size: int = field(
+        default=4, metadata={"help": "calibration windows per forward pass"}
+    )
+    distill_steps: int = field(
+        default=0,
+        metadata={"help": "then train the pruned model's decoder weights this many steps (one "
+                  "calibration window each) on the KL divergence from the dense model's "
+                  "logits (0: off)"},
+    )  # fmt: skip
+    distill_lr: float = field(default=1e-4, metadata={"help": "learning rate of --distill-steps"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.structure or len(set(self.structure)) != len(self.structure):
+            raise ConfigError(f"structure: one or more of {', '.join(KINDS)}, each once")
+        unknown = [k for k in self.structure if k not in KINDS]
+        if unknown:
+            raise ConfigError(f"unknown structure {unknown[0]!r}; choose from {', '.join(KINDS)}")
+        if not 0.0 < self.ratio < 1.0:
+            raise ConfigError(f"ratio {self.ratio!r} must lie in (0, 1): the fraction kept")
+        if self.include or self.exclude:
+            raise ConfigError("structured pruning removes whole structures: no --include/--exclude")
+        if self.calib_batch_size < 1:
+            raise ConfigError(f"calib_batch_size must be >= 1, got {self.calib_batch_size}")
+        if self.distill_steps < 0 or self.distill_lr <= 0:
+            raise ConfigError(
+                f"distill_steps must be >= 0 and distill_lr positive, got {self.distill_steps}, "
+                f"{self.distill_lr}"
+            )

@@ -1,0 +1,173 @@
+"""One-shot structured pruning (``--method structured``): score the structures, keep the best of
+each block at the allocated width (and the span of blocks whose removal changes the hidden
+states least), then extract a smaller model of the same architecture
+(``compressor.model.structure.extract_``)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from lmcompress.compressor.method import Method, Stats
+from lmcompress.compressor.model.families import decoder_blocks, family_of
+from lmcompress.compressor.model.structure import (
+    StructureGates,
+    block_shapes,
+    extract_,
+    structures_of,
+)
+from lmcompress.compressor.model.surgery import is_linear, weight_matrix
+from lmcompress.compressor.report import CompressionReport, LayerReport
+from lmcompress.errors import ConfigError
+from lmcompress.methods.common import count_params
+from lmcompress.methods.structured.config import StructuredConfig
+from lmcompress.methods.structured.distill import distill_gated
+from lmcompress.methods.structured.scores import (
+    allocate,
+    calibration_pass,
+    kept_params,
+    width_scores,
+)
+
+
+def top_keep(scores: torch.Tensor, removed: int) -> torch.Tensor:
+    """Bool (blocks, count): in each row, all but the ``removed`` lowest scores (ties: the
+    earlier index is kept)."""
+    kept = scores.shape[1] - removed
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :kept]
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(1, order, True)
+
+
+def span_keep(distances: torch.Tensor | None, blocks: int, removed: int) -> torch.Tensor:
+    """Bool (blocks,): every block but the ``removed`` consecutive ones from the start with the
+    smallest angular distance across them (the first on a tie)."""
+    keep = torch.ones(blocks, dtype=torch.bool)
+    if removed:
+        start = int(torch.argmin(distances))
+        keep[start : start + removed] = False
+    return keep
+
+
+class Structured(Method):
+    config_class = StructuredConfig
+    stats_in_output = False
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.config.score == "activation" or "layers" in self.config.structure
+
+    def validate(self, model: nn.Module) -> dict[str, nn.Module]:
+        """The decoder's linears; a :class:`ConfigError` for a structure the family lacks or a
+        budget that removes every structure of a kind."""
+        structures_of(model, self.config.structure)
+        allocate(block_shapes(model), self.config.structure, self.config.ratio)
+        blocks = family_of(model).blocks
+        return {
+            f"{blocks}.{name}": module
+            for name, module in decoder_blocks(model).named_modules()
+            if is_linear(module)
+        }
+
+    def calibrate(self, model: nn.Module, data: torch.Tensor | None) -> Stats:
+        """Score, choose what each block keeps (``<kind>.keep`` bool tensors) and, with
+        ``distill_steps``, distil the gated model; :meth:`apply` extracts."""
+        start = time.perf_counter()
+        layers = self.validate(model)
+        config, kinds = self.config, self.config.structure
+        structures = structures_of(model, kinds)
+        removal = allocate(block_shapes(model), kinds, config.ratio)
+        norms, distances = None, None
+        if self.needs_calibration or config.distill_steps:
+            if data is None:
+                raise ConfigError("structured pruning needs calibration text for these options")
+        if self.needs_calibration:
+            norms, distances = calibration_pass(
+                model, data, structures, kinds, removal.get("layers", 0), config.calib_batch_size
+            )
+        weighted = norms if config.score == "activation" else None
+        keep = {
+            kind: top_keep(scores, removal[kind])
+            for kind, scores in width_scores(model, structures, kinds, weighted).items()
+        }
+        if "layers" in kinds:
+            blocks = len(decoder_blocks(model))
+            keep["layers"] = span_keep(distances, blocks, removal["layers"])
+        meta = {"removal": removal}
+        if config.distill_steps:
+            meta["distill_history"] = self._distill(model, data, layers, keep)
+        meta["seconds"] = time.perf_counter() - start
+        tensors = {f"{kind}.keep": value for kind, value in keep.items()}
+        if distances is not None:
+            tensors["layers.distances"] = distances
+        return Stats(tensors=tensors, meta=meta)
+
+    def _distill(self, model, data, layers, keep) -> list[dict]:
+        gates = StructureGates(model, keep)
+        for kind, kept in keep.items():
+            value = kept.to(torch.float32)
+            gates.values[kind] = value[:, None].expand(-1, 2) if kind == "layers" else value
+        try:
+            return distill_gated(
+                model, data, layers, gates, self.config.distill_steps, self.config.distill_lr
+            )
+        finally:
+            gates.remove()
+
+    def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:
+        """Extract what ``stats`` keeps (works on a fresh model too: then undistilled)."""
+        start = time.perf_counter()
+        layers = self.validate(model)
+        removal = stats.meta["removal"]
+        blocks = len(decoder_blocks(model))
+        keep = {k: stats.tensors[f"{k}.keep"] for k in self.config.structure}
+        report = CompressionReport(
+            self.name, self.config.to_dict(), model_params=count_params(model)
+        )
+        shape = block_shapes(model)[0]
+        before = {name: weight_matrix(module).detach() for name, module in layers.items()}
+        old_blocks = list(decoder_blocks(model))
+        sizes = extract_(model, keep)
+        kept_blocks = {id(b) for b in decoder_blocks(model)}
+        report.layers = _layer_reports(model, before, old_blocks, kept_blocks, start)
+        decoder, kept = blocks * shape.params, kept_params(shape, blocks, removal)
+        report.extra = {
+            "sizes": sizes,
+            "removal": removal,
+            "decoder_params": decoder,
+            "decoder_params_kept": kept,
+            "kept_fraction": kept / decoder,
+        }
+        if "layers" in keep:
+            report.extra["blocks_removed"] = (~keep["layers"]).nonzero().squeeze(1).tolist()
+        if "distill_history" in stats.meta:
+            report.extra["distill_history"] = stats.meta["distill_history"]
+        report.seconds = stats.meta.get("seconds", 0.0) + time.perf_counter() - start
+        return report
+
+
+def _layer_reports(model, before, old_blocks, kept_blocks, started) -> list[LayerReport]:
+    """A report per linear of the original decoder: its parameters before and after (0 in a
+    removed block); no stored format (the smaller dense weight is the stored form)."""
+    prefix = family_of(model).blocks
+    reports = []
+    for name, weight in before.items():
+        index, _, path = name.removeprefix(prefix + ".").partition(".")
+        block = old_blocks[int(index)]
+        after = weight_matrix(block.get_submodule(path)) if id(block) in kept_blocks else None
+        kept = 0 if after is None else after.numel()
+        reports.append(
+            LayerReport(
+                name=name,
+                shape=tuple(weight.shape),
+                params=weight.numel(),
+                params_kept=kept,
+                bytes_dense=weight.numel() * weight.element_size(),
+                bytes_compressed=kept * weight.element_size(),
+                sparsity=1.0 - kept / weight.numel(),
+                pattern="structured",
+                seconds=time.perf_counter() - started,
+            )
+        )
+    return reports

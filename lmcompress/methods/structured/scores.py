@@ -1,0 +1,158 @@
+"""The one-shot scores of structured pruning and the budget they are cut to.
+
+- :func:`allocate`: how many channels and KV groups each block loses, and how many blocks go,
+  for a fraction of the decoder's parameters kept: the same fraction of each kind's count
+  (uniform widths), the one whose kept parameters come closest to the budget.
+- :func:`calibration_pass`: one pass of the dense model over the calibration windows that sums
+  each structured linear's squared inputs per feature (for the activation-aware score) and the
+  angular distance between the hidden states entering block ``l`` and block ``l + n``, at the
+  last token of every window, as Gromov et al. (2024, "The Unreasonable Ineffectiveness of the
+  Deeper Layers") measure it: ``arccos(cos(h_l, h_{l+n})) / π``.
+- :func:`width_scores`: per block, a score for each channel and each KV group: the sum over
+  the structure's weights of ``|W_ij|`` times the norm of input ``j`` (Wanda's score summed
+  over the structure: "Wanda-sp"), or of ``|W_ij|`` alone (``magnitude``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from lmcompress.compressor.model.families import Structures, decoder_blocks
+from lmcompress.compressor.model.structure import BlockShape, attention_layout
+from lmcompress.compressor.model.surgery import weight_matrix
+from lmcompress.compressor.util.progress import bar_disabled
+from lmcompress.errors import ConfigError
+
+Removal = dict[str, int]  # kind -> channels / groups removed per block, or blocks removed
+
+
+def kept_params(shape: BlockShape, blocks: int, removal: Removal) -> int:
+    """The decoder's parameters once ``removal`` is applied to ``blocks`` blocks of ``shape``."""
+    per_block = (
+        shape.params
+        - removal.get("channels", 0) * shape.channel_params
+        - removal.get("heads", 0) * shape.group_params
+    )
+    return (blocks - removal.get("layers", 0)) * per_block
+
+
+def allocate(shapes: list[BlockShape], kinds: tuple[str, ...], ratio: float) -> Removal:
+    """The removal (module doc) whose kept parameters are closest to ``ratio`` of the
+    decoder's; a :class:`ConfigError` where it would remove every channel, group or block."""
+    shape, blocks = shapes[0], len(shapes)
+    if any(s != shape for s in shapes):
+        raise ConfigError("structured pruning needs blocks of one shape")
+    counts = {"channels": shape.channels, "heads": shape.groups, "layers": blocks}
+    target = ratio * blocks * shape.params
+    best, best_gap = None, math.inf
+    for step in range(10001):
+        fraction = step / 10000
+        removal = {k: round(fraction * counts[k]) for k in kinds}
+        gap = abs(kept_params(shape, blocks, removal) - target)
+        if gap < best_gap:
+            best, best_gap = removal, gap
+    for kind, removed in best.items():
+        if removed >= counts[kind]:
+            unit = {"channels": "MLP channel", "heads": "KV group", "layers": "decoder block"}
+            raise ConfigError(
+                f"ratio {ratio}: the budget removes every {unit[kind]} ({removed} of "
+                f"{counts[kind]}); keep more or add another --structure"
+            )
+    return best
+
+
+def _structured_linears(structures: Structures, kinds: tuple[str, ...]) -> list[str]:
+    paths = [path for path, _ in structures.mlp] if "channels" in kinds else []
+    return paths + (list(structures.kv_groups) if "heads" in kinds else [])
+
+
+@torch.no_grad()
+def calibration_pass(
+    model: nn.Module,
+    data: torch.Tensor,
+    structures: Structures,
+    kinds: tuple[str, ...],
+    span: int,
+    batch_size: int,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """``(norms, distances)``: ``norms["<block>.<path>"]`` the L2 norm of each input feature of
+    the structured linears over every calibration token (float32, (in,)); ``distances`` (blocks
+    − span + 1,) the mean angular distance between the states entering blocks ``l`` and
+    ``l + span`` (``None`` for ``span`` 0)."""
+    blocks = decoder_blocks(model)
+    sums: dict[str, torch.Tensor] = {}
+    states: list[torch.Tensor | None] = [None] * (len(blocks) + 1)
+    handles = []
+
+    def square_sum(key: str):
+        def hook(_module, args):
+            x = args[0].detach().float().reshape(-1, args[0].shape[-1])
+            sums[key] = sums.get(key, 0) + x.square().sum(0)
+
+        return hook
+
+    def boundary(index: int):
+        def hook(_module, args, kwargs, output=None):
+            h = output if output is not None else (args[0] if args else kwargs["hidden_states"])
+            h = h[0] if isinstance(h, (tuple, list)) else h
+            states[index] = h[:, -1].detach().float()  # (batch, hidden): the last token
+
+        return hook
+
+    for b, block in enumerate(blocks):
+        for path in _structured_linears(structures, kinds):
+            module = block.get_submodule(path)
+            handles.append(module.register_forward_pre_hook(square_sum(f"{b}.{path}")))
+        if span:
+            handles.append(block.register_forward_pre_hook(boundary(b), with_kwargs=True))
+    if span:
+        last = blocks[-1].register_forward_hook(boundary(len(blocks)), with_kwargs=True)
+        handles.append(last)
+    distance = torch.zeros(len(blocks) - span + 1) if span else None
+    try:
+        batches = range(0, data.shape[0], batch_size)
+        device = next(model.parameters()).device
+        for start in tqdm(batches, desc="structure scores", disable=bar_disabled()):
+            model(input_ids=data[start : start + batch_size].to(device), use_cache=False)
+            if span:
+                h = torch.stack(states)  # (blocks + 1, batch, hidden)
+                cos = torch.nn.functional.cosine_similarity(h[:-span], h[span:], dim=-1)
+                distance += (cos.clamp(-1, 1).arccos() / math.pi).sum(1).cpu()
+    finally:
+        for handle in handles:
+            handle.remove()
+    norms = {key: value.sqrt().cpu() for key, value in sums.items()}
+    return norms, None if distance is None else distance / data.shape[0]
+
+
+def width_scores(
+    model: nn.Module,
+    structures: Structures,
+    kinds: tuple[str, ...],
+    norms: dict[str, torch.Tensor] | None,
+) -> dict[str, torch.Tensor]:
+    """``{"channels": (blocks, channels), "heads": (blocks, groups)}`` for the width kinds in
+    ``kinds`` (module doc; ``norms`` ``None``: magnitude)."""
+    out: dict[str, list[torch.Tensor]] = {k: [] for k in kinds if k != "layers"}
+    kv = attention_layout(model.config)[0] if "heads" in kinds else 0
+    for b, block in enumerate(decoder_blocks(model)):
+
+        def weighted(path: str, axis: str, _b: int = b, _block: nn.Module = block) -> torch.Tensor:
+            """Per row (``out``) or column (``in``): Σ |W| · the norm of its input feature."""
+            W = weight_matrix(_block.get_submodule(path)).detach().abs().float()
+            norm = None if norms is None else norms[f"{_b}.{path}"].to(W.device)
+            if axis == "out":
+                return (W if norm is None else W * norm).sum(1).cpu()
+            return (W.sum(0) if norm is None else W.sum(0) * norm).cpu()
+
+        if "channels" in out:
+            out["channels"].append(sum(weighted(p, axis) for p, axis in structures.mlp))
+        if "heads" in out:
+            q, k, v, o = structures.kv_groups
+            parts = [weighted(q, "out"), weighted(k, "out"), weighted(v, "out"), weighted(o, "in")]
+            out["heads"].append(sum(part.reshape(kv, -1).sum(1) for part in parts))
+    return {kind: torch.stack(rows) for kind, rows in out.items()}
