@@ -5,6 +5,7 @@ checkpoint that a fresh process loads without lmcompress, with the job's perplex
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import subprocess
@@ -21,6 +22,7 @@ from lmcompress.errors import ConfigError
 from lmcompress.methods.structured import StructuredConfig
 from lmcompress.methods.structured.method import span_keep, top_keep
 from lmcompress.methods.structured.scores import (
+    SLACK,
     allocate,
     calibration_pass,
     kept_params,
@@ -28,28 +30,39 @@ from lmcompress.methods.structured.scores import (
 )
 
 DATA = torch.randint(3, 250, (6, 16), generator=torch.Generator().manual_seed(0))
+KINDS = ("heads", "channels", "layers")
 
 
-def test_allocate_takes_the_removal_closest_to_the_budget():
+def test_allocate_meets_the_budget_in_the_proportions_asked():
+    """Every removal of the tiny llama's structures, enumerated: the one chosen is within the
+    slack of the closest to the budget, never removes a whole kind, and follows the shares."""
     shapes = block_shapes(make_tiny_model("llama", num_layers=4))
-    shape = shapes[0]
-    for kinds in [("channels",), ("heads", "channels"), ("channels", "layers")]:
+    shape, total = shapes[0], 4 * shapes[0].params
+    for kinds in [("channels",), ("heads", "channels"), ("channels", "layers"), KINDS]:
         for ratio in (0.9, 0.75, 0.6):
             removal = allocate(shapes, kinds, ratio)
-            gap = abs(kept_params(shape, 4, removal) - ratio * 4 * shape.params)
-            for fraction in torch.linspace(0, 0.95, 96).tolist():  # no other fraction is closer
-                other = {
-                    k: round(fraction * {"channels": 64, "heads": 2, "layers": 4}[k]) for k in kinds
-                }
-                assert gap <= abs(kept_params(shape, 4, other) - ratio * 4 * shape.params)
+            ranges = {"channels": range(64), "heads": range(2), "layers": range(4)}
+            closest = min(
+                abs(kept_params(shape, 4, dict(zip(kinds, r, strict=True))) - ratio * total)
+                for r in itertools.product(*(ranges[k] for k in kinds))
+            )
+            gap = abs(kept_params(shape, 4, removal) - ratio * total)
+            assert gap <= closest + SLACK * total
+            assert all(removal[k] < len(ranges[k]) for k in kinds)
     assert allocate(shapes, ("channels",), 0.5) == {"channels": 48}  # 0.5 · 9280 / 96 = 48.3
+    # channels and blocks: the same fraction of each by default; blocks first when asked
+    even = allocate(shapes, ("channels", "layers"), 0.5)
+    blocks_first = allocate(shapes, ("channels", "layers"), 0.5, {"channels": 0.1, "layers": 1})
+    channels_first = allocate(shapes, ("channels", "layers"), 0.5, {"channels": 1, "layers": 0.1})
+    assert blocks_first["layers"] > even["layers"] > channels_first["layers"]
+    assert blocks_first["channels"] < even["channels"] < channels_first["channels"]
 
 
 @pytest.mark.parametrize(
     ("kinds", "ratio", "message"),
-    [(("heads",), 0.5, "every KV group"), (("layers",), 0.1, "every decoder block")],
+    [(("heads",), 0.5, "removing whole heads keeps 0.834"), (("layers",), 0.1, "keeps 0.250")],
 )
-def test_a_budget_that_removes_every_structure_is_refused(kinds, ratio, message):
+def test_a_budget_whole_structures_cannot_meet_is_refused(kinds, ratio, message):
     shapes = block_shapes(make_tiny_model("llama", num_layers=4))
     with pytest.raises(ConfigError, match=message):
         allocate(shapes, kinds, ratio)

@@ -15,10 +15,11 @@ from lmcompress.compressor.model.families import decoder_blocks, family_of
 from lmcompress.compressor.model.structure import (
     StructureGates,
     block_shapes,
+    decoder_linears,
     extract_,
     structures_of,
 )
-from lmcompress.compressor.model.surgery import is_linear, weight_matrix
+from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.errors import ConfigError
 from lmcompress.methods.common import count_params
@@ -63,12 +64,7 @@ class Structured(Method):
         budget that removes every structure of a kind."""
         structures_of(model, self.config.structure)
         allocate(block_shapes(model), self.config.structure, self.config.ratio)
-        blocks = family_of(model).blocks
-        return {
-            f"{blocks}.{name}": module
-            for name, module in decoder_blocks(model).named_modules()
-            if is_linear(module)
-        }
+        return decoder_linears(model)
 
     def calibrate(self, model: nn.Module, data: torch.Tensor | None) -> Stats:
         """Score, choose what each block keeps (``<kind>.keep`` bool tensors) and, with
@@ -118,33 +114,47 @@ class Structured(Method):
     def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:
         """Extract what ``stats`` keeps (works on a fresh model too: then undistilled)."""
         start = time.perf_counter()
-        layers = self.validate(model)
-        removal = stats.meta["removal"]
-        blocks = len(decoder_blocks(model))
+        self.validate(model)
         keep = {k: stats.tensors[f"{k}.keep"] for k in self.config.structure}
-        report = CompressionReport(
-            self.name, self.config.to_dict(), model_params=count_params(model)
-        )
-        shape = block_shapes(model)[0]
-        before = {name: weight_matrix(module).detach() for name, module in layers.items()}
-        old_blocks = list(decoder_blocks(model))
-        sizes = extract_(model, keep)
-        kept_blocks = {id(b) for b in decoder_blocks(model)}
-        report.layers = _layer_reports(model, before, old_blocks, kept_blocks, start)
-        decoder, kept = blocks * shape.params, kept_params(shape, blocks, removal)
-        report.extra = {
-            "sizes": sizes,
-            "removal": removal,
-            "decoder_params": decoder,
-            "decoder_params_kept": kept,
-            "kept_fraction": kept / decoder,
-        }
-        if "layers" in keep:
-            report.extra["blocks_removed"] = (~keep["layers"]).nonzero().squeeze(1).tolist()
-        if "distill_history" in stats.meta:
-            report.extra["distill_history"] = stats.meta["distill_history"]
-        report.seconds = stats.meta.get("seconds", 0.0) + time.perf_counter() - start
+        report = extract_report(self, model, keep, None, stats, start)
+        report.seconds += stats.meta.get("seconds", 0.0)
         return report
+
+
+def extract_report(
+    method: Method,
+    model: nn.Module,
+    keep: dict[str, torch.Tensor],
+    scales: dict[str, torch.Tensor] | None,
+    stats: Stats,
+    started: float,
+) -> CompressionReport:
+    """Extract ``keep`` from ``model`` (``scales`` folded in) and report it: a layer report per
+    linear of the original decoder, the new sizes and the kept parameters in ``extra``."""
+    report = CompressionReport(
+        method.name, method.config.to_dict(), model_params=count_params(model)
+    )
+    shape, blocks = block_shapes(model)[0], len(decoder_blocks(model))
+    before = {n: weight_matrix(m).detach() for n, m in decoder_linears(model).items()}
+    old_blocks = list(decoder_blocks(model))
+    sizes = extract_(model, keep, scales)
+    kept_blocks = {id(b) for b in decoder_blocks(model)}
+    report.layers = _layer_reports(model, before, old_blocks, kept_blocks, started)
+    removal = stats.meta["removal"]
+    decoder, kept = blocks * shape.params, kept_params(shape, blocks, removal)
+    report.extra = {
+        "sizes": sizes,
+        "removal": removal,
+        "decoder_params": decoder,
+        "decoder_params_kept": kept,
+        "kept_fraction": kept / decoder,
+    }
+    if "layers" in keep:
+        report.extra["blocks_removed"] = (~keep["layers"]).nonzero().squeeze(1).tolist()
+    if "distill_history" in stats.meta:
+        report.extra["distill_history"] = stats.meta["distill_history"]
+    report.seconds = time.perf_counter() - started
+    return report
 
 
 def _layer_reports(model, before, old_blocks, kept_blocks, started) -> list[LayerReport]:

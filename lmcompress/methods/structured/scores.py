@@ -1,8 +1,8 @@
 """The one-shot scores of structured pruning and the budget they are cut to.
 
 - :func:`allocate`: how many channels and KV groups each block loses, and how many blocks go,
-  for a fraction of the decoder's parameters kept: the same fraction of each kind's count
-  (uniform widths), the one whose kept parameters come closest to the budget.
+  for a fraction of the decoder's parameters kept (uniform widths): the budget met as closely
+  as whole structures allow, in given proportions of each kind (equal for the one-shot rows).
 - :func:`calibration_pass`: one pass of the dense model over the calibration windows that sums
   each structured linear's squared inputs per feature (for the activation-aware score) and the
   angular distance between the hidden states entering block ``l`` and block ``l + n``, at the
@@ -37,32 +37,53 @@ def kept_params(shape: BlockShape, blocks: int, removal: Removal) -> int:
         - removal.get("channels", 0) * shape.channel_params
         - removal.get("heads", 0) * shape.group_params
     )
-    return (blocks - removal.get("layers", 0)) * per_block
+    return (blocks - removal.get("layers", 0)) * per_block  # (ints, or tensors of candidates)
 
 
-def allocate(shapes: list[BlockShape], kinds: tuple[str, ...], ratio: float) -> Removal:
-    """The removal (module doc) whose kept parameters are closest to ``ratio`` of the
-    decoder's; a :class:`ConfigError` where it would remove every channel, group or block."""
+SLACK = 0.005  # removals within this fraction of the decoder of the closest all count as met
+TOLERANCE = 0.02  # a budget missed by more than this fraction of the decoder is refused
+
+
+def allocate(
+    shapes: list[BlockShape],
+    kinds: tuple[str, ...],
+    ratio: float,
+    shares: dict[str, float] | None = None,
+) -> Removal:
+    """How many channels and KV groups each block loses and how many blocks go (never all of
+    a kind), so that the kept parameters meet ``ratio`` of the decoder's: among the removals
+    within ``SLACK`` of the closest, the one whose fractions of each kind's count are most
+    nearly proportional to ``shares`` (default 1 each: the same fraction of every kind; a
+    learned run passes the fractions it learned). A :class:`ConfigError` where the closest
+    misses the budget by more than ``TOLERANCE`` of the decoder (too few structures)."""
     shape, blocks = shapes[0], len(shapes)
     if any(s != shape for s in shapes):
         raise ConfigError("structured pruning needs blocks of one shape")
     counts = {"channels": shape.channels, "heads": shape.groups, "layers": blocks}
-    target = ratio * blocks * shape.params
-    best, best_gap = None, math.inf
-    for step in range(10001):
-        fraction = step / 10000
-        removal = {k: round(fraction * counts[k]) for k in kinds}
-        gap = abs(kept_params(shape, blocks, removal) - target)
-        if gap < best_gap:
-            best, best_gap = removal, gap
-    for kind, removed in best.items():
-        if removed >= counts[kind]:
-            unit = {"channels": "MLP channel", "heads": "KV group", "layers": "decoder block"}
-            raise ConfigError(
-                f"ratio {ratio}: the budget removes every {unit[kind]} ({removed} of "
-                f"{counts[kind]}); keep more or add another --structure"
-            )
-    return best
+    grids = torch.meshgrid(
+        *(torch.arange(counts[k], dtype=torch.float64) for k in kinds), indexing="ij"
+    )
+    removed = dict(zip(kinds, (g.flatten() for g in grids), strict=True))
+    total = blocks * shape.params
+    kept = kept_params(shape, blocks, removed)  # every candidate at once
+    gap = (kept - ratio * total).abs()
+    best = float(gap.min())
+    if best > TOLERANCE * total:
+        closest = float(kept[gap.argmin()]) / total
+        raise ConfigError(
+            f"ratio {ratio}: removing whole {', '.join(kinds)} keeps {closest:.3f} of the "
+            "decoder at the closest; keep more or add another --structure"
+        )
+    fractions = torch.stack([removed[k] / counts[k] for k in kinds], dim=1)  # (candidates, kinds)
+    want = torch.tensor(
+        [1.0 if shares is None else float(shares[k]) for k in kinds], dtype=torch.float64
+    )
+    cosine = torch.nn.functional.cosine_similarity(fractions, want[None], dim=1)
+    cosine = torch.where(
+        gap <= best + SLACK * total, cosine, torch.tensor(-2.0, dtype=torch.float64)
+    )
+    choice = int(torch.argmax(cosine))  # ties: the first (fewest removals of the first kinds)
+    return {k: int(removed[k][choice]) for k in kinds}
 
 
 def _structured_linears(structures: Structures, kinds: tuple[str, ...]) -> list[str]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, get_args
 
+from lmcompress.compressor.model.structure import KINDS
 from lmcompress.compressor.options import flat_option_groups
 from lmcompress.compressor.training.options import LearningScope, TrainingOptions
 from lmcompress.errors import ConfigError
@@ -90,6 +91,22 @@ class SubnetConfig(PruningConfig):
         },
     )
     scope: LearningScope = field(default_factory=LearningScope)  # --blockwise, --refit, --tune-*
+    structure: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": f"learn whole structures instead of single weights, any of: "
+            f"{', '.join(KINDS)}; --sparsity is then the fraction of the decoder's parameters "
+            "removed, extracted into a smaller model of the same architecture",
+            "metavar": "KIND",
+        },
+    )
+    distill_steps: int = field(
+        default=0,
+        metadata={"help": "--structure: then train the kept weights this many steps (one "
+                  "calibration window each) on the KL divergence from the dense model's "
+                  "logits (0: off)"},
+    )  # fmt: skip
+    distill_lr: float = field(default=1e-4, metadata={"help": "learning rate of --distill-steps"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -108,3 +125,29 @@ class SubnetConfig(PruningConfig):
             raise ConfigError("--kappa scales the N:M pattern sampler: it needs an N:M sparsity")
         if self.scope.blockwise and self.training.fsdp:
             raise ConfigError("--fsdp is for end-to-end training; --blockwise runs one process")
+        if self.distill_steps < 0 or self.distill_lr <= 0:
+            raise ConfigError(
+                f"distill_steps must be >= 0 and distill_lr positive, got {self.distill_steps}, "
+                f"{self.distill_lr}"
+            )
+        if self.structure:
+            self._check_structure()
+        elif self.distill_steps:
+            raise ConfigError("--distill-steps trains a structured extraction: add --structure")
+
+    def _check_structure(self) -> None:
+        """``--structure``: known kinds, each once; a fraction to remove; end to end only."""
+        unknown = [k for k in self.structure if k not in KINDS]
+        if unknown or len(set(self.structure)) != len(self.structure):
+            raise ConfigError(f"structure: one or more of {', '.join(KINDS)}, each once")
+        if self.sparsity.is_nm or self.layer_sparsity or self.include or self.exclude:
+            raise ConfigError(
+                "--structure removes whole structures at one --sparsity fraction: no N:M, "
+                "--layer-sparsity, --include or --exclude"
+            )
+        scope = self.scope
+        if scope.blockwise or scope.refit != "none" or scope.tune_steps or self.training.fsdp:
+            raise ConfigError(
+                "--structure learns end to end in one process: no --blockwise, "
+                "--refit, --tune-steps or --fsdp"
+            )

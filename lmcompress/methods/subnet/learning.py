@@ -60,7 +60,7 @@ def new_mask(
     return mask
 
 
-class _Reverse(torch.autograd.Function):
+class GradientReversal(torch.autograd.Function):
     """Identity forward, negated gradient: descent on the loss is ascent on a multiplier."""
 
     @staticmethod
@@ -112,7 +112,7 @@ class KeepRateConstraint(nn.Module):
         logs = {"keep_dev": float((d.detach() / self.scales).abs().max())}  # relative
         if self.kind == "penalty":
             return self.weight * d.square().mean(), logs
-        lam = _Reverse.apply(self.multipliers)
+        lam = GradientReversal.apply(self.multipliers)
         logs["lambda"] = float(self.multipliers.detach().abs().max())
         return (lam[0] * d).sum() + (lam[1] * d.square()).sum(), logs
 

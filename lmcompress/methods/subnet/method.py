@@ -13,6 +13,7 @@ from torch import nn
 
 from lmcompress.compressor.method import Stats
 from lmcompress.compressor.model.budget import backward_bytes
+from lmcompress.compressor.model.structure import block_shapes, decoder_linears, structures_of
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.compressor.training import distributed
@@ -40,6 +41,9 @@ from lmcompress.methods.priors import (
 )
 from lmcompress.methods.pruning import PruningMethod
 from lmcompress.methods.sparsegpt import refit
+from lmcompress.methods.structured.method import extract_report
+from lmcompress.methods.structured.scores import allocate
+from lmcompress.methods.subnet import structured
 from lmcompress.methods.subnet.config import SubnetConfig
 from lmcompress.methods.subnet.learning import (
     dense_keep,
@@ -78,9 +82,13 @@ class Subnet(PruningMethod):
 
     def validate(self, model: nn.Module) -> dict[str, nn.Module]:
         """Also ``--resume``'s checkpoints: there, and of the same options."""
-        layers = super().validate(model)
         check_resume(self.config)
-        return layers
+        if self.config.structure:  # whole structures: the family's, at a budget it can meet
+            structures_of(model, self.config.structure)
+            ratio = 1.0 - self.config.sparsity.ratio
+            allocate(block_shapes(model), self.config.structure, ratio)
+            return decoder_linears(model)
+        return super().validate(model)
 
     def memory_estimate(
         self, model: nn.Module, nsamples: int, seq_len: int, itemsize: int = 4
@@ -112,6 +120,11 @@ class Subnet(PruningMethod):
         layers = self.validate(model)
         device = self.device or next(model.parameters()).device
         torch.manual_seed(self.config.training.train_seed)  # the noise: the global RNG
+        if self.config.structure:
+            start = time.perf_counter()
+            score = held_out_perplexity(model, eval_data)
+            tensors, meta = structured.learn(self.config, model, train_data, score)
+            return Stats(tensors=tensors, meta={**meta, "seconds": time.perf_counter() - start})
         if self.config.scope.blockwise:
             return self._blockwise(model, train_data, eval_data, layers, device)
         return self._end_to_end(model, train_data, eval_data, layers, device)
@@ -219,6 +232,8 @@ class Subnet(PruningMethod):
         re-fitted are kept as they are."""
         start = time.perf_counter()
         layers = self.validate(model)
+        if self.config.structure:
+            return self._apply_structure(model, stats, start)
         report = CompressionReport(
             self.name, self.config.to_dict(), model_params=count_params(model)
         )
@@ -245,6 +260,16 @@ class Subnet(PruningMethod):
             "subnet: %d steps, sparsity %.4f, hard ppl %s",
             report.extra["steps"], report.extra["sparsity"], report.extra["hard_ppl"],
         )  # fmt: skip
+        return report
+
+    def _apply_structure(self, model: nn.Module, stats: Stats, start: float) -> CompressionReport:
+        """Extract the learned structures (``<kind>.keep``), their scales folded in."""
+        kinds = self.config.structure
+        keep = {k: stats.tensors[f"{k}.keep"] for k in kinds}
+        scales = {k: stats.tensors[f"{k}.scale"] for k in kinds if f"{k}.scale" in stats.tensors}
+        report = extract_report(self, model, keep, scales, stats, start)
+        report.extra.update(training_extra(stats.meta, CURVE_KEYS))
+        report.seconds += stats.meta.get("seconds", 0.0)
         return report
 
     def stats_bytes(self, model: nn.Module) -> int:
