@@ -119,7 +119,38 @@ def learned(payload: Record, _results_dir: Path, path: Path, corpora: list[str])
     plt.close(fig)
 
 
+def structured(payload: Record, _results_dir: Path, path: Path, corpora: list[str]) -> None:
+    """Per corpus, perplexity against the decoder parameters kept: a line per family of rows
+    (the row's name without its ratio: width, depth, svd, learned, and their distilled points),
+    the dense model's as a dashed line."""
+    plt = _pyplot()
+    rows = [r for r in payload["results"] if r.get("summary")]
+    dense = next((r for r in payload["results"] if r["name"] == "dense"), None)
+    fig, axes = plt.subplots(1, len(corpora), figsize=(6 * len(corpora), 4.5), squeeze=False)
+    for ax, corpus in zip(axes[0], corpora, strict=True):
+        families: dict[str, list[tuple[float, float]]] = {}
+        for row in rows:
+            family = " ".join(w for w in row["name"].split() if not w[:1].isdigit())
+            summary, ppl = row["summary"], perplexity(row, corpus)
+            if ppl:
+                kept = summary["params_kept"] / summary["params_compressed_layers"]
+                families.setdefault(family, []).append((kept, ppl))
+        for family, points in families.items():
+            points.sort()
+            ax.plot(*zip(*points, strict=True), marker="o", label=family)
+        if dense and perplexity(dense, corpus):
+            ax.axhline(perplexity(dense, corpus), color="black", linestyle="--", label="dense")
+        ax.set_xlabel("decoder linears' parameters kept")
+        ax.set_ylabel(f"{corpus} perplexity")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+
+
 PLOTS: dict[str, Callable[[Record, Path, Path, list[str]], None]] = {
+    "structured": structured,
     "int8": int8,
     "subnet": subnet,
     "learned": learned,

@@ -229,8 +229,12 @@ def record_of(manifest: Record, out: Path) -> Record:
     if results.get("dense"):
         record["dense"] = results["dense"]
     record["summary"] = manifest["report"]["summary"]
-    if "softmax" in manifest["report"].get("extra", {}):  # int8's 8-bit softmax and its bias
-        record["softmax"] = manifest["report"]["extra"]["softmax"]
+    extra = manifest["report"].get("extra", {})
+    if "softmax" in extra:  # int8's 8-bit softmax and its bias
+        record["softmax"] = extra["softmax"]
+    if "sizes" in extra:  # a structured extraction: its new widths and what it kept
+        keys = ("sizes", "removal", "kept_fraction", "blocks_removed")
+        record["structure"] = {k: extra[k] for k in keys if k in extra}
     record["formats"] = sorted({e["format"] for e in manifest["compressed_layers"].values()})
     if (out / "compressed.safetensors").is_file():
         record["compressed_file_bytes"] = (out / "compressed.safetensors").stat().st_size

@@ -69,6 +69,7 @@ _EXPORTS = {
     "FWSVDConfig": "lmcompress.methods.svd",
     "GFWSVDConfig": "lmcompress.methods.svd",
     "SubnetConfig": "lmcompress.methods.subnet",
+    "StructuredConfig": "lmcompress.methods.structured",
     "Int8Config": "lmcompress.methods.int8",
     "GPTQConfig": "lmcompress.methods.gptq",
     "RTNConfig": "lmcompress.methods.gptq",
