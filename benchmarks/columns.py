@@ -156,7 +156,9 @@ def _file(row: Record, digits: int) -> str:
 
 
 def _params_kept(row: Record, digits: int) -> str:
-    summary = row["summary"]
+    summary = row.get("summary")
+    if not summary:  # a row that scored a checkpoint as it is
+        return "-"
     return f"{summary['params_kept'] / summary['params_compressed_layers']:.{digits}f}"
 
 
