@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from lmcompress.compressor.method import Method, Stats
+from lmcompress.compressor.model.budget import backward_bytes
 from lmcompress.compressor.model.families import decoder_blocks, family_of
 from lmcompress.compressor.model.structure import (
     StructureGates,
@@ -65,6 +66,23 @@ class Structured(Method):
         structures_of(model, self.config.structure)
         allocate(block_shapes(model), self.config.structure, self.config.ratio)
         return decoder_linears(model)
+
+    def memory_estimate(
+        self,
+        model: nn.Module,
+        nsamples: int,  # noqa: ARG002
+        seq_len: int,
+        itemsize: int = 4,
+    ) -> dict[str, int]:
+        """Distillation only: the activations kept for backward (one window a step) and the
+        fp32 deltas of the decoder's weights with their gradients and AdamW moments."""
+        if not self.config.distill_steps:
+            return {}
+        numel = sum(weight_matrix(m).numel() for m in self.validate(model).values())
+        return {
+            "activations kept for backward": backward_bytes(model, 1, seq_len, itemsize, 3),
+            "distillation deltas, gradients and moments": 4 * 4 * numel,
+        }
 
     def calibrate(self, model: nn.Module, data: torch.Tensor | None) -> Stats:
         """Score, choose what each block keeps (``<kind>.keep`` bool tensors) and, with

@@ -98,6 +98,13 @@ class Subnet(PruningMethod):
         for backward; block-wise, the loop's windows twice (inputs and dense targets)."""
         layers = self.validate(model)
         training = self.config.training
+        activations = backward_bytes(model, training.batch_size, seq_len, itemsize, 3)
+        if self.config.structure:  # a logit per structure: nothing beside the activations
+            estimate = {"activations kept for backward": activations}
+            if self.config.distill_steps:  # W + Δ: fp32 deltas, their gradients, AdamW moments
+                numel = sum(weight_matrix(m).numel() for m in layers.values())
+                estimate["distillation deltas, gradients and moments"] = 4 * 4 * numel
+            return estimate
 
         def state(module: nn.Module) -> int:
             numel = weight_matrix(module).numel()
@@ -110,9 +117,7 @@ class Subnet(PruningMethod):
             )  # fmt: skip
         return {
             "keep logits, gradients and moments": sum(state(m) for m in layers.values()),
-            "activations kept for backward": backward_bytes(
-                model, training.batch_size, seq_len, itemsize, 3
-            ),
+            "activations kept for backward": activations,
         }
 
     def calibrate(self, model: nn.Module, data: torch.Tensor | None) -> Stats:
