@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 import transformers
-from conftest import make_odd_llama
+from conftest import make_odd_llama, make_tiny_model
 
 import lmcompress.jobs.run as pipeline
 from lmcompress.cli.main import main
@@ -63,6 +63,10 @@ def _cases(tmp_path, good, corpus):  # noqa: PLR0915 - one table
     a_file.write_text("x")
     empty_ckpt_dir = tmp_path / "no-checkpoints"
     empty_ckpt_dir.mkdir()
+    gpt2 = tmp_path / "gpt2"
+    make_tiny_model("gpt2").save_pretrained(gpt2)
+    for f in good.glob("*token*"):
+        (gpt2 / f.name).write_bytes(f.read_bytes())
     g, c = str(good), str(corpus)
     r = _recipe
     return {
@@ -248,6 +252,23 @@ def _cases(tmp_path, good, corpus):  # noqa: PLR0915 - one table
             [g, "--method", "gptq", "--scale-dtype", "bfloat16"],
             "argument --scale-dtype: invalid choice: 'bfloat16'",
         ),
+        # --- structured extraction (issue 42) ---
+        "structured heads of gpt2": (
+            [str(gpt2), "--method", "structured", "--structure", "heads"],
+            "'gpt2' derives its head size from the hidden size",
+        ),
+        "structured budget removes every block": (
+            [g, "--method", "structured", "--structure", "layers", "--ratio", "0.2"],
+            "removing whole layers keeps 0.500 of the decoder at the closest",
+        ),
+        "structured budget removes every head": (
+            [g, "--method", "structured", "--structure", "heads", "--ratio", "0.3"],
+            "removing whole heads keeps",
+        ),
+        "subnet structure at N:M": (
+            [g, "--method", "subnet", "--structure", "channels"],
+            "--structure removes whole structures at one --sparsity fraction: no N:M",
+        ),
     }
 
 
@@ -350,6 +371,10 @@ CASE_NAMES = [
     "gptq keep-mask with a ratio",
     "rtn quantized head streamed",
     "gptq scale dtype bfloat16",
+    "structured heads of gpt2",
+    "structured budget removes every block",
+    "structured budget removes every head",
+    "subnet structure at N:M",
 ]
 
 
