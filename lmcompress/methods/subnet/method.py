@@ -278,7 +278,11 @@ class Subnet(PruningMethod):
         return report
 
     def stats_bytes(self, model: nn.Module) -> int:
-        """The fp32 keep logits (one per weight) and scales, kept in the export."""
+        """The fp32 keep logits (one per weight, or per structure) and scales, kept in the
+        export."""
+        if self.config.structure:  # logits, scales and keeps: a few per channel of each block
+            shapes = block_shapes(model)
+            return 12 * len(shapes) * (shapes[0].channels + shapes[0].groups + 2)
         return sum(4 * weight_matrix(m).numel() for m in self.validate(model).values())
 
 
