@@ -70,6 +70,12 @@ def bench_parser() -> Parser:
         "layers unpacked once: faster, more memory), dense "
         f"(default: {' '.join(defaults.runtimes)})",
     )
+    parser.add_argument(
+        "--plain",
+        action="store_true",
+        help="load each export with plain transformers in each of --dense-dtypes (a smaller "
+        "dense model from --method structured or subnet --structure) (default: off)",
+    )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument(
         "--device",
@@ -108,6 +114,7 @@ def bench_command(argv: Sequence[str]) -> int:
         device=args.device,
         compile=args.compile,
         runtimes=tuple(args.runtime),
+        plain=args.plain,
     )
     record = bench_job(
         args.checkpoint, args.exports, options, args.output, args.threads, args.overwrite

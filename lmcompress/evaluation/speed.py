@@ -53,6 +53,9 @@ class SpeedOptions:
     seed: int = 0
     compile: bool = False  # also time every row under torch.compile (static KV cache)
     runtimes: tuple[str, ...] = ("packed",)  # each export in each (load_compressed's runtimes)
+    # each export loaded by plain transformers in each of dense_dtypes instead (a smaller dense
+    # model, from structured extraction: what any engine runs)
+    plain: bool = False
 
     def __post_init__(self) -> None:
         for name in ("decode", "prompt", "repeats"):
@@ -183,6 +186,12 @@ def load_rows(checkpoint: str, exports: Sequence[str | Path], options: SpeedOpti
         for dtype in options.dense_dtypes
     ]
     for export in exports:
+        if options.plain:
+            loads += [
+                (f"{Path(export).name} {d}", lambda e=export, d=d: _plain(e, d, options), d)
+                for d in options.dense_dtypes
+            ]
+            continue
         for runtime in options.runtimes:
             if runtime == "expanded" and "packed" in options.runtimes and not _expands(export):
                 continue  # the same modules as its packed row
@@ -214,6 +223,12 @@ def load_rows(checkpoint: str, exports: Sequence[str | Path], options: SpeedOpti
             fresh = {"prefill_s": [], "ttft_s": [], "decode_s": []}  # not the eager row's lists
             rows.append(dataclasses.replace(row, **compiled, **fresh))
     return rows
+
+
+def _plain(export: str | Path, dtype: str, options: SpeedOptions) -> nn.Module:
+    """``export`` as plain transformers loads it (``load_model``: ``from_pretrained``), its
+    compressed layers, if any, ignored: for the smaller dense models of structured extraction."""
+    return load_model(str(export), dtype, options.device)[0]
 
 
 def _expands(export: str | Path) -> bool:

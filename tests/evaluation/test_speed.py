@@ -65,6 +65,23 @@ def test_bench_records_every_row_against_the_best_dense_one(tiny_checkpoint, exp
     assert record["rows"][1]["dtype"] == "bfloat16" and record["host"]["torch"] == torch.__version__
 
 
+def test_plain_rows_load_a_smaller_dense_model_in_each_dtype(tiny_checkpoint, tmp_path):
+    """``--plain``: a structured export, loaded by transformers, in every dense dtype; its
+    bytes are the smaller model's, its modules plain linears."""
+    from lmcompress.methods.structured import StructuredConfig
+
+    model = make_tiny_model("llama")
+    report = compress(model, StructuredConfig(ratio=0.6, score="magnitude"))
+    save_compressed(model, tmp_path / "width", report)
+    options = dataclasses.replace(FAST, plain=True)
+    record = bench(str(tiny_checkpoint), [tmp_path / "width"], options)
+    rows = {row["name"]: row for row in record["rows"]}
+    assert list(rows) == ["dense float32", "dense bfloat16", "width float32", "width bfloat16"]
+    assert rows["width bfloat16"]["dtype"] == "bfloat16"
+    for dtype in ("float32", "bfloat16"):
+        assert rows[f"width {dtype}"]["weight_bytes"] < rows[f"dense {dtype}"]["weight_bytes"]
+
+
 def test_cli_bench_writes_and_prints(tiny_checkpoint, export, tmp_path, capsys):
     out = tmp_path / "speed"
     argv = ["bench", str(tiny_checkpoint), str(export), "--prefill", "2x16", "--decode", "2"]
