@@ -27,6 +27,7 @@ METHOD_FLAGS = {  # every method: its bars (per layer, per block, per step) all 
     "sparsegpt": [],
     "maskllm": ["--steps", "1"],
     "subnet": ["--steps", "1"],
+    "structured": ["--structure", "channels", "layers", "--distill-steps", "1"],
     "svd": [],
     "asvd": [],
     "svd-llm": [],
