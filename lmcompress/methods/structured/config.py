@@ -27,7 +27,11 @@ class StructuredConfig(MethodConfig):
         metadata={"help": f"what to remove, any of: {', '.join(KINDS)}", "metavar": "KIND"},
     )
     ratio: float = field(
-        default=0.8, metadata={"help": "fraction of the decoder blocks' parameters kept"}
+        default=0.8,
+        metadata={
+            "help": "fraction of the decoder blocks' parameters kept; compare --sparsity of "
+            "the pruning methods (and of subnet --structure), the fraction removed"
+        },
     )
     score: Literal["activation", "magnitude"] = field(
         default="activation",
