@@ -54,28 +54,7 @@ def bench_parser() -> Parser:
         default=list(defaults.dense_dtypes),
         help=f"dtypes of the dense rows (default: {' '.join(defaults.dense_dtypes)})",
     )
-    parser.add_argument(
-        "--compile",
-        action="store_true",
-        help="also time each row under torch.compile (static KV cache; compiling takes ~1 min "
-        "a row on 2 cores); a compiled row is compared with the best compiled dense row "
-        "(default: off)",
-    )
-    parser.add_argument(
-        "--runtime",
-        nargs="+",
-        choices=RUNTIMES,
-        default=list(defaults.runtimes),
-        help="each export in these runtimes: packed (its compressed form), expanded (packed N:M "
-        "layers unpacked once: faster, more memory), dense "
-        f"(default: {' '.join(defaults.runtimes)})",
-    )
-    parser.add_argument(
-        "--plain",
-        action="store_true",
-        help="load each export with plain transformers in each of --dense-dtypes (a smaller "
-        "dense model from --method structured or subnet --structure) (default: off)",
-    )
+    _add_row_arguments(parser, defaults)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument(
         "--device",
@@ -99,6 +78,32 @@ def bench_parser() -> Parser:
         "-q", "--quiet", action="store_true", help="warnings only, no progress bars (default: off)"
     )
     return parser
+
+
+def _add_row_arguments(parser: Parser, defaults: SpeedOptions) -> None:
+    """The flags that say which rows there are and how each export is loaded."""
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time each row under torch.compile (static KV cache; compiling takes ~1 min "
+        "a row on 2 cores); a compiled row is compared with the best compiled dense row "
+        "(default: off)",
+    )
+    parser.add_argument(
+        "--runtime",
+        nargs="+",
+        choices=RUNTIMES,
+        default=list(defaults.runtimes),
+        help="each export in these runtimes: packed (its compressed form), expanded (packed N:M "
+        "layers unpacked once: faster, more memory), dense "
+        f"(default: {' '.join(defaults.runtimes)})",
+    )
+    parser.add_argument(
+        "--plain",
+        action="store_true",
+        help="load each export with plain transformers in each of --dense-dtypes (a smaller "
+        "dense model from --method structured or subnet --structure) (default: off)",
+    )
 
 
 def bench_command(argv: Sequence[str]) -> int:
