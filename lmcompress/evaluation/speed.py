@@ -188,7 +188,11 @@ def load_rows(checkpoint: str, exports: Sequence[str | Path], options: SpeedOpti
     for export in exports:
         if options.plain:
             loads += [
-                (f"{Path(export).name} {d}", lambda e=export, d=d: _plain(e, d, options), d)
+                (
+                    f"{Path(export).name} {d}",
+                    lambda e=export, d=d: load_model(str(e), d, options.device)[0],
+                    d,
+                )
                 for d in options.dense_dtypes
             ]
             continue
@@ -223,12 +227,6 @@ def load_rows(checkpoint: str, exports: Sequence[str | Path], options: SpeedOpti
             fresh = {"prefill_s": [], "ttft_s": [], "decode_s": []}  # not the eager row's lists
             rows.append(dataclasses.replace(row, **compiled, **fresh))
     return rows
-
-
-def _plain(export: str | Path, dtype: str, options: SpeedOptions) -> nn.Module:
-    """``export`` as plain transformers loads it (``load_model``: ``from_pretrained``), its
-    compressed layers, if any, ignored: for the smaller dense models of structured extraction."""
-    return load_model(str(export), dtype, options.device)[0]
 
 
 def _expands(export: str | Path) -> bool:

@@ -128,6 +128,13 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+@torch.compiler.assume_constant_result  # called while torch.compile traces, not traced
+def built() -> bool:
+    """Whether :func:`library` is there: what a traced layer checks before it puts a kernel's
+    op in the graph."""
+    return library() is not None
+
+
 def _compiler() -> str:
     for candidate in (os.environ.get("CXX"), "c++", "g++", "clang++"):
         if candidate and shutil.which(candidate):

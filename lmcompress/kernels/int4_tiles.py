@@ -177,13 +177,8 @@ def traced_decode_applies(x: torch.Tensor, in_features: int) -> bool:
         and x.shape[-1] == in_features
         and x.numel() <= MAX_TOKENS * in_features
         and x.device.type == "cpu"
-        and _kernels_built()
+        and cpu_kernels.built()
     )
-
-
-@torch.compiler.assume_constant_result  # called at tracing time, not traced
-def _kernels_built() -> bool:
-    return cpu_kernels.library() is not None
 
 
 def _call(x: torch.Tensor, buffers: dict, in_features: int, out: int, vector: int) -> torch.Tensor:

@@ -39,11 +39,6 @@ _LIB.define(
 _LIB.define("low_rank_layer(Tensor x, Tensor A, Tensor B, Tensor? bias) -> Tensor")
 
 
-@torch.compiler.assume_constant_result  # called at tracing time, not traced
-def _kernels_built() -> bool:
-    return cpu_kernels.library() is not None
-
-
 def traced_cpu(x: torch.Tensor, in_features: int, max_tokens: int | None = None) -> bool:
     """While ``torch.compile`` traces (``x`` a fake tensor of the graph's shape): whether a layer
     of ``in_features`` inputs may put its lean op in the graph for ``x`` — on CPU, fp32 or bf16,
@@ -55,7 +50,7 @@ def traced_cpu(x: torch.Tensor, in_features: int, max_tokens: int | None = None)
         and x.shape[-1] == in_features
         and (max_tokens is None or x.numel() <= max_tokens * in_features)
         and not (x.requires_grad and torch.is_grad_enabled())
-        and _kernels_built()
+        and cpu_kernels.built()
     )
 
 

@@ -140,11 +140,10 @@ class LowRankLinear(CompressedLinear):
         """``(x Aᵀ) Bᵀ + b``: the low-rank kernel for a few tokens on CPU, else two linears
         (:func:`ops.low_rank_linear`); while ``torch.compile`` traces a few tokens without
         gradients, the same computation as one op (``lean_ops.low_rank_layer``)."""
-        no_grad = not (torch.is_grad_enabled() and (self.A.requires_grad or self.B.requires_grad))
         if (
-            no_grad
+            lean_ops.traced_cpu(x, self.in_features, cpu_kernels.LOW_RANK_MAX_TOKENS)  # eager: no
             and self.A.dtype == self.B.dtype == x.dtype
-            and lean_ops.traced_cpu(x, self.in_features, cpu_kernels.LOW_RANK_MAX_TOKENS)
+            and not (torch.is_grad_enabled() and (self.A.requires_grad or self.B.requires_grad))
         ):
             return lean_ops.low_rank_layer(x, self.A, self.B, self.bias)
         return ops.low_rank_linear(x, self.A, self.B, self.bias)

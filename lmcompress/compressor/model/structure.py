@@ -29,7 +29,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from lmcompress.compressor.model.families import Structures, decoder_blocks, family_of
-from lmcompress.compressor.model.surgery import is_linear, weight_matrix
+from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.errors import ConfigError
 
 KINDS = ("heads", "channels", "layers")
@@ -103,16 +103,6 @@ def block_shape(model: nn.Module, block: nn.Module) -> BlockShape:
 
 def block_shapes(model: nn.Module) -> list[BlockShape]:
     return [block_shape(model, block) for block in decoder_blocks(model)]
-
-
-def decoder_linears(model: nn.Module) -> dict[str, nn.Module]:
-    """``{qualified name: module}`` of every linear in the decoder blocks."""
-    prefix = family_of(model).blocks
-    return {
-        f"{prefix}.{name}": module
-        for name, module in decoder_blocks(model).named_modules()
-        if is_linear(module)
-    }
 
 
 class StructureGates:

@@ -8,6 +8,12 @@ from lmcompress.compressor.model.structure import KINDS
 from lmcompress.errors import ConfigError
 
 
+def check_distill(steps: int, lr: float) -> None:
+    """``--distill-steps`` (of this method and of ``subnet --structure``): >= 0, a positive lr."""
+    if steps < 0 or lr <= 0:
+        raise ConfigError(f"distill_steps must be >= 0 and distill_lr positive, got {steps}, {lr}")
+
+
 @dataclass(frozen=True)
 class StructuredConfig(MethodConfig):
     """One-shot structured pruning: remove whole MLP channels, KV groups (with their query
@@ -61,8 +67,4 @@ class StructuredConfig(MethodConfig):
             raise ConfigError("structured pruning removes whole structures: no --include/--exclude")
         if self.calib_batch_size < 1:
             raise ConfigError(f"calib_batch_size must be >= 1, got {self.calib_batch_size}")
-        if self.distill_steps < 0 or self.distill_lr <= 0:
-            raise ConfigError(
-                f"distill_steps must be >= 0 and distill_lr positive, got {self.distill_steps}, "
-                f"{self.distill_lr}"
-            )
+        check_distill(self.distill_steps, self.distill_lr)

@@ -36,17 +36,24 @@ class DeltaWeight(nn.Module):
         return weight + self.delta.to(weight.dtype) if self.enabled else weight
 
 
-def distill_gated(
+def distill_kept(
     model: nn.Module,
     data: torch.Tensor,
     layers: dict[str, nn.Module],
-    gates: StructureGates,
+    keep: dict[str, torch.Tensor],
+    scales: dict[str, torch.Tensor],
     steps: int,
     lr: float,
 ) -> list[dict]:
-    """Train ``layers``' weights of the gated ``model`` for ``steps`` steps (one window each,
-    AdamW at peak ``lr``, cosine) on the KL from the ungated dense model; the weights are then
-    baked. Returns the loss curve."""
+    """Train ``layers``' weights of ``model`` gated at ``keep`` (bool, ``extract_``'s shapes;
+    times ``scales`` where a kind has them) for ``steps`` steps (one window each, AdamW at peak
+    ``lr``, cosine) on the KL from the ungated dense model; the weights are then baked and the
+    gates removed. Returns the loss curve."""
+    gates = StructureGates(model, keep)
+    for kind, kept in keep.items():
+        value = kept.to(torch.float32)
+        value = value[:, None].expand(-1, 2) if kind == "layers" else value
+        gates.values[kind] = value * scales[kind] if kind in scales else value
     deltas = {}
     for name, module in layers.items():
         deltas[name] = DeltaWeight(module.weight)
@@ -63,4 +70,5 @@ def distill_gated(
     finally:
         for module in layers.values():
             bake(module)
+        gates.remove()
     return result.state.history

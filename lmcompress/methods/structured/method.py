@@ -13,19 +13,13 @@ from torch import nn
 from lmcompress.compressor.method import Method, Stats
 from lmcompress.compressor.model.budget import backward_bytes
 from lmcompress.compressor.model.families import decoder_blocks, family_of
-from lmcompress.compressor.model.structure import (
-    StructureGates,
-    block_shapes,
-    decoder_linears,
-    extract_,
-    structures_of,
-)
+from lmcompress.compressor.model.structure import block_shapes, extract_, structures_of
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.errors import ConfigError
 from lmcompress.methods.common import count_params
 from lmcompress.methods.structured.config import StructuredConfig
-from lmcompress.methods.structured.distill import distill_gated
+from lmcompress.methods.structured.distill import distill_kept
 from lmcompress.methods.structured.scores import (
     allocate,
     calibration_pass,
@@ -52,6 +46,35 @@ def span_keep(distances: torch.Tensor | None, blocks: int, removed: int) -> torc
     return keep
 
 
+def one_shot_keep(
+    model: nn.Module,
+    data: torch.Tensor | None,
+    kinds: tuple[str, ...],
+    ratio: float,
+    score: str,
+    batch_size: int,
+) -> tuple[dict[str, torch.Tensor], dict[str, int], torch.Tensor | None]:
+    """``(keep, removal, distances)`` of one-shot structured pruning at ``ratio`` kept: each
+    block's highest-scoring widths (``score``: activation or magnitude) and, for ``layers``, the
+    span of blocks with the smallest angular distance; the calibration pass over ``data``
+    where the score or the blocks need it (``distances``: ``None`` without)."""
+    structures = structures_of(model, kinds)
+    shapes = block_shapes(model)
+    removal = allocate(shapes, kinds, ratio)
+    norms = distances = None
+    if score == "activation" or "layers" in kinds:
+        span = removal.get("layers", 0)
+        norms, distances = calibration_pass(model, data, structures, kinds, span, batch_size)
+    weighted = norms if score == "activation" else None
+    keep = {
+        kind: top_keep(scores, removal[kind])
+        for kind, scores in width_scores(model, structures, kinds, weighted).items()
+    }
+    if "layers" in kinds:
+        keep["layers"] = span_keep(distances, len(shapes), removal["layers"])
+    return keep, removal, distances
+
+
 class Structured(Method):
     config_class = StructuredConfig
     stats_in_output = False
@@ -65,7 +88,7 @@ class Structured(Method):
         budget that removes every structure of a kind."""
         structures_of(model, self.config.structure)
         allocate(block_shapes(model), self.config.structure, self.config.ratio)
-        return decoder_linears(model)
+        return self.select(model)  # every decoder linear: no --include / --exclude here
 
     def memory_estimate(
         self,
@@ -89,45 +112,22 @@ class Structured(Method):
         ``distill_steps``, distil the gated model; :meth:`apply` extracts."""
         start = time.perf_counter()
         layers = self.validate(model)
-        config, kinds = self.config, self.config.structure
-        structures = structures_of(model, kinds)
-        removal = allocate(block_shapes(model), kinds, config.ratio)
-        norms, distances = None, None
-        if self.needs_calibration or config.distill_steps:
-            if data is None:
-                raise ConfigError("structured pruning needs calibration text for these options")
-        if self.needs_calibration:
-            norms, distances = calibration_pass(
-                model, data, structures, kinds, removal.get("layers", 0), config.calib_batch_size
-            )
-        weighted = norms if config.score == "activation" else None
-        keep = {
-            kind: top_keep(scores, removal[kind])
-            for kind, scores in width_scores(model, structures, kinds, weighted).items()
-        }
-        if "layers" in kinds:
-            blocks = len(decoder_blocks(model))
-            keep["layers"] = span_keep(distances, blocks, removal["layers"])
+        config = self.config
+        if (self.needs_calibration or config.distill_steps) and data is None:
+            raise ConfigError("structured pruning needs calibration text for these options")
+        keep, removal, distances = one_shot_keep(
+            model, data, config.structure, config.ratio, config.score, config.calib_batch_size
+        )
         meta = {"removal": removal}
         if config.distill_steps:
-            meta["distill_history"] = self._distill(model, data, layers, keep)
+            meta["distill_history"] = distill_kept(
+                model, data, layers, keep, {}, config.distill_steps, config.distill_lr
+            )
         meta["seconds"] = time.perf_counter() - start
         tensors = {f"{kind}.keep": value for kind, value in keep.items()}
         if distances is not None:
             tensors["layers.distances"] = distances
         return Stats(tensors=tensors, meta=meta)
-
-    def _distill(self, model, data, layers, keep) -> list[dict]:
-        gates = StructureGates(model, keep)
-        for kind, kept in keep.items():
-            value = kept.to(torch.float32)
-            gates.values[kind] = value[:, None].expand(-1, 2) if kind == "layers" else value
-        try:
-            return distill_gated(
-                model, data, layers, gates, self.config.distill_steps, self.config.distill_lr
-            )
-        finally:
-            gates.remove()
 
     def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:
         """Extract what ``stats`` keeps (works on a fresh model too: then undistilled)."""
@@ -153,7 +153,7 @@ def extract_report(
         method.name, method.config.to_dict(), model_params=count_params(model)
     )
     shape, blocks = block_shapes(model)[0], len(decoder_blocks(model))
-    before = {n: weight_matrix(m).detach() for n, m in decoder_linears(model).items()}
+    before = {n: weight_matrix(m).detach() for n, m in method.select(model).items()}
     old_blocks = list(decoder_blocks(model))
     sizes = extract_(model, keep, scales)
     kept_blocks = {id(b) for b in decoder_blocks(model)}

@@ -8,6 +8,7 @@ from lmcompress.compressor.options import flat_option_groups
 from lmcompress.compressor.training.options import LearningScope, TrainingOptions
 from lmcompress.errors import ConfigError
 from lmcompress.methods.pruning import PruningConfig
+from lmcompress.methods.structured.config import check_distill
 from lmcompress.methods.subnet.parametrization import Scale
 
 Prior = Literal["sparsegpt", "wanda", "magnitude", "none"]
@@ -125,11 +126,7 @@ class SubnetConfig(PruningConfig):
             raise ConfigError("--kappa scales the N:M pattern sampler: it needs an N:M sparsity")
         if self.scope.blockwise and self.training.fsdp:
             raise ConfigError("--fsdp is for end-to-end training; --blockwise runs one process")
-        if self.distill_steps < 0 or self.distill_lr <= 0:
-            raise ConfigError(
-                f"distill_steps must be >= 0 and distill_lr positive, got {self.distill_steps}, "
-                f"{self.distill_lr}"
-            )
+        check_distill(self.distill_steps, self.distill_lr)
         if self.structure:
             self._check_structure()
         elif self.distill_steps:

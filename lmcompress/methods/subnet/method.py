@@ -13,7 +13,7 @@ from torch import nn
 
 from lmcompress.compressor.method import Stats
 from lmcompress.compressor.model.budget import backward_bytes
-from lmcompress.compressor.model.structure import block_shapes, decoder_linears, structures_of
+from lmcompress.compressor.model.structure import block_shapes, structures_of
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.compressor.training import distributed
@@ -87,7 +87,7 @@ class Subnet(PruningMethod):
             structures_of(model, self.config.structure)
             ratio = 1.0 - self.config.sparsity.ratio
             allocate(block_shapes(model), self.config.structure, ratio)
-            return decoder_linears(model)
+            return self.select(model)  # every decoder linear: no --include / --exclude here
         return super().validate(model)
 
     def memory_estimate(
@@ -128,7 +128,7 @@ class Subnet(PruningMethod):
         if self.config.structure:
             start = time.perf_counter()
             score = held_out_perplexity(model, eval_data)
-            tensors, meta = structured.learn(self.config, model, train_data, score)
+            tensors, meta = structured.learn(self.config, model, layers, train_data, score)
             return Stats(tensors=tensors, meta={**meta, "seconds": time.perf_counter() - start})
         if self.config.scope.blockwise:
             return self._blockwise(model, train_data, eval_data, layers, device)

@@ -28,18 +28,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmcompress.compressor.model.structure import (
-    StructureGates,
-    block_shapes,
-    decoder_linears,
-    structures_of,
-)
+from lmcompress.compressor.model.structure import StructureGates, block_shapes
 from lmcompress.compressor.training.drivers import Learnable, learn_end_to_end
 from lmcompress.compressor.training.gumbel import linear_schedule
 from lmcompress.compressor.training.trainer import TrainConfig
-from lmcompress.methods.structured.distill import distill_gated
-from lmcompress.methods.structured.method import span_keep, top_keep
-from lmcompress.methods.structured.scores import allocate, calibration_pass, width_scores
+from lmcompress.methods.structured.distill import distill_kept
+from lmcompress.methods.structured.method import one_shot_keep, top_keep
+from lmcompress.methods.structured.scores import allocate
 from lmcompress.methods.subnet.learning import GradientReversal
 from lmcompress.methods.subnet.sampling import keep_sample, logistic_noise
 
@@ -86,9 +81,10 @@ class StructureSampler:
         learned = {k: float(1 - torch.sigmoid(v.detach()).mean()) for k, v in self.logits.items()}
         return allocate(self.shapes, self.kinds, self.ratio, learned)
 
-    def keeps(self) -> dict[str, torch.Tensor]:
-        """The extracted keeps, bool: (blocks, channels), (blocks, groups), (blocks,)."""
-        removal = self.removal()
+    def keeps(self, removal: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
+        """The extracted keeps at ``removal`` (default: :meth:`removal`), bool: (blocks,
+        channels), (blocks, groups), (blocks,)."""
+        removal = self.removal() if removal is None else removal
         keep = {}
         for kind, logits in self.logits.items():
             if kind == "layers":
@@ -155,7 +151,6 @@ class ParamsConstraint(nn.Module):
         return lam[0] * d + lam[1] * d.square(), logs
 
 
-@torch.no_grad()
 def prior_logits(
     model: nn.Module,
     data: torch.Tensor,
@@ -171,24 +166,15 @@ def prior_logits(
     if prior == "none":
         zeros = {k: torch.zeros(len(shapes), counts[k]) for k in kinds if k != "layers"}
         return zeros | ({"layers": torch.zeros(len(shapes))} if "layers" in kinds else {})
-    structures = structures_of(model, kinds)
-    removal = allocate(shapes, kinds, ratio)
-    span = removal.get("layers", 0)
-    norms, distances = calibration_pass(model, data, structures, kinds, span, batch_size=4)
-    weighted = None if prior == "magnitude" else norms
-    keep = {
-        kind: top_keep(scores, removal[kind])
-        for kind, scores in width_scores(model, structures, kinds, weighted).items()
-    }
-    if "layers" in kinds:
-        keep["layers"] = span_keep(distances, len(shapes), span)
+    score = "magnitude" if prior == "magnitude" else "activation"
+    keep, _, _ = one_shot_keep(model, data, kinds, ratio, score, batch_size=4)
     return {k: torch.where(v, strength, -strength).float() for k, v in keep.items()}
 
 
-def learn(config, model: nn.Module, train_data, score) -> tuple[dict, dict]:
+def learn(config, model: nn.Module, layers, train_data, score) -> tuple[dict, dict]:
     """Learn the structures of ``model`` end to end (module doc) on ``train_data``, then, with
-    ``distill_steps``, distil the gated model; ``(tensors, meta)`` of the stats: every kind's
-    ``keep``, ``scale`` and ``logits``, the training history."""
+    ``distill_steps``, distil the weights of ``layers`` in the gated model; ``(tensors, meta)``
+    of the stats: every kind's ``keep``, ``scale`` and ``logits``, the training history."""
     kinds, ratio = config.structure, 1.0 - config.sparsity.ratio
     logits = prior_logits(model, train_data, kinds, ratio, config.prior, config.prior_strength)
     sampler = StructureSampler(model, kinds, logits, ratio, config.tau, config.scale != "none")
@@ -205,7 +191,8 @@ def learn(config, model: nn.Module, train_data, score) -> tuple[dict, dict]:
     train = TrainConfig.from_options(config.training, weight_decay=0.0, grad_clip=0.0)
     try:
         result = learn_end_to_end(model, train_data, learnable, train, score=score)
-        keep = sampler.keeps()
+        removal = sampler.removal()
+        keep = sampler.keeps(removal)
         scale = {k: v.detach().clone() for k, v in sampler.scales.items()}
     finally:
         sampler.remove()
@@ -214,10 +201,11 @@ def learn(config, model: nn.Module, train_data, score) -> tuple[dict, dict]:
     tensors |= {f"{k}.logits": v.detach().clone() for k, v in sampler.logits.items()}
     state = result.state
     meta = {"history": state.history, "evals": state.evals, "step0": result.step0}
-    meta["removal"] = {k: int((~v).sum(-1).flatten()[0]) for k, v in keep.items()}
+    meta["removal"] = removal
     if config.distill_steps:
-        layers = decoder_linears(model)
-        meta["distill_history"] = distill_kept(model, train_data, layers, keep, scale, config)
+        meta["distill_history"] = distill_kept(
+            model, train_data, layers, keep, scale, config.distill_steps, config.distill_lr
+        )
     return tensors, meta
 
 
@@ -230,17 +218,3 @@ def _tau_schedule(config, sampler: StructureSampler):
         return {"tau": sampler.tau}
 
     return before_step
-
-
-def distill_kept(model, data, layers, keep, scale, config) -> list[dict]:
-    """:func:`~lmcompress.methods.structured.distill.distill_gated` with the gates at the
-    extracted keeps times the learned scales."""
-    gates = StructureGates(model, keep)
-    for kind, kept in keep.items():
-        value = kept.to(torch.float32)
-        value = value[:, None].expand(-1, 2) if kind == "layers" else value
-        gates.values[kind] = value * scale[kind] if kind in scale else value
-    try:
-        return distill_gated(model, data, layers, gates, config.distill_steps, config.distill_lr)
-    finally:
-        gates.remove()
