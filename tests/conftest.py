@@ -105,6 +105,9 @@ def make_tiny_model(model_type: str, seed: int = 0, num_layers: int | None = Non
         for attr in ("num_hidden_layers", "n_layer"):
             if hasattr(config, attr):
                 setattr(config, attr, num_layers)
+        types = getattr(config, "layer_types", None)  # Gemma3's: one entry a block
+        if isinstance(types, list):
+            config.layer_types = [types[i % len(types)] for i in range(num_layers)]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.eval()

@@ -269,6 +269,10 @@ def _cases(tmp_path, good, corpus):  # noqa: PLR0915 - one table
             [g, "--method", "subnet", "--structure", "channels"],
             "--structure removes whole structures at one --sparsity fraction: no N:M",
         ),
+        "subnet per-layer widths without a structure": (
+            [g, "--method", "subnet", "--sparsity", "0.2", "--widths", "per-layer"],
+            "--distill-steps and --widths are for a structured extraction: add --structure",
+        ),
     }
 
 
@@ -375,6 +379,7 @@ CASE_NAMES = [
     "structured budget removes every block",
     "structured budget removes every head",
     "subnet structure at N:M",
+    "subnet per-layer widths without a structure",
 ]
 
 

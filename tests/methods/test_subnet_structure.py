@@ -9,10 +9,10 @@ import itertools
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import make_tiny_model, make_tiny_tokenizer
 
-from lmcompress import compress
-from lmcompress.compressor.model.structure import block_shapes, extract_
+from lmcompress import compress, load_compressed, save_compressed
+from lmcompress.compressor.model.structure import WIDTHS_FIELD, block_shapes, extract_
 from lmcompress.errors import ConfigError
 from lmcompress.methods.subnet import SubnetConfig
 from lmcompress.methods.subnet.structured import ParamsConstraint, StructureSampler
@@ -87,9 +87,11 @@ def test_samples_are_exact_keeps_with_gradients_and_the_modes_switch():
         assert model(DATA).logits.equal(dense)
 
 
-def test_extraction_equals_the_hard_gated_model_with_the_scales_folded():
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_extraction_equals_the_hard_gated_model_with_the_scales_folded(per_layer):
     model = make_tiny_model("llama", num_layers=3)
     sampler = _sampler(model, ratio=0.6)
+    sampler.per_layer = per_layer
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for scale in sampler.scales.values():
@@ -100,7 +102,9 @@ def test_extraction_equals_the_hard_gated_model_with_the_scales_folded():
     keep = sampler.keeps()
     scales = {k: v.detach() for k, v in sampler.scales.items()}
     sampler.remove()
-    extract_(model, keep, scales)
+    counts = keep["channels"][keep["layers"]].sum(1)
+    assert (len(set(counts.tolist())) > 1) == per_layer  # random logits: widths differ
+    extract_(model, keep, scales, uniform=not per_layer)
     with torch.no_grad():
         torch.testing.assert_close(model(DATA).logits, gated, rtol=1e-5, atol=1e-5)
     kept = sum(p.numel() for p in model.model.layers.parameters())
@@ -158,3 +162,34 @@ def test_a_structure_the_family_lacks_fails_before_any_work():
     model = make_tiny_model("gpt2")
     with pytest.raises(ConfigError, match="derives its head size"):
         compress(model, SubnetConfig(structure=("heads",), sparsity=0.2, steps=1), DATA)
+
+
+def test_per_layer_widths_rank_the_logits_across_blocks_and_load_with_lmcompress(tmp_path):
+    """``--widths per-layer`` end to end: the same kept parameters as uniform widths, blocks
+    of different widths, and ``load_compressed`` rebuilds it exactly; the card says so."""
+    model = make_tiny_model("llama", num_layers=3)
+    config = SubnetConfig(
+        structure=("heads", "channels"), sparsity=0.3, steps=4, prior="none", widths="per-layer"
+    )
+    report = compress(model, config, DATA)
+    widths = getattr(model.config, WIDTHS_FIELD)
+    assert len(set(widths["intermediate_size"])) > 1  # random logits: blocks differ
+    assert model.config.intermediate_size == max(widths["intermediate_size"])
+    uniform = make_tiny_model("llama", num_layers=3)
+    compress(uniform, SubnetConfig(structure=("heads", "channels"), sparsity=0.3, steps=4,
+                                   prior="none"), DATA)  # fmt: skip
+    assert (
+        report.extra["decoder_params_kept"]
+        == sum(p.numel() for p in uniform.model.layers.parameters())
+        == sum(p.numel() for p in model.model.layers.parameters())
+    )
+    out = save_compressed(model, tmp_path / "out", report, tokenizer=make_tiny_tokenizer())
+    loaded, _, _ = load_compressed(out)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(DATA).logits, model(DATA).logits, rtol=0, atol=0)
+    assert "per-layer widths" in (out / "README.md").read_text()
+
+
+def test_widths_need_a_structure():
+    with pytest.raises(ConfigError, match="add --structure"):
+        SubnetConfig(sparsity=0.2, widths="per-layer")

@@ -48,6 +48,7 @@ from lmcompress.compressor.io.replay import (
 from lmcompress.compressor.io.shards import TensorFiles, open_safetensors
 from lmcompress.compressor.model.checkpoint import LOAD_ERRORS, check_local_dir, config_error
 from lmcompress.compressor.model.loading import check_device, load_tokenizer, resolve_dtype
+from lmcompress.compressor.model.structure import apply_widths_
 from lmcompress.compressor.model.surgery import in_out_features, is_linear, replace_modules
 from lmcompress.compressor.report import CompressionReport
 from lmcompress.compressor.util.arguments import path_argument
@@ -209,6 +210,10 @@ def build_model(
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     except (ValueError, TypeError, RuntimeError) as err:
         raise ModelLoadError(f"{out_dir}: config.json builds no model: {first_line(err)}") from None
+    try:
+        apply_widths_(model)  # a structured export with per-layer widths
+    except (ConfigError, ModelLoadError) as err:
+        raise ModelLoadError(f"{out_dir}: {first_line(err)}") from None
     dense = TensorFiles.of_checkpoint(out_dir, device, key_renaming(model))
     skeleton = set(model.state_dict())
     replay_layers(model, out_dir, manifest, dense, device)

@@ -20,6 +20,7 @@ import yaml
 
 from lmcompress.compressor.io.layout import REPORT_PNG
 from lmcompress.compressor.io.speed_report import SPEED_PNG, speed_table
+from lmcompress.compressor.model.structure import WIDTHS_FIELD
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -50,7 +51,8 @@ def _front_matter(manifest: dict[str, Any], checkpoint: str) -> str:
     meta: dict[str, Any] = {}
     if _HUB_ID.match(checkpoint) and not Path(checkpoint).exists():
         meta["base_model"] = checkpoint
-    meta["library_name"] = "transformers" if manifest.get("dense_copy", True) else "lmcompress"
+    plain = manifest.get("dense_copy", True) and not _per_layer_widths(manifest)
+    meta["library_name"] = "transformers" if plain else "lmcompress"
     meta["pipeline_tag"] = "text-generation"
     tags = ["lmcompress", manifest["method"], *_kind_tags(manifest["report"]["layers"])]
     meta["tags"] = list(dict.fromkeys(tags))  # the int8 method's tag is also its kind's
@@ -237,9 +239,25 @@ def _layers_section(report: dict[str, Any]) -> str:
     return "## Per layer\n\n" + "\n".join(rows) + f"\n\n{note}"
 
 
+def _per_layer_widths(manifest: dict[str, Any]) -> dict[str, list[int]] | None:
+    """A structured extraction's widths per block, where the blocks differ (else ``None``)."""
+    sizes = (manifest["report"].get("extra") or {}).get("sizes")
+    return sizes.get(WIDTHS_FIELD) if isinstance(sizes, dict) else None
+
+
 def _usage_section(manifest: dict[str, Any]) -> str:
     lines = ["## Use", ""]
-    if manifest.get("dense_copy", True):
+    widths = _per_layer_widths(manifest)
+    if widths:
+        listed = "; ".join(f"`{k}` {v}" for k, v in widths.items())
+        lines += [
+            f"The blocks have per-layer widths ({listed}; `{WIDTHS_FIELD}` in `config.json`): "
+            "only lmcompress loads this checkpoint. A standard config has one width per kind, "
+            "so plain transformers, vLLM or llama.cpp build the widest block's shapes and "
+            "refuse the narrower weights (a size mismatch).",
+            "",
+        ]
+    elif manifest.get("dense_copy", True):
         lines += [
             "Plain transformers (the dense copy in `model.safetensors`):",
             "",

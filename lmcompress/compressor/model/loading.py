@@ -26,6 +26,7 @@ from lmcompress.compressor.model.checkpoint import (
     model_config,
     read_config,
 )
+from lmcompress.compressor.model.structure import WIDTHS_FIELD
 from lmcompress.compressor.util.arguments import path_argument
 from lmcompress.compressor.util.fsutil import atomic_dir, disk_full_as_error, format_bytes
 from lmcompress.errors import ConfigError, ModelLoadError, first_line
@@ -207,6 +208,11 @@ def _load_pretrained(
     compressed-tensors checkpoint (an int8 or int4 export's dense copy, llm-compressor's
     output) is dequantized to float weights: what a method compresses."""
     kwargs = {"trust_remote_code": trust_remote_code}
+    if getattr(config, WIDTHS_FIELD, None):
+        raise ModelLoadError(
+            f"{source}: a structured export with per-layer widths ({WIDTHS_FIELD} in "
+            "config.json) loads with lmcompress.load_compressed, not as a checkpoint to compress"
+        )
     quantized = {}
     if _quant_method(config) == "compressed-tensors":
         quantized["quantization_config"] = transformers.CompressedTensorsConfig(dequantize=True)

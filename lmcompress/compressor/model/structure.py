@@ -17,6 +17,12 @@ projections' rows and biases) and writes the smaller widths into ``model.config`
 then computes what the gated model computes (to float rounding: sums over fewer terms) and
 saves as a standard checkpoint. Every block keeps the same widths (``uniform``), since a
 standard config has one width per kind.
+
+Per-layer widths (``uniform=False``): each block keeps its own count; where the counts differ,
+``config.json`` holds the widest block's (what a plain loader builds, so that it refuses the
+narrower weights) and :data:`WIDTHS_FIELD` the list per block, which :func:`apply_widths_`
+reads back into a skeleton built from the config (lmcompress's loader does, before reading
+the weights).
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ from transformers.pytorch_utils import Conv1D
 
 from lmcompress.compressor.model.families import Structures, decoder_blocks, family_of
 from lmcompress.compressor.model.surgery import weight_matrix
-from lmcompress.errors import ConfigError
+from lmcompress.errors import ConfigError, ModelLoadError
 
 KINDS = ("heads", "channels", "layers")
+WIDTHS_FIELD = "lmcompress_widths"  # config.json: {field: [width of each block]}
 
 
 def structures_of(model: nn.Module, kinds: Iterable[str]) -> Structures:
@@ -185,15 +192,14 @@ def _scale_outputs_(module: nn.Module, factor: torch.Tensor) -> None:
         module.bias.data.mul_(factor.to(module.bias))
 
 
-def _uniform(keep: torch.Tensor, kind: str) -> int:
-    counts = keep.sum(dim=1)
-    if not bool((counts == counts[0]).all()):
-        raise ConfigError(
-            f"{kind}: blocks keep {counts.tolist()}; a standard config needs one width"
-        )
-    if int(counts[0]) == 0:
+def _counts(keep: torch.Tensor, kind: str, uniform: bool) -> list[int]:
+    """What each block keeps of ``kind``: one width for all where ``uniform``, none empty."""
+    counts = keep.sum(dim=1).tolist()
+    if uniform and len(set(counts)) > 1:
+        raise ConfigError(f"{kind}: blocks keep {counts}; a standard config needs one width")
+    if min(counts) == 0:
         raise ConfigError(f"{kind}: the budget removes every {kind[:-1]} of a block")
-    return int(counts[0])
+    return counts
 
 
 @torch.no_grad()
@@ -201,22 +207,21 @@ def extract_(
     model: nn.Module,
     keep: dict[str, torch.Tensor],
     scales: dict[str, torch.Tensor | None] | None = None,
-) -> dict[str, int]:
+    uniform: bool = True,
+) -> dict[str, int | dict[str, list[int]]]:
     """Remove from ``model`` (in place) what ``keep`` drops: ``keep[kind]`` bool of
     :class:`StructureGates`' shape (``layers``: (blocks,)); ``scales[kind]`` (same shapes as the
-    gates, ``layers`` (blocks, 2)) are folded into the kept structures. Returns the new sizes
-    (config field -> value), also written into ``model.config``."""
+    gates, ``layers`` (blocks, 2)) are folded into the kept structures; ``uniform=False``: each
+    block its own widths (module doc). Returns the new sizes (config field -> value, and
+    :data:`WIDTHS_FIELD` where blocks differ), also written into ``model.config``."""
     scales = scales or {}
     structures = structures_of(model, keep)
     blocks = decoder_blocks(model)
-    config, sizes = model.config, {}
+    config, widths = model.config, {}
     if "channels" in keep:
-        sizes[structures.mlp_width] = _uniform(keep["channels"], "channels")
+        widths[structures.mlp_width] = _counts(keep["channels"], "channels", uniform)
     if "heads" in keep:
-        kv, per_group, head_dim = attention_layout(config)
-        groups = _uniform(keep["heads"], "heads")
-        sizes.update(num_key_value_heads=groups, num_attention_heads=groups * per_group)
-        sizes["head_dim"] = head_dim
+        widths["num_key_value_heads"] = _counts(keep["heads"], "heads", uniform)
     for b, block in enumerate(blocks):
         if "channels" in keep:
             index = keep["channels"][b].nonzero().squeeze(1)
@@ -229,15 +234,65 @@ def extract_(
         if scales.get("layers") is not None:
             for i, path in enumerate((structures.attention_out, structures.mlp_out)):
                 _scale_outputs_(block.get_submodule(path), scales["layers"][b, i])
+    sizes: dict = {}
     if "layers" in keep:
         kept = keep["layers"].nonzero().squeeze(1).tolist()
         if not kept:
             raise ConfigError("layers: the budget removes every decoder block")
         _keep_blocks_(model, kept)
         sizes["num_hidden_layers"] = len(kept)
+        widths = {field: [counts[i] for i in kept] for field, counts in widths.items()}
+    sizes |= _config_sizes(config, widths)
     for field, value in sizes.items():
         setattr(config, field, value)
     return sizes
+
+
+def _config_sizes(config, widths: dict[str, list[int]]) -> dict:
+    """The config fields of the kept ``widths`` (per block): the widest block's, and the lists
+    under :data:`WIDTHS_FIELD` where the blocks differ."""
+    sizes: dict = {field: max(counts) for field, counts in widths.items()}
+    if "num_key_value_heads" in widths:
+        _kv, per_group, head_dim = attention_layout(config)
+        sizes["num_attention_heads"] = sizes["num_key_value_heads"] * per_group
+        sizes["head_dim"] = head_dim
+    differ = {field: counts for field, counts in widths.items() if len(set(counts)) > 1}
+    if differ:
+        sizes[WIDTHS_FIELD] = differ
+    return sizes
+
+
+@torch.no_grad()
+def apply_widths_(model: nn.Module) -> None:
+    """Give a model built from a config with :data:`WIDTHS_FIELD` (e.g. a skeleton on the meta
+    device) each block's own widths, the first ones of each kind kept: then its shapes are
+    those of the per-layer checkpoint. A :class:`ModelLoadError` for a malformed field."""
+    widths = getattr(model.config, WIDTHS_FIELD, None)
+    if widths is None:
+        return
+    structures, blocks = structures_of(model, ()), decoder_blocks(model)
+    known = {structures.mlp_width: "channels", "num_key_value_heads": "heads"}
+    for field, counts in widths.items() if isinstance(widths, dict) else [(None, None)]:
+        widest = getattr(model.config, str(field), None)
+        if (
+            field not in known
+            or not isinstance(widest, int)
+            or not isinstance(counts, list)
+            or len(counts) != len(blocks)
+            or not all(type(c) is int and 0 < c <= widest for c in counts)
+        ):
+            raise ModelLoadError(f"config.json: malformed {WIDTHS_FIELD} entry {field!r}")
+        if known[field] == "heads":
+            structures_of(model, ("heads",))
+        for b, (block, count) in enumerate(zip(blocks, counts, strict=True)):
+            first = torch.arange(widest) < count
+            if known[field] == "channels":
+                for path, axis in structures.mlp:
+                    _slice_(block.get_submodule(path), axis, first.nonzero().squeeze(1))
+            else:
+                _extract_groups(block, structures, first, None, b, model.config)
+    for param in model.parameters():
+        param.requires_grad_(True)  # as a model built from the config has them (slicing froze)
 
 
 def _extract_groups(block, structures, keep, scale, b, config) -> None:

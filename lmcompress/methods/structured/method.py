@@ -36,6 +36,24 @@ def top_keep(scores: torch.Tensor, removed: int) -> torch.Tensor:
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(1, order, True)
 
 
+def global_keep(
+    scores: torch.Tensor, removed: int, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Bool (blocks, count): the scores of the blocks ``rows`` (bool (blocks,); default all)
+    ranked together and their ``removed · len(rows)`` lowest dropped, so that each block has its
+    own width at the same total as :func:`top_keep`'s; every block keeps its best (ties: the
+    earlier index is kept). The other blocks keep :func:`top_keep`'s."""
+    keep = top_keep(scores, removed)
+    rows = torch.ones(scores.shape[0], dtype=torch.bool) if rows is None else rows
+    chosen = scores[rows].float().clone()
+    chosen[torch.arange(chosen.shape[0]), chosen.argmax(dim=1)] = float("inf")
+    drop = torch.sort(chosen.flatten(), stable=True).indices[: removed * chosen.shape[0]]
+    kept = torch.ones(chosen.numel(), dtype=torch.bool)
+    kept[drop] = False
+    keep[rows] = kept.view(chosen.shape)
+    return keep
+
+
 def span_keep(distances: torch.Tensor | None, blocks: int, removed: int) -> torch.Tensor:
     """Bool (blocks,): every block but the ``removed`` consecutive ones from the start with the
     smallest angular distance across them (the first on a tie)."""
@@ -146,16 +164,18 @@ def extract_report(
     scales: dict[str, torch.Tensor] | None,
     stats: Stats,
     started: float,
+    uniform: bool = True,
 ) -> CompressionReport:
-    """Extract ``keep`` from ``model`` (``scales`` folded in) and report it: a layer report per
-    linear of the original decoder, the new sizes and the kept parameters in ``extra``."""
+    """Extract ``keep`` from ``model`` (``scales`` folded in; ``uniform=False``: per-layer
+    widths) and report it: a layer report per linear of the original decoder, the new sizes
+    and the kept parameters in ``extra``."""
     report = CompressionReport(
         method.name, method.config.to_dict(), model_params=count_params(model)
     )
     shape, blocks = block_shapes(model)[0], len(decoder_blocks(model))
     before = {n: weight_matrix(m).detach() for n, m in method.select(model).items()}
     old_blocks = list(decoder_blocks(model))
-    sizes = extract_(model, keep, scales)
+    sizes = extract_(model, keep, scales, uniform)
     kept_blocks = {id(b) for b in decoder_blocks(model)}
     report.layers = _layer_reports(model, before, old_blocks, kept_blocks, started)
     removal = stats.meta["removal"]

@@ -15,6 +15,7 @@ Prior = Literal["sparsegpt", "wanda", "magnitude", "none"]
 Constraint = Literal["lagrangian", "penalty", "none"]
 ConstraintScale = Literal["relative", "size"]
 Extract = Literal["topk", "threshold"]
+Widths = Literal["uniform", "per-layer"]
 CONSTRAINTS: tuple[str, ...] = get_args(Constraint)
 
 
@@ -101,6 +102,12 @@ class SubnetConfig(PruningConfig):
             "metavar": "KIND",
         },
     )
+    widths: Widths = field(
+        default="uniform",
+        metadata={"help": "--structure: the same widths in every block (a standard config: "
+                  "plain transformers loads it) or each block its own, the learned keep "
+                  "logits ranked across blocks (only lmcompress loads it)"},
+    )  # fmt: skip
     distill_steps: int = field(
         default=0,
         metadata={"help": "--structure: then train the kept weights this many steps (one "
@@ -129,8 +136,10 @@ class SubnetConfig(PruningConfig):
         check_distill(self.distill_steps, self.distill_lr)
         if self.structure:
             self._check_structure()
-        elif self.distill_steps:
-            raise ConfigError("--distill-steps trains a structured extraction: add --structure")
+        elif self.distill_steps or self.widths != "uniform":
+            raise ConfigError(
+                "--distill-steps and --widths are for a structured extraction: add --structure"
+            )
 
     def _check_structure(self) -> None:
         """``--structure``: known kinds, each once; a fraction to remove; end to end only."""

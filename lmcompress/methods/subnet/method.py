@@ -272,7 +272,8 @@ class Subnet(PruningMethod):
         kinds = self.config.structure
         keep = {k: stats.tensors[f"{k}.keep"] for k in kinds}
         scales = {k: stats.tensors[f"{k}.scale"] for k in kinds if f"{k}.scale" in stats.tensors}
-        report = extract_report(self, model, keep, scales, stats, start)
+        uniform = self.config.widths == "uniform"
+        report = extract_report(self, model, keep, scales, stats, start, uniform)
         report.extra.update(training_extra(stats.meta, CURVE_KEYS))
         report.seconds += stats.meta.get("seconds", 0.0)
         return report

@@ -18,9 +18,10 @@ wanda → the activation-aware score, magnitude → magnitude, none → 0).
 Extraction keeps the same widths in every block (a standard config): each kind loses the share
 of its structures closest in proportion to what the learned keep probabilities say
 (``1 − mean sigmoid``) that meets the budget (``structured.scores.allocate``); each block
-keeps its top logits, the
-model its top blocks; the scales are folded in. ``hard`` mode (the hard perplexity during
-training) gates with exactly that extraction.
+keeps its top logits, the model its top blocks; the scales are folded in. ``--widths
+per-layer``: the same number of each kind removed, but the logits of the kept blocks ranked
+together (``structured.method.global_keep``), so each block has its own widths. ``hard``
+mode (the hard perplexity during training) gates with exactly that extraction.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from lmcompress.compressor.training.drivers import Learnable, learn_end_to_end
 from lmcompress.compressor.training.gumbel import linear_schedule
 from lmcompress.compressor.training.trainer import TrainConfig
 from lmcompress.methods.structured.distill import distill_kept
-from lmcompress.methods.structured.method import one_shot_keep, top_keep
+from lmcompress.methods.structured.method import global_keep, one_shot_keep, top_keep
 from lmcompress.methods.structured.scores import allocate
 from lmcompress.methods.subnet.learning import GradientReversal
 from lmcompress.methods.subnet.sampling import keep_sample, logistic_noise
@@ -51,8 +52,9 @@ class StructureSampler:
         ratio: float,
         tau: float = 1.0,
         scaled: bool = True,
+        per_layer: bool = False,
     ) -> None:
-        self.kinds, self.ratio, self.tau = kinds, ratio, tau
+        self.kinds, self.ratio, self.tau, self.per_layer = kinds, ratio, tau, per_layer
         self.shapes = block_shapes(model)
         self.gates = StructureGates(model, kinds)
         self.logits = {k: nn.Parameter(logits[k].float().clone()) for k in kinds}
@@ -86,10 +88,12 @@ class StructureSampler:
         channels), (blocks, groups), (blocks,)."""
         removal = self.removal() if removal is None else removal
         keep = {}
+        if "layers" in self.logits:
+            keep["layers"] = top_keep(self.logits["layers"].detach()[None], removal["layers"])[0]
         for kind, logits in self.logits.items():
-            if kind == "layers":
-                keep[kind] = top_keep(logits.detach()[None], removal[kind])[0]
-            else:
+            if kind != "layers" and self.per_layer:  # ranked across the blocks kept
+                keep[kind] = global_keep(logits.detach(), removal[kind], keep.get("layers"))
+            elif kind != "layers":
                 keep[kind] = top_keep(logits.detach(), removal[kind])
         return keep
 
@@ -177,7 +181,10 @@ def learn(config, model: nn.Module, layers, train_data, score) -> tuple[dict, di
     of the stats: every kind's ``keep``, ``scale`` and ``logits``, the training history."""
     kinds, ratio = config.structure, 1.0 - config.sparsity.ratio
     logits = prior_logits(model, train_data, kinds, ratio, config.prior, config.prior_strength)
-    sampler = StructureSampler(model, kinds, logits, ratio, config.tau, config.scale != "none")
+    sampler = StructureSampler(
+        model, kinds, logits, ratio, config.tau, config.scale != "none",
+        config.widths == "per-layer",
+    )  # fmt: skip
     constraint = ParamsConstraint(sampler, config.constraint, config.constraint_weight)
     extra, extra_options = constraint.trainable()
     scales = {f"{k}.scale": {"lr": config.scale_lr, "weight_decay": 0.0} for k in sampler.scales}
