@@ -113,22 +113,32 @@ static inline __m512 load16(const void* values, int kind, int64_t i) {
 
 // 2:4, tokens x[0..T) of one row: returns how many kept values it consumed. T is a template
 // argument so that the accumulators stay in registers (the loops over t unroll).
+// U independent accumulators a token (blocks b, b + 1, ... in turn): at one or two tokens a
+// single chain of multiply-adds, one a block, waited on each add's latency.
 template <int T>
 static int64_t row_24_float(const float* x, int64_t in, const void* values, int kind,
                             const uint8_t* row_idx, float* acc) {
-  __m512 sum[T];
-  for (int64_t t = 0; t < T; t++) sum[t] = _mm512_setzero_ps();
-  int64_t blocks = in / 32;
-  for (int64_t b = 0; b < blocks; b++) {
-    __m512i pos = positions_24(row_idx + 4 * b);
-    __m512 v = load16(values, kind, 16 * b);
-    for (int64_t t = 0; t < T; t++) {
-      const float* xb = x + t * in + 32 * b;
-      __m512 xg = _mm512_permutex2var_ps(_mm512_loadu_ps(xb), pos, _mm512_loadu_ps(xb + 16));
-      sum[t] = _mm512_fmadd_ps(v, xg, sum[t]);
+  constexpr int U = T == 1 ? 4 : T == 2 ? 2 : 1;
+  __m512 sum[T][U];
+  for (int t = 0; t < T; t++)
+    for (int u = 0; u < U; u++) sum[t][u] = _mm512_setzero_ps();
+  const int64_t blocks = in / 32;
+  for (int64_t b0 = 0; b0 < blocks; b0 += U) {
+    for (int u = 0; u < U && b0 + u < blocks; u++) {
+      const int64_t b = b0 + u;
+      __m512i pos = positions_24(row_idx + 4 * b);
+      __m512 v = load16(values, kind, 16 * b);
+      for (int t = 0; t < T; t++) {
+        const float* xb = x + t * in + 32 * b;
+        __m512 xg = _mm512_permutex2var_ps(_mm512_loadu_ps(xb), pos, _mm512_loadu_ps(xb + 16));
+        sum[t][u] = _mm512_fmadd_ps(v, xg, sum[t][u]);
+      }
     }
   }
-  for (int64_t t = 0; t < T; t++) acc[t] += _mm512_reduce_add_ps(sum[t]);
+  for (int t = 0; t < T; t++) {
+    for (int u = 1; u < U; u++) sum[t][0] = _mm512_add_ps(sum[t][0], sum[t][u]);
+    acc[t] += _mm512_reduce_add_ps(sum[t][0]);
+  }
   return 16 * blocks;
 }
 
