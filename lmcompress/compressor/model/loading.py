@@ -211,7 +211,7 @@ def _load_pretrained(
     if getattr(config, WIDTHS_FIELD, None):
         raise ModelLoadError(
             f"{source}: a structured export with per-layer widths ({WIDTHS_FIELD} in "
-            "config.json) loads with lmcompress.load_compressed, not as a checkpoint to compress"
+            "config.json): only lmcompress.load_compressed loads it, not a plain checkpoint load"
         )
     quantized = {}
     if _quant_method(config) == "compressed-tensors":

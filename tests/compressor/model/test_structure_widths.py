@@ -13,6 +13,7 @@ import transformers
 from conftest import FAMILY_NAMES, make_tiny_model
 
 from lmcompress.compressor.model.families import decoder_blocks
+from lmcompress.compressor.model.loading import load_model
 from lmcompress.compressor.model.structure import (
     WIDTHS_FIELD,
     StructureGates,
@@ -144,3 +145,14 @@ def test_global_keep_matches_brute_force_on_random_scores():
         ranked[torch.arange(4), scores.argmax(1)] = float("inf")
         threshold = ranked.flatten().sort().values[11]
         assert keep.equal(ranked > threshold)
+
+
+def test_a_per_layer_export_is_refused_as_a_checkpoint_in_one_line(tmp_path):
+    model = make_tiny_model("llama")
+    keep = torch.zeros(2, 64, dtype=torch.bool)
+    keep[0, :10], keep[1, :20] = True, True
+    extract_(model, {"channels": keep}, uniform=False)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="per-layer widths") as err:
+        load_model(tmp_path)
+    assert "\n" not in str(err.value)
