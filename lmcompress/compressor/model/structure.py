@@ -270,10 +270,12 @@ def apply_widths_(model: nn.Module) -> None:
     widths = getattr(model.config, WIDTHS_FIELD, None)
     if widths is None:
         return
+    if not isinstance(widths, dict):
+        raise ModelLoadError(f"config.json: malformed {WIDTHS_FIELD}: not a mapping")
     structures, blocks = structures_of(model, ()), decoder_blocks(model)
     known = {structures.mlp_width: "channels", "num_key_value_heads": "heads"}
-    for field, counts in widths.items() if isinstance(widths, dict) else [(None, None)]:
-        widest = getattr(model.config, str(field), None)
+    for field, counts in widths.items():
+        widest = getattr(model.config, field, None)
         if (
             field not in known
             or not isinstance(widest, int)
