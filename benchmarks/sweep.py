@@ -210,7 +210,7 @@ def _peer_job(row: Row, out: Path, settings: Record, venv: Path) -> Job:
                "--model", settings.get("checkpoint", "smollm2-135m")]  # fmt: skip
     # pruning rows name a sparsity; quantization rows (gptq) their bits and group size
     for key, flag in (("sparsity", "--sparsity"), ("bits", "--bits"),
-                      ("group_size", "--group-size")):  # fmt: skip
+                      ("group_size", "--group-size"), ("observer", "--observer")):  # fmt: skip
         if key in recipe:
             command += [flag, str(recipe[key])]
     for key, flag in (("nsamples", "--nsamples"), ("seq_len", "--seq-len"), ("seed", "--seed"),

@@ -46,7 +46,12 @@ IGNORE = ["lm_head"]
 _DECODER_LINEAR = re.compile(r"model\.layers\.\d+\..+")
 
 
-def make_modifier(bits: int, group_size: int, actorder: str | None) -> GPTQModifier:
+def make_modifier(
+    bits: int, group_size: int, actorder: str | None, observer: str = "minmax"
+) -> GPTQModifier:
+    """``observer="mse"``: llm-compressor's "mse" weight observer at its own defaults (the
+    range shrunk by up to 20 %, |error|^2.4, stopping after 5 steps without a better one);
+    "minmax": its default observer (none named)."""
     weights = {
         "num_bits": bits,
         "type": "int",
@@ -54,6 +59,8 @@ def make_modifier(bits: int, group_size: int, actorder: str | None) -> GPTQModif
         "strategy": "group",
         "group_size": group_size,
     }
+    if observer != "minmax":
+        weights["observer"] = observer
     return GPTQModifier(
         config_groups={"group_0": {"targets": ["Linear"], "weights": weights}},
         ignore=IGNORE,
@@ -125,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--actorder", default="static", choices=["static", "none"], help="GPTQ column order"
     )
+    parser.add_argument("--observer", default="minmax", choices=["minmax", "mse"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -141,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         model=model,
         processor=tokenizer,
         dataset=dataset,
-        recipe=[make_modifier(args.bits, args.group_size, actorder)],
+        recipe=[make_modifier(args.bits, args.group_size, actorder, args.observer)],
         num_calibration_samples=nsamples,
         max_seq_length=seq_len,
         shuffle_calibration_samples=False,
@@ -159,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["tied_embeddings"] = dense.lm_head.weight is dense.model.embed_tokens.weight
     summary.update(
         method="gptq", bits=args.bits, group_size=args.group_size, actorder=actorder,
+        observer=args.observer,
         nsamples=nsamples, seq_len=seq_len,
     )  # fmt: skip
     print(json.dumps(summary), flush=True)

@@ -43,6 +43,7 @@ GPTQ_SCRIPT = HERE / "llmcompressor_gptq.py"
 METHODS = ("wanda", "sparsegpt", "gptq")
 SPARSITIES = ("2:4", "0.5")
 QUANT_METHODS = ("gptq",)  # no --sparsity; --bits and --group-size instead
+OBSERVERS = ("minmax", "mse")  # gptq's weight observer: llm-compressor's default, or its "mse"
 
 
 def model_dir(checkpoint: str) -> tuple[Path, object]:
@@ -65,6 +66,7 @@ def run_peer(
     checkpoint: str = models.DEFAULT_CHECKPOINT,
     bits: int = 4,
     group_size: int = 128,
+    observer: str = "minmax",
 ) -> dict:
     """Prune (or, ``method="gptq"``, quantize: ``sparsity`` must then be ``None``, ``bits`` and
     ``group_size`` apply) ``checkpoint`` with llm-compressor into ``out_dir``; the
@@ -94,9 +96,10 @@ def run_peer(
         if quantizes:
             command = (
                 python, GPTQ_SCRIPT, "--model", source, "--bits", str(bits),
-                "--group-size", str(group_size), "--calib", calib_file, "--output", out,
+                "--group-size", str(group_size), "--observer", observer, "--calib", calib_file,
+                "--output", out,
             )  # fmt: skip
-            what = f"w{bits}a16 g{group_size}"
+            what = f"w{bits}a16 g{group_size} observer {observer}"
         else:
             command = (
                 python, PRUNE_SCRIPT, "--model", source, "--method", method,
@@ -124,7 +127,7 @@ def run_peer(
         "calibration": {"corpus": calib, "nsamples": nsamples, "seq_len": seq_len, "seed": seed},
     }
     if quantizes:
-        record.update(bits=bits, group_size=group_size)
+        record.update(bits=bits, group_size=group_size, observer=observer)
     (out / "peer_run.json").write_text(json.dumps(record, indent=2) + "\n")
     if run.returncode != 0 or not record[check].get("ok"):
         raise RuntimeError(f"the peer's output model failed its check: {out / 'peer_run.json'}")
@@ -137,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sparsity", choices=SPARSITIES, help="pruning methods only")
     parser.add_argument("--bits", type=int, default=4, help="gptq only")
     parser.add_argument("--group-size", type=int, default=128, help="gptq only")
+    parser.add_argument("--observer", default="minmax", choices=OBSERVERS,
+                        help="gptq only: its weights' observer")  # fmt: skip
     parser.add_argument("--out", required=True, help="directory for the pruned model")
     parser.add_argument("--nsamples", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -151,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--method {args.method} needs --sparsity")
     record = run_peer(
         args.method, sparsity, args.out, args.nsamples, args.seq_len, args.seed,
-        args.calib, args.venv, args.model, args.bits, args.group_size,
+        args.calib, args.venv, args.model, args.bits, args.group_size, args.observer,
     )  # fmt: skip
     print(json.dumps(record))
     return 0

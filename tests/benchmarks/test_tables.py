@@ -151,7 +151,13 @@ def test_a_peer_row_passes_its_quantization_grid_and_no_sparsity(tmp_path):
     command = sweep._peer_job(quant, tmp_path, settings, tmp_path).command
     assert command[command.index("--bits") + 1] == "3"
     assert command[command.index("--group-size") + 1] == "64"
-    assert "--sparsity" not in command
+    assert "--sparsity" not in command and "--observer" not in command  # its default
+    mse = Row("peer", "peer", {"method": "gptq", "bits": 4, "group_size": 64, "observer": "mse"})
+    command = sweep._peer_job(mse, tmp_path, settings, tmp_path).command
+    assert command[command.index("--observer") + 1] == "mse"
+    from benchmarks.peers import run_peer
+
+    assert set(run_peer.OBSERVERS) == {"minmax", "mse"}
     prune = Row("peer", "peer", {"method": "wanda", "sparsity": "2:4"})
     command = sweep._peer_job(prune, tmp_path, settings, tmp_path).command
     assert command[command.index("--sparsity") + 1] == "2:4" and "--bits" not in command

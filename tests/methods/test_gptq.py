@@ -26,6 +26,7 @@ from lmcompress import (
     save_compressed,
 )
 from lmcompress.cli.main import main
+from lmcompress.compressor.formats import grid
 from lmcompress.compressor.formats.compose import compose_
 from lmcompress.compressor.formats.int4 import Int4Linear, PackedNMInt4Linear
 from lmcompress.compressor.io.layout import MANIFEST
@@ -56,7 +57,7 @@ def test_every_option_reaches_the_solver(monkeypatch):
     config = GPTQConfig(
         bits=3, group_size=-1, sym=False, act_order=True, blocksize=24, percdamp=0.05,
         keep_mask=True, sparsity="2:4", hessian_dtype="float64", calib_batch_size=3,
-        include=("*.mlp.up_proj",), scale_dtype="float16",
+        include=("*.mlp.up_proj",), scale_dtype="float16", observer="mse",
     )  # fmt: skip
     with torch.no_grad():  # up_proj: 2:4 sparse first, for keep_mask
         for name in LayerSelection(config.include).select(model):
@@ -68,7 +69,7 @@ def test_every_option_reaches_the_solver(monkeypatch):
     W, H = args[:2]
     assert args[2:] == (3, -1, False, True, 24, 0.05)
     assert H.dtype == torch.float64 and kwargs["sparsity"] == config.pattern
-    assert kwargs["half_scales"] is True
+    assert kwargs["half_scales"] is True and kwargs["mse"] is True
     assert torch.equal(kwargs["mask"], W != 0)
     layer = model.get_submodule("model.layers.0.mlp.up_proj")
     assert isinstance(layer, PackedNMInt4Linear) and (layer.bits, layer.group_size) == (3, -1)
@@ -160,6 +161,23 @@ def test_rtn_options_reach_the_layers(bits, sym, group_size):
     compress(half, RTNConfig(bits=bits, sym=sym, group_size=group_size, scale_dtype="float16"))
     layer = half.get_submodule(report.layers[0].name)
     assert torch.equal(layer.scales, layer.scales.half().float())
+
+
+def test_rtn_mse_observer_clips_each_group_by_the_search():
+    """``observer="mse"``: each layer's grid is ``grid.group_params(mse=True)`` of its weight
+    (narrower than min-max in some groups, never wider); the default stays min-max."""
+    names = {}
+    for observer in ("minmax", "mse"):
+        model = make_tiny_model("llama")
+        weights = {n: weight_matrix(m).detach().clone() for n, m in model.named_modules()
+                   if n.endswith("mlp.down_proj")}  # fmt: skip
+        compress(model, RTNConfig(group_size=16, observer=observer))
+        names[observer] = {n: model.get_submodule(n) for n in weights}
+    for name, W in weights.items():
+        scales, zeros = grid.group_params(W, 4, 16, True, mse=True)
+        fitted, plain = names["mse"][name], names["minmax"][name]
+        assert torch.equal(fitted.scales, scales) and torch.equal(fitted.zeros, zeros.byte())
+        assert (fitted.scales <= plain.scales).all() and (fitted.scales < plain.scales).any()
 
 
 def test_joint_2_4_prunes_and_quantizes_in_one_pass(tmp_path):

@@ -20,10 +20,11 @@ ROWS, COLS = 12, 96
 
 
 def _params(
-    x: torch.Tensor, bits: int, sym: bool, half: bool = False
+    x: torch.Tensor, bits: int, sym: bool, half: bool = False, mse: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The grid of each row of ``x`` (rows, k), written out: float32 scales, as stored
-    (``half``: rounded to float16 numbers before the zero point is fitted)."""
+    (``half``: rounded to float16 numbers before the zero point is fitted; ``mse``: the
+    reference quantizer's search, ``_mse_params``)."""
     x = x.float()
     maxq = 2**bits - 1
     xmin = x.min(dim=1).values.clamp(max=0)
@@ -37,11 +38,35 @@ def _params(
     if half:
         scale = scale.half().float()
     zero = torch.full_like(scale, 2 ** (bits - 1)) if sym else torch.round(-xmin / scale)
+    if mse:
+        return _mse_params(x, xmin, xmax, scale, zero, maxq, sym, half)
+    return scale, zero
+
+
+def _mse_params(x, xmin, xmax, scale, zero, maxq, sym, half, norm=2.4, steps=100, shrink=0.8):
+    """IST-DASLab/gptq's ``Quantizer.find_params`` with ``mse=True``, as written there: each
+    shrink ``p`` of the range tried in turn, a row taking it where its error is smaller."""
+    scale, zero = scale.clone(), zero.clone()
+    best = torch.full([x.shape[0]], float("inf"))
+    for i in range(int(shrink * steps)):
+        p = 1 - i / steps
+        xmin1, xmax1 = p * xmin, p * xmax
+        scale1 = (xmax1 - xmin1) / maxq
+        if half:
+            scale1 = scale1.half().float()
+        zero1 = torch.full_like(scale1, (maxq + 1) // 2) if sym else torch.round(-xmin1 / scale1)
+        q = torch.clamp(torch.round(x / scale1[:, None]) + zero1[:, None], 0, maxq)
+        err = ((scale1[:, None] * (q - zero1[:, None]) - x).abs() ** norm).sum(1)
+        tmp = err < best
+        if torch.any(tmp):
+            best[tmp] = err[tmp]
+            scale[tmp] = scale1[tmp]
+            zero[tmp] = zero1[tmp]
     return scale, zero
 
 
 def reference_gptq(
-    W, H, bits, group_size, sym, act_order, percdamp=0.01, nm=None, mask=None, half=False
+    W, H, bits, group_size, sym, act_order, percdamp=0.01, nm=None, mask=None, half=False, mse=False
 ):
     """The paper's Alg. 1 as written, one column at a time (float64)."""
     W, H = W.clone().double(), H.clone().double()
@@ -51,7 +76,7 @@ def reference_gptq(
     H[dead, dead] = 1
     W[:, dead] = 0
     size = cols if group_size == -1 else group_size
-    grids = [_params(W[:, g : g + size], bits, sym, half) for g in range(0, cols, size)]
+    grids = [_params(W[:, g : g + size], bits, sym, half, mse) for g in range(0, cols, size)]
     perm = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else None
     perm = torch.arange(cols) if perm is None else perm
     W, H = W[:, perm], H[perm][:, perm]
@@ -64,7 +89,7 @@ def reference_gptq(
     for i in range(cols):
         column = int(perm[i])
         if group_size != -1 and not act_order and column % size == 0:  # in order: now
-            grids[column // size] = _params(W[:, i : i + size], bits, sym, half)
+            grids[column // size] = _params(W[:, i : i + size], bits, sym, half, mse)
         scale, zero = (t.double() for t in grids[column // size])
         if nm is not None and i % nm[1] == 0:
             saliency = W[:, i : i + nm[1]] ** 2 / torch.diag(Hinv)[i : i + nm[1]] ** 2
@@ -138,6 +163,54 @@ def test_float16_scales_equal_the_reference_with_its_scales_rounded_first(sym, a
     assert torch.equal(got.codes, codes)
     plain = gptq_quantize(W, H, 4, 16, sym, act_order, blocksize=40)
     assert not torch.equal(plain.scales, got.scales)
+
+
+@pytest.mark.parametrize(
+    ("bits", "group_size", "sym", "act_order", "half"),
+    [(4, 16, True, False, False), (4, 16, False, True, False), (3, -1, False, False, True)],
+)
+def test_mse_clipping_equals_the_reference_quantizer_search(bits, group_size, sym, act_order, half):
+    """``mse``: every group's range from the reference's search (in order: on the columns as
+    updated when the group is reached; act-order: static), and it clips: some groups take a
+    narrower range than their min and max, none a wider one."""
+    W, H = _layer(23)
+    W[:, 7] *= 6  # an outlier column: its groups gain by clipping it
+    got = gptq_quantize(
+        W, H, bits, group_size, sym, act_order, blocksize=40, mse=True, half_scales=half
+    )
+    codes, scales, zeros, _ = reference_gptq(
+        W, H, bits, group_size, sym, act_order, half=half, mse=True
+    )
+    assert torch.equal(got.scales, scales.float())
+    assert torch.equal(got.zeros, zeros.to(torch.uint8))
+    assert torch.equal(got.codes, codes)
+    minmax = gptq_quantize(W, H, bits, group_size, sym, act_order, blocksize=40, half_scales=half)
+    if act_order or group_size == -1:  # static grids: the same weights, compared directly
+        assert (got.scales <= minmax.scales).all()
+        assert (got.scales < minmax.scales).any()
+    assert output_error(W, got.weight(), H) < output_error(W, minmax.weight(), H)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_mse_grid_keeps_the_full_range_where_it_is_best_and_never_errs_more(sym):
+    """The search includes ``p = 1`` and keeps it on ties (a row already on its grid), and no
+    row's ``Σ |x̂ − x|^2.4`` exceeds its min-max grid's; a row with an outlier clips it."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 32, generator=g)
+    x[0] = torch.arange(32).float().remainder(16).sub(8) * 0.25  # asymmetric: on its grid
+    x[1, 3] = 6.0  # an outlier (a far larger one costs more clipped than rounded)
+    plain = grid.grid_params(x, 4, sym)
+    fitted = grid.grid_params(x, 4, sym, mse=True)
+
+    def err(params):
+        s, z = (t[:, None] for t in params)
+        return (grid.on_grid(x, s, z, 4) - x).abs().pow(2.4).sum(1)
+
+    assert (err(fitted) <= err(plain)).all()
+    if not sym:  # a symmetric grid's top code is 7.5 steps short of its range: none is exact
+        assert float(err(plain)[0]) == 0 and fitted[0][0] == plain[0][0]
+    assert fitted[0][1] < plain[0][1] and int((fitted[0] < plain[0]).sum()) > 16
+    assert (fitted[0] <= plain[0] * (1 + 1e-6)).all() and (fitted[0] >= 0.2 * plain[0]).all()
 
 
 @pytest.mark.parametrize("group_size", [16, -1])

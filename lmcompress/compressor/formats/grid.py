@@ -14,6 +14,13 @@ One deviation: the reference sets ``xmin = -xmax`` only when ``xmin < 0``, so a 
 with no negative weight gets half the step and its top codes clip at ``7 s`` (4 bits); here a
 symmetric grid is always ``[-absmax, absmax]``. Scales are float32 (what is stored), rounding
 is :func:`torch.round` (half to even).
+
+``mse``: the reference quantizer's clipping search (``Quantizer.configure(mse=True)``, its
+defaults ``norm=2.4, grid=100, maxshrink=0.8``): the range shrunk to ``p · [xmin, xmax]`` for
+``p = 1, 0.99, ..., 0.21``, each row keeping the first ``p`` with the least ``Σ |x̂ − x|^2.4``
+(a weight error, not GPTQ's output error); outliers are then clipped to give the other weights
+a finer step. llm-compressor's ``mse`` observer searches the start of the same grid (``p`` down
+to 0.8 by default, stopping after 5 steps without a better one).
 """
 
 from __future__ import annotations
@@ -41,12 +48,16 @@ def half_scales(scale: torch.Tensor) -> torch.Tensor:
     return rounded.clamp_min_(2.0**-24)
 
 
+MSE_NORM, MSE_GRID, MSE_MAXSHRINK = 2.4, 100, 0.8  # the reference quantizer's defaults
+
+
 def grid_params(
-    x: torch.Tensor, bits: int, symmetric: bool, half: bool = False
+    x: torch.Tensor, bits: int, symmetric: bool, half: bool = False, mse: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, zero)`` (rows,) of each row of ``x`` (rows, k): float32 scales > 0 and
     integer-valued float32 zero points in ``[0, maxq]`` (see the module doc); ``half``: each
-    scale a float16 number (:func:`half_scales`), the zero point fitted to it."""
+    scale a float16 number (:func:`half_scales`), the zero point fitted to it; ``mse``: the
+    range each row clips to chosen by the reference's search (module doc)."""
     x = x.detach().to(torch.float32)
     zero_col = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
     xmin = torch.minimum(x.amin(dim=1), zero_col)
@@ -56,6 +67,25 @@ def grid_params(
         xmin = -xmax
     empty = (xmin == 0) & (xmax == 0)
     xmin, xmax = xmin.masked_fill(empty, -1.0), xmax.masked_fill(empty, 1.0)
+    scale, zero = _range_params(xmin, xmax, bits, symmetric, half)
+    if not mse:
+        return scale, zero
+    best = torch.full_like(scale, float("inf"))
+    for i in range(int(MSE_MAXSHRINK * MSE_GRID)):
+        p = 1 - i / MSE_GRID
+        scale1, zero1 = _range_params(p * xmin, p * xmax, bits, symmetric, half)
+        err = on_grid(x, scale1[:, None], zero1[:, None], bits).sub_(x).abs_().pow_(MSE_NORM)
+        err = err.sum(dim=1)
+        better = err < best  # strictly: ties keep the wider range, as the reference
+        best = torch.where(better, err, best)
+        scale, zero = torch.where(better, scale1, scale), torch.where(better, zero1, zero)
+    return scale, zero
+
+
+def _range_params(
+    xmin: torch.Tensor, xmax: torch.Tensor, bits: int, symmetric: bool, half: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, zero)`` of the grid spanning ``[xmin, xmax]`` (``xmin < 0 < xmax``)."""
     scale = (xmax - xmin) / max_code(bits)
     if half:
         scale = half_scales(scale)
@@ -79,15 +109,20 @@ def on_grid(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int)
 
 
 def group_params(
-    W: torch.Tensor, bits: int, group_size: int, symmetric: bool, half: bool = False
+    W: torch.Tensor,
+    bits: int,
+    group_size: int,
+    symmetric: bool,
+    half: bool = False,
+    mse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scales, zeros)`` (out, groups) of ``W`` (out, in) per group of ``group_size``
-    consecutive columns (``-1``: the whole row), from the weights as they are (``half``: as
-    :func:`grid_params`)."""
+    consecutive columns (``-1``: the whole row), from the weights as they are (``half``,
+    ``mse``: as :func:`grid_params`)."""
     out_features, in_features = W.shape
     size = in_features if group_size == -1 else group_size
     flat = W.detach().reshape(out_features * (in_features // size), size)
-    scale, zero = grid_params(flat, bits, symmetric, half)
+    scale, zero = grid_params(flat, bits, symmetric, half, mse)
     return scale.view(out_features, -1), zero.view(out_features, -1)
 
 

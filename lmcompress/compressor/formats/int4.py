@@ -273,12 +273,14 @@ class Int4Linear(Int4CodedLinear):
         group_size: int = 128,
         symmetric: bool = True,
         half_scales: bool = False,
+        mse: bool = False,
     ) -> Int4Linear:
         """Round to nearest on the grid of each group of ``linear``'s weight (RTN);
-        ``half_scales``: every scale a float16 number (``grid.half_scales``)."""
+        ``half_scales``: every scale a float16 number (``grid.half_scales``); ``mse``: each
+        group's range by the clipping search (``grid.grid_params``)."""
         check_bits(bits)
         W = weight_matrix(linear).detach()  # (out, in)
-        scales, zeros = grid.group_params(W, bits, group_size, symmetric, half_scales)
+        scales, zeros = grid.group_params(W, bits, group_size, symmetric, half_scales, mse)
         q = grid.quantize_groups(W, scales, zeros, bits)
         return cls.from_codes(
             q, scales, zeros, linear, bits=bits, group_size=group_size, symmetric=symmetric

@@ -43,6 +43,15 @@ class RTNConfig(MethodConfig):
         },
     )
 
+    observer: Literal["minmax", "mse"] = field(
+        default="minmax",
+        metadata={
+            "help": "each group's range: its min and max (minmax), or the range shrunk to the "
+            "least |error|^2.4 of its rounded weights (mse: GPTQ's reference quantizer with "
+            "mse=True, llm-compressor's mse observer; outliers clip)"
+        },
+    )
+
     head: Literal["float", "quantized"] = field(
         default="float",
         metadata={

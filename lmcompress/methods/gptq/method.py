@@ -75,7 +75,8 @@ def round_to_nearest(config: RTNConfig, model: nn.Module, name: str, module: nn.
     """Layer ``name`` replaced by its round-to-nearest :class:`Int4Linear`; its report."""
     start = time.perf_counter()
     half = config.scale_dtype == "float16"
-    new = Int4Linear.from_linear(module, **grid_options(config), half_scales=half)
+    mse = config.observer == "mse"
+    new = Int4Linear.from_linear(module, **grid_options(config), half_scales=half, mse=mse)
     replace_module(model, name, new)
     return layer_report(name, weight_matrix(module).detach(), new, start)
 
@@ -165,7 +166,7 @@ class GPTQ(HessianStatistic, LayerwiseMethod):
             W, statistic, config.bits, config.group_size, config.sym, config.act_order,
             config.blocksize, config.percdamp, sparsity=pattern,
             mask=(W != 0) if config.keep_mask else None,
-            half_scales=config.scale_dtype == "float16",
+            half_scales=config.scale_dtype == "float16", mse=config.observer == "mse",
         )  # fmt: skip
         new = Int4Linear.from_codes(
             result.codes, result.scales, result.zeros, module, **grid_options(config)

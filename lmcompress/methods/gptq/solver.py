@@ -122,10 +122,13 @@ def gptq_quantize(
     sparsity: Sparsity | None = None,
     mask: torch.Tensor | None = None,
     half_scales: bool = False,
+    mse: bool = False,
 ) -> Quantized:
     """Quantize ``W`` (out, in) given the layer Hessian ``H`` (in, in) (see the module doc);
     ``sparsity`` prunes jointly, ``mask`` (bool, out × in) fixes what is kept; ``half_scales``:
-    every group's scale a float16 number, fitted before its codes (``grid.half_scales``).
+    every group's scale a float16 number, fitted before its codes (``grid.half_scales``);
+    ``mse``: each group's range by the reference quantizer's clipping search
+    (``grid.grid_params``).
     Computes in float64 for a float64 ``W`` (the Cholesky in float64 for a float64 ``H``), else
     float32, on ``W``'s device; ``W`` and ``H`` are not modified."""
     rows, cols = W.shape
@@ -145,7 +148,7 @@ def gptq_quantize(
         scales = torch.ones(rows, cols // size, device=W.device)
         zeros = torch.zeros(rows, cols // size, device=W.device)
     else:  # static: before any update or permutation
-        scales, zeros = grid.group_params(W, bits, group_size, symmetric, half_scales)
+        scales, zeros = grid.group_params(W, bits, group_size, symmetric, half_scales, mse)
     perm = torch.arange(cols, device=W.device)
     if act_order:
         perm = torch.argsort(H.diagonal(), descending=True, stable=True)
@@ -163,6 +166,7 @@ def gptq_quantize(
         bits=bits,
         symmetric=symmetric,
         half=half_scales,
+        mse=mse,
         size=size if dynamic else 0,
         sparsity=None if mask is not None else sparsity,
     )
@@ -203,6 +207,7 @@ class _Columns:
     bits: int
     symmetric: bool
     half: bool  # float16 scales
+    mse: bool  # the clipping search
     size: int  # a dynamic group's width (0: static groups)
     sparsity: Sparsity | None  # chosen by the solver (None: fixed or no pruning)
 
@@ -234,7 +239,7 @@ class _Columns:
         c = i1 + j
         if self.size and c % self.size == 0:  # the group's columns are current here
             group = self.Wt[c : c + self.size].T
-            scale, zero = grid.grid_params(group, self.bits, self.symmetric, self.half)
+            scale, zero = grid.grid_params(group, self.bits, self.symmetric, self.half, self.mse)
             self.scales[:, c // self.size], self.zeros[:, c // self.size] = scale, zero
         if self.sparsity is not None and self.sparsity.is_nm and c % self.sparsity.m == 0:
             g = slice(j, j + self.sparsity.m)
