@@ -271,7 +271,11 @@ def _cases(tmp_path, good, corpus):  # noqa: PLR0915 - one table
         ),
         "subnet per-layer widths without a structure": (
             [g, "--method", "subnet", "--sparsity", "0.2", "--widths", "per-layer"],
-            "--distill-steps and --widths are for a structured extraction: add --structure",
+            "--distill-steps, --widths and --channel-multiple are for a structured extraction",
+        ),
+        "structured channel multiple without channels": (
+            [g, "--method", "structured", "--structure", "layers", "--channel-multiple", "32"],
+            "--channel-multiple rounds the MLP width: it needs --structure channels",
         ),
     }
 
@@ -380,6 +384,7 @@ CASE_NAMES = [
     "structured budget removes every head",
     "subnet structure at N:M",
     "subnet per-layer widths without a structure",
+    "structured channel multiple without channels",
 ]
 
 

@@ -58,6 +58,47 @@ def test_allocate_meets_the_budget_in_the_proportions_asked():
     assert blocks_first["channels"] < even["channels"] < channels_first["channels"]
 
 
+@pytest.mark.parametrize("multiple", [4, 8])
+def test_channel_multiple_keeps_widths_that_are_multiples(multiple):
+    """``channel_multiple``: the kept channels a multiple of it at every budget, the closest
+    such removal chosen; the default would have kept a width that is not one (the option is
+    not a no-op)."""
+    shapes = block_shapes(make_tiny_model("llama", num_layers=4))
+    shape, total = shapes[0], 4 * shapes[0].params
+    channels, free = shape.channels, set()
+    fits = [r for r in range(channels) if (channels - r) % multiple == 0]
+    for kinds in [("channels",), ("channels", "layers"), KINDS]:
+        for ratio in (0.9, 0.75, 0.6):
+            removal = allocate(shapes, kinds, ratio, channel_multiple=multiple)
+            assert (channels - removal["channels"]) % multiple == 0, (kinds, ratio, removal)
+            if kinds == ("channels",):
+                best = min(fits, key=lambda r: abs(kept_params(shape, 4, {"channels": r})
+                                                   - ratio * total))  # fmt: skip
+                assert removal == {"channels": best}
+            free.add((channels - allocate(shapes, kinds, ratio)["channels"]) % multiple)
+    assert free != {0}
+
+
+def test_channel_multiple_refusals():
+    shapes = block_shapes(make_tiny_model("llama", num_layers=4))
+    channels = shapes[0].channels
+    with pytest.raises(ConfigError, match=f"no narrower MLP width of the {channels} channels"):
+        allocate(shapes, ("channels",), 0.8, channel_multiple=channels)
+    with pytest.raises(ConfigError, match=r"\(widths multiples of 32\) keeps 1.000 of"):
+        allocate(shapes, ("channels",), 0.9, channel_multiple=32)
+    with pytest.raises(ConfigError, match="needs --structure channels"):
+        StructuredConfig(structure=("layers",), channel_multiple=32)
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        StructuredConfig(channel_multiple=0)
+    from lmcompress.methods.subnet import SubnetConfig
+
+    with pytest.raises(ConfigError, match="not with --widths per-layer"):
+        SubnetConfig(sparsity="0.2", structure=("channels",), widths="per-layer",
+                     channel_multiple=32)  # fmt: skip
+    with pytest.raises(ConfigError, match="--channel-multiple are for a structured extraction"):
+        SubnetConfig(sparsity="0.2", channel_multiple=32)
+
+
 @pytest.mark.parametrize(
     ("kinds", "ratio", "message"),
     [(("heads",), 0.5, "removing whole heads keeps 0.834"), (("layers",), 0.1, "keeps 0.250")],

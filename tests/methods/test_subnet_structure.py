@@ -193,3 +193,16 @@ def test_per_layer_widths_rank_the_logits_across_blocks_and_load_with_lmcompress
 def test_widths_need_a_structure():
     with pytest.raises(ConfigError, match="add --structure"):
         SubnetConfig(sparsity=0.2, widths="per-layer")
+
+
+def test_channel_multiple_rounds_the_learned_width():
+    """``channel_multiple`` reaches the learned extraction: the kept channels of every block a
+    multiple of it (the same logits without it keep a width that is not one)."""
+    model = make_tiny_model("llama", num_layers=4)
+    g = torch.Generator().manual_seed(5)
+    logits = {"channels": torch.randn(4, 64, generator=g)}
+    plain = StructureSampler(model, ("channels",), logits, 0.8).keeps()["channels"]
+    sampler = StructureSampler(model, ("channels",), logits, 0.8, channel_multiple=4)
+    rounded = sampler.keeps()["channels"]
+    assert set(plain.sum(1).tolist()) != set(rounded.sum(1).tolist())
+    assert all(k % 4 == 0 for k in rounded.sum(1).tolist())

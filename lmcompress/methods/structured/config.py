@@ -43,6 +43,13 @@ class StructuredConfig(MethodConfig):
         default="activation",
         metadata={"help": "rank channels and KV groups by |W| times the input norm, or by |W|"},
     )
+    channel_multiple: int = field(
+        default=1,
+        metadata={
+            "help": "the kept MLP width a multiple of this (32: GGUF's Q4_0 / Q8_0 blocks and "
+            "a 4-bit --group-size 32 then fit it; 64 or 128: what GPU kernels tile by); 1: any"
+        },
+    )
     calib_batch_size: int = field(
         default=4, metadata={"help": "calibration windows per forward pass"}
     )
@@ -68,3 +75,12 @@ class StructuredConfig(MethodConfig):
         if self.calib_batch_size < 1:
             raise ConfigError(f"calib_batch_size must be >= 1, got {self.calib_batch_size}")
         check_distill(self.distill_steps, self.distill_lr)
+        check_channel_multiple(self.channel_multiple, self.structure)
+
+
+def check_channel_multiple(multiple: int, structure: tuple[str, ...]) -> None:
+    """``--channel-multiple``: a positive number, and only where MLP channels are removed."""
+    if multiple < 1:
+        raise ConfigError(f"channel_multiple must be >= 1, got {multiple}")
+    if multiple > 1 and "channels" not in structure:
+        raise ConfigError("--channel-multiple rounds the MLP width: it needs --structure channels")

@@ -71,14 +71,16 @@ def one_shot_keep(
     ratio: float,
     score: str,
     batch_size: int,
+    channel_multiple: int = 1,
 ) -> tuple[dict[str, torch.Tensor], dict[str, int], torch.Tensor | None]:
     """``(keep, removal, distances)`` of one-shot structured pruning at ``ratio`` kept: each
     block's highest-scoring widths (``score``: activation or magnitude) and, for ``layers``, the
     span of blocks with the smallest angular distance; the calibration pass over ``data``
-    where the score or the blocks need it (``distances``: ``None`` without)."""
+    where the score or the blocks need it (``distances``: ``None`` without); the kept channels
+    a multiple of ``channel_multiple`` (``scores.allocate``)."""
     structures = structures_of(model, kinds)
     shapes = block_shapes(model)
-    removal = allocate(shapes, kinds, ratio)
+    removal = allocate(shapes, kinds, ratio, channel_multiple=channel_multiple)
     norms = distances = None
     if score == "activation" or "layers" in kinds:
         span = removal.get("layers", 0)
@@ -105,7 +107,9 @@ class Structured(Method):
         """The decoder's linears; a :class:`ConfigError` for a structure the family lacks or a
         budget that removes every structure of a kind."""
         structures_of(model, self.config.structure)
-        allocate(block_shapes(model), self.config.structure, self.config.ratio)
+        config = self.config
+        allocate(block_shapes(model), config.structure, config.ratio,
+                 channel_multiple=config.channel_multiple)  # fmt: skip
         return self.select(model)  # every decoder linear: no --include / --exclude here
 
     def memory_estimate(
@@ -134,8 +138,9 @@ class Structured(Method):
         if (self.needs_calibration or config.distill_steps) and data is None:
             raise ConfigError("structured pruning needs calibration text for these options")
         keep, removal, distances = one_shot_keep(
-            model, data, config.structure, config.ratio, config.score, config.calib_batch_size
-        )
+            model, data, config.structure, config.ratio, config.score, config.calib_batch_size,
+            config.channel_multiple,
+        )  # fmt: skip
         meta = {"removal": removal}
         if config.distill_steps:
             meta["distill_history"] = distill_kept(

@@ -49,20 +49,30 @@ def allocate(
     kinds: tuple[str, ...],
     ratio: float,
     shares: dict[str, float] | None = None,
+    channel_multiple: int = 1,
 ) -> Removal:
     """How many channels and KV groups each block loses and how many blocks go (never all of
     a kind), so that the kept parameters meet ``ratio`` of the decoder's: among the removals
     within ``SLACK`` of the closest, the one whose fractions of each kind's count are most
     nearly proportional to ``shares`` (default 1 each: the same fraction of every kind; a
-    learned run passes the fractions it learned). A :class:`ConfigError` where the closest
-    misses the budget by more than ``TOLERANCE`` of the decoder (too few structures)."""
+    learned run passes the fractions it learned); the kept channels a multiple of
+    ``channel_multiple`` (or all of them). A :class:`ConfigError` where the closest misses the
+    budget by more than ``TOLERANCE`` of the decoder (too few structures)."""
     shape, blocks = shapes[0], len(shapes)
     if any(s != shape for s in shapes):
         raise ConfigError("structured pruning needs blocks of one shape")
     counts = {"channels": shape.channels, "heads": shape.groups, "layers": blocks}
-    grids = torch.meshgrid(
-        *(torch.arange(counts[k], dtype=torch.float64) for k in kinds), indexing="ij"
-    )
+    choices = {k: torch.arange(counts[k], dtype=torch.float64) for k in kinds}
+    if "channels" in kinds:  # removals that leave a multiple (0 removed: the width as it is)
+        removals = choices["channels"]
+        fits = ((counts["channels"] - removals) % channel_multiple == 0) | (removals == 0)
+        choices["channels"] = removals[fits]
+        if len(choices["channels"]) == 1 and channel_multiple > 1:
+            raise ConfigError(
+                f"--channel-multiple {channel_multiple}: no narrower MLP width of the "
+                f"{counts['channels']} channels is a multiple of it"
+            )
+    grids = torch.meshgrid(*(choices[k] for k in kinds), indexing="ij")
     removed = dict(zip(kinds, (g.flatten() for g in grids), strict=True))
     total = blocks * shape.params
     kept = kept_params(shape, blocks, removed)  # every candidate at once
@@ -70,9 +80,10 @@ def allocate(
     best = float(gap.min())
     if best > TOLERANCE * total:
         closest = float(kept[gap.argmin()]) / total
+        multiple = f" (widths multiples of {channel_multiple})" if channel_multiple > 1 else ""
         raise ConfigError(
-            f"ratio {ratio}: removing whole {', '.join(kinds)} keeps {closest:.3f} of the "
-            "decoder at the closest; keep more or add another --structure"
+            f"ratio {ratio}: removing whole {', '.join(kinds)}{multiple} keeps {closest:.3f} of "
+            "the decoder at the closest; keep more or add another --structure"
         )
     fractions = torch.stack([removed[k] / counts[k] for k in kinds], dim=1)  # (candidates, kinds)
     want = torch.tensor(

@@ -8,7 +8,7 @@ from lmcompress.compressor.options import flat_option_groups
 from lmcompress.compressor.training.options import LearningScope, TrainingOptions
 from lmcompress.errors import ConfigError
 from lmcompress.methods.pruning import PruningConfig
-from lmcompress.methods.structured.config import check_distill
+from lmcompress.methods.structured.config import check_channel_multiple, check_distill
 from lmcompress.methods.subnet.parametrization import Scale
 
 Prior = Literal["sparsegpt", "wanda", "magnitude", "none"]
@@ -108,6 +108,14 @@ class SubnetConfig(PruningConfig):
                   "plain transformers loads it) or each block its own, the learned keep "
                   "logits ranked across blocks (only lmcompress loads it)"},
     )  # fmt: skip
+    channel_multiple: int = field(
+        default=1,
+        metadata={
+            "help": "--structure: the kept MLP width a multiple of this (32: GGUF's Q4_0 / "
+            "Q8_0 blocks and a 4-bit --group-size 32 then fit it; 64 or 128: what GPU kernels "
+            "tile by); 1: any"
+        },
+    )
     distill_steps: int = field(
         default=0,
         metadata={"help": "--structure: then train the kept weights this many steps (one "
@@ -136,9 +144,10 @@ class SubnetConfig(PruningConfig):
         check_distill(self.distill_steps, self.distill_lr)
         if self.structure:
             self._check_structure()
-        elif self.distill_steps or self.widths != "uniform":
+        elif self.distill_steps or self.widths != "uniform" or self.channel_multiple != 1:
             raise ConfigError(
-                "--distill-steps and --widths are for a structured extraction: add --structure"
+                "--distill-steps, --widths and --channel-multiple are for a structured "
+                "extraction: add --structure"
             )
 
     def _check_structure(self) -> None:
@@ -156,4 +165,9 @@ class SubnetConfig(PruningConfig):
             raise ConfigError(
                 "--structure learns end to end in one process: no --blockwise, "
                 "--refit, --tune-steps or --fsdp"
+            )
+        check_channel_multiple(self.channel_multiple, self.structure)
+        if self.channel_multiple > 1 and self.widths == "per-layer":
+            raise ConfigError(
+                "--channel-multiple rounds the one MLP width: not with --widths per-layer"
             )

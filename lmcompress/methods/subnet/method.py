@@ -86,7 +86,8 @@ class Subnet(PruningMethod):
         if self.config.structure:  # whole structures: the family's, at a budget it can meet
             structures_of(model, self.config.structure)
             ratio = 1.0 - self.config.sparsity.ratio
-            allocate(block_shapes(model), self.config.structure, ratio)
+            allocate(block_shapes(model), self.config.structure, ratio,
+                     channel_multiple=self.config.channel_multiple)  # fmt: skip
             return self.select(model)  # every decoder linear: no --include / --exclude here
         return super().validate(model)
 

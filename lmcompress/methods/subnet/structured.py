@@ -53,8 +53,10 @@ class StructureSampler:
         tau: float = 1.0,
         scaled: bool = True,
         per_layer: bool = False,
+        channel_multiple: int = 1,
     ) -> None:
         self.kinds, self.ratio, self.tau, self.per_layer = kinds, ratio, tau, per_layer
+        self.channel_multiple = channel_multiple
         self.shapes = block_shapes(model)
         self.gates = StructureGates(model, kinds)
         self.logits = {k: nn.Parameter(logits[k].float().clone()) for k in kinds}
@@ -81,7 +83,7 @@ class StructureSampler:
         """Structures removed per kind (per block; blocks for ``layers``) at the budget, in
         the proportions the keep probabilities have learned."""
         learned = {k: float(1 - torch.sigmoid(v.detach()).mean()) for k, v in self.logits.items()}
-        return allocate(self.shapes, self.kinds, self.ratio, learned)
+        return allocate(self.shapes, self.kinds, self.ratio, learned, self.channel_multiple)
 
     def keeps(self, removal: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
         """The extracted keeps at ``removal`` (default: :meth:`removal`), bool: (blocks,
@@ -162,16 +164,17 @@ def prior_logits(
     ratio: float,
     prior: str,
     strength: float,
+    channel_multiple: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """``±strength`` where the one-shot structured pruning at ``ratio`` keeps (module doc);
-    zeros for ``prior`` none."""
+    """``±strength`` where the one-shot structured pruning at ``ratio`` keeps (module doc;
+    widths multiples of ``channel_multiple``); zeros for ``prior`` none."""
     shapes = block_shapes(model)
     counts = {"channels": shapes[0].channels, "heads": shapes[0].groups}
     if prior == "none":
         zeros = {k: torch.zeros(len(shapes), counts[k]) for k in kinds if k != "layers"}
         return zeros | ({"layers": torch.zeros(len(shapes))} if "layers" in kinds else {})
     score = "magnitude" if prior == "magnitude" else "activation"
-    keep, _, _ = one_shot_keep(model, data, kinds, ratio, score, batch_size=4)
+    keep, _, _ = one_shot_keep(model, data, kinds, ratio, score, 4, channel_multiple)
     return {k: torch.where(v, strength, -strength).float() for k, v in keep.items()}
 
 
@@ -180,10 +183,11 @@ def learn(config, model: nn.Module, layers, train_data, score) -> tuple[dict, di
     ``distill_steps``, distil the weights of ``layers`` in the gated model; ``(tensors, meta)``
     of the stats: every kind's ``keep``, ``scale`` and ``logits``, the training history."""
     kinds, ratio = config.structure, 1.0 - config.sparsity.ratio
-    logits = prior_logits(model, train_data, kinds, ratio, config.prior, config.prior_strength)
+    logits = prior_logits(model, train_data, kinds, ratio, config.prior, config.prior_strength,
+                          config.channel_multiple)  # fmt: skip
     sampler = StructureSampler(
         model, kinds, logits, ratio, config.tau, config.scale != "none",
-        config.widths == "per-layer",
+        config.widths == "per-layer", config.channel_multiple,
     )  # fmt: skip
     constraint = ParamsConstraint(sampler, config.constraint, config.constraint_weight)
     extra, extra_options = constraint.trainable()
