@@ -14,6 +14,12 @@ def check_distill(steps: int, lr: float) -> None:
         raise ConfigError(f"distill_steps must be >= 0 and distill_lr positive, got {steps}, {lr}")
 
 
+CHANNEL_MULTIPLE_HELP = (  # structured's and subnet --structure's --channel-multiple
+    "the kept MLP width a multiple of this (32: GGUF's Q4_0 / Q8_0 blocks and a 4-bit "
+    "--group-size 32 then fit it; 64 or 128: what GPU kernels tile by); 1: any"
+)
+
+
 @dataclass(frozen=True)
 class StructuredConfig(MethodConfig):
     """One-shot structured pruning: remove whole MLP channels, KV groups (with their query
@@ -43,13 +49,7 @@ class StructuredConfig(MethodConfig):
         default="activation",
         metadata={"help": "rank channels and KV groups by |W| times the input norm, or by |W|"},
     )
-    channel_multiple: int = field(
-        default=1,
-        metadata={
-            "help": "the kept MLP width a multiple of this (32: GGUF's Q4_0 / Q8_0 blocks and "
-            "a 4-bit --group-size 32 then fit it; 64 or 128: what GPU kernels tile by); 1: any"
-        },
-    )
+    channel_multiple: int = field(default=1, metadata={"help": CHANNEL_MULTIPLE_HELP})
     calib_batch_size: int = field(
         default=4, metadata={"help": "calibration windows per forward pass"}
     )

@@ -8,7 +8,11 @@ from lmcompress.compressor.options import flat_option_groups
 from lmcompress.compressor.training.options import LearningScope, TrainingOptions
 from lmcompress.errors import ConfigError
 from lmcompress.methods.pruning import PruningConfig
-from lmcompress.methods.structured.config import check_channel_multiple, check_distill
+from lmcompress.methods.structured.config import (
+    CHANNEL_MULTIPLE_HELP,
+    check_channel_multiple,
+    check_distill,
+)
 from lmcompress.methods.subnet.parametrization import Scale
 
 Prior = Literal["sparsegpt", "wanda", "magnitude", "none"]
@@ -109,12 +113,7 @@ class SubnetConfig(PruningConfig):
                   "logits ranked across blocks (only lmcompress loads it)"},
     )  # fmt: skip
     channel_multiple: int = field(
-        default=1,
-        metadata={
-            "help": "--structure: the kept MLP width a multiple of this (32: GGUF's Q4_0 / "
-            "Q8_0 blocks and a 4-bit --group-size 32 then fit it; 64 or 128: what GPU kernels "
-            "tile by); 1: any"
-        },
+        default=1, metadata={"help": f"--structure: {CHANNEL_MULTIPLE_HELP}"}
     )
     distill_steps: int = field(
         default=0,
