@@ -31,7 +31,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -1027,9 +1027,16 @@ static int64_t int4_24_vector(const uint8_t* codes, const uint8_t* row_idx, cons
 }
 #endif
 
-extern "C" int lmc_int4_vector(void) {  // 1: the AVX-512 int4 loops were compiled in
-#ifdef LMC_INT4_VECTOR
+#if !defined(LMC_INT4_VECTOR) && defined(__AVX2__)
+#define LMC_INT4_AVX2 1  // the AVX2 loops (tiled decode, dequantization) instead
+#endif
+
+// 1: the AVX-512 int4 loops were compiled in; 2: the AVX2 ones (a CPU without AVX-512); 0: none
+extern "C" int lmc_int4_vector(void) {
+#if defined(LMC_INT4_VECTOR)
   return 1;
+#elif defined(LMC_INT4_AVX2)
+  return 2;
 #else
   return 0;
 #endif
@@ -1462,6 +1469,47 @@ static void int4_dequant_24_group(const uint8_t* codes, const uint8_t* row_idx, 
 }
 #endif
 
+#ifdef LMC_INT4_AVX2
+// 8 codes (uint8 lanes of c) to (q - z) * s, fp32 (one rounded product, as the reference).
+static inline __m256 int4_values8(__m128i c, __m256i z, __m256 s) {
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(c), z)), s);
+}
+
+// Rounded to bf16 as f32_to_bf16 (finite values): 8 fp32 lanes to their upper 16 bits.
+static inline __m256i int4_bf16_bits(__m256 v) {
+  __m256i u = _mm256_castps_si256(v);
+  u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                           _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+  return _mm256_srli_epi32(u, 16);
+}
+
+// int4_dequant_group with AVX2: 16 bytes (32 columns) a step, the codes put in column order by
+// byte unpacks, each 8 widened, shifted by z, converted and scaled (bf16: rounded, packed).
+static void int4_dequant_group_avx2(const uint8_t* row, int64_t nbytes, int z, float s, void* out,
+                                    bool f32) {
+  const __m256i zv = _mm256_set1_epi32(z);
+  const __m256 sv = _mm256_set1_ps(s);
+  const __m128i low4 = _mm_set1_epi8(15);
+  for (int64_t b = 0; b + 16 <= nbytes; b += 16) {
+    __m128i v = _mm_loadu_si128((const __m128i*)(row + b));
+    __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+    __m128i cols[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};  // 16 columns each
+    for (int k = 0; k < 2; k++) {
+      __m256 a = int4_values8(cols[k], zv, sv), c = int4_values8(_mm_srli_si128(cols[k], 8), zv, sv);
+      if (f32) {
+        float* dst = (float*)out + 2 * b + 16 * k;
+        _mm256_storeu_ps(dst, a);
+        _mm256_storeu_ps(dst + 8, c);
+      } else {  // packus interleaves 128-bit lanes: put them back in order
+        __m256i packed = _mm256_packus_epi32(int4_bf16_bits(a), int4_bf16_bits(c));
+        _mm256_storeu_si256((__m256i*)((uint16_t*)out + 2 * b + 16 * k),
+                            _mm256_permute4x64_epi64(packed, 0xD8));
+      }
+    }
+  }
+}
+#endif
+
 // One dense row's codes (out of groups groups of G) into fp32 wf or bf16 wb (the other null).
 static void int4_dequant_dense_row(const uint8_t* row, const float* srow, const uint8_t* zrow,
                                    int64_t groups, int64_t G, float* wf, uint16_t* wb) {
@@ -1471,6 +1519,12 @@ static void int4_dequant_dense_row(const uint8_t* row, const float* srow, const 
 #ifdef LMC_INT4_VECTOR
     if (G % 32 == 0) {  // 32 columns (16 bytes) a step
       int4_dequant_group(row + g * G / 2, G / 2, z, s, wf ? (void*)(wf + g * G) : (void*)(wb + g * G), wf != 0);
+      continue;
+    }
+#endif
+#ifdef LMC_INT4_AVX2
+    if (G % 32 == 0) {
+      int4_dequant_group_avx2(row + g * G / 2, G / 2, z, s, wf ? (void*)(wf + g * G) : (void*)(wb + g * G), wf != 0);
       continue;
     }
 #endif
@@ -1617,6 +1671,66 @@ static Int4PairActs int4_prepare_pairs(const void* x_in, int x_kind, int64_t T, 
   return a;
 }
 
+#ifdef LMC_INT4_AVX2
+// The tiled loop with AVX2 (no AVX-512: e.g. AMD Zen 2 and 3, Intel before Ice Lake), 8 rows a
+// vector: each tile line's two 32-byte halves (rows 0-7, rows 8-15) in turn, a group at a time
+// (the group's lines stay in L1 for the second half). The codes as 16-bit pairs (masks
+// 0x000F000F after shifts of 0, 4, 8, 12) times the broadcast activation pairs by vpmaddwd,
+// then the AVX-512 loop's integer D and float steps in 8 lanes: the same bits.
+template <int TN>
+static void int4_tile_block_avx2(const Int4PairActs& a, int64_t t0, int64_t in, int64_t groups,
+                                 int64_t G, const uint32_t* tb, const float* s16,
+                                 const uint8_t* z16, float* out) {
+  const int64_t kg = G / 8;
+  const __m256i M = _mm256_set1_epi32(0x000F000F);
+  __m256 part[2][TN][16];
+  for (int h = 0; h < 2; h++)
+    for (int t = 0; t < TN; t++)
+      for (int i = 0; i < 16; i++) part[h][t][i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    for (int h = 0; h < 2; h++) {
+      __m256i acc[TN][2];
+      for (int t = 0; t < TN; t++) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
+      for (int64_t k = g * kg; k < (g + 1) * kg; k++) {
+        if (h == 0) _mm_prefetch((const char*)(tb + k * 16 + LMC_TILE_PREFETCH), _MM_HINT_T0);
+        __m256i v = _mm256_loadu_si256((const __m256i*)(tb + k * 16 + 8 * h));
+        __m256i p0 = _mm256_and_si256(v, M), p1 = _mm256_and_si256(_mm256_srli_epi32(v, 4), M);
+        __m256i p2 = _mm256_and_si256(_mm256_srli_epi32(v, 8), M);
+        __m256i p3 = _mm256_and_si256(_mm256_srli_epi32(v, 12), M);
+        for (int t = 0; t < TN; t++) {
+          const int32_t* x = a.pairs + (t0 + t) * (in / 2) + 4 * k;
+          __m256i e = _mm256_add_epi32(_mm256_madd_epi16(p0, _mm256_set1_epi32(x[0])),
+                                       _mm256_madd_epi16(p2, _mm256_set1_epi32(x[2])));
+          __m256i o = _mm256_add_epi32(_mm256_madd_epi16(p1, _mm256_set1_epi32(x[1])),
+                                       _mm256_madd_epi16(p3, _mm256_set1_epi32(x[3])));
+          acc[t][0] = _mm256_add_epi32(acc[t][0], e);
+          acc[t][1] = _mm256_add_epi32(acc[t][1], o);
+        }
+      }
+      const __m256 s = _mm256_loadu_ps(s16 + 16 * g + 8 * h);
+      const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(z16 + 16 * g + 8 * h)));
+      for (int t = 0; t < TN; t++) {
+        __m256i sum = _mm256_add_epi32(acc[t][0], acc[t][1]);  // exact modulo 2^32, as D is
+        __m256i sx = _mm256_set1_epi32(a.sum32[(t0 + t) * groups + g]);
+        __m256i D = _mm256_sub_epi32(sum, _mm256_mullo_epi32(z, sx));
+        __m256 pr = _mm256_mul_ps(_mm256_cvtepi32_ps(D), s);
+        pr = _mm256_mul_ps(pr, _mm256_set1_ps(a.scale[(t0 + t) * groups + g]));
+        LMC_OPAQUE_V(pr);  // rounded here: never contracted with the sum into an FMA
+        part[h][t][g & 15] = _mm256_add_ps(part[h][t][g & 15], pr);
+      }
+    }
+  }
+  for (int h = 0; h < 2; h++)
+    for (int t = 0; t < TN; t++) {  // int4_tree, lane by lane
+      __m256 s8[8], s4[4];
+      for (int i = 0; i < 8; i++) s8[i] = _mm256_add_ps(part[h][t][i], part[h][t][i + 8]);
+      for (int i = 0; i < 4; i++) s4[i] = _mm256_add_ps(s8[i], s8[i + 4]);
+      _mm256_storeu_ps(out + 16 * t + 8 * h, _mm256_add_ps(_mm256_add_ps(s4[0], s4[2]),
+                                                           _mm256_add_ps(s4[1], s4[3])));
+    }
+}
+#endif
+
 // One block of 16 rows for tokens t0 .. t0 + TN: out[t * 16 + l] = row 16b + l's sum before
 // the bias. s16, z16: the block's scales and zero points, (groups, 16) (int4_tiles.tile_grid).
 template <int TN>
@@ -1686,6 +1800,12 @@ static void int4_tile_block(const Int4PairActs& a, int64_t t0, int64_t in, int64
       _mm512_storeu_ps(out + 16 * t, _mm512_add_ps(_mm512_add_ps(s4[0], s4[2]),
                                                    _mm512_add_ps(s4[1], s4[3])));
     }
+    return;
+  }
+#endif
+#ifdef LMC_INT4_AVX2
+  if (vector) {
+    int4_tile_block_avx2<TN>(a, t0, in, groups, G, tb, s16, z16, out);
     return;
   }
 #endif
