@@ -34,6 +34,10 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+// The int4 loops for CPUs with AVX2 but not AVX-512 BW/VL (tiled decode, dequantization, 2:4)
+#if defined(__AVX2__) && !(defined(__AVX512BW__) && defined(__AVX512VL__))
+#define LMC_INT4_AVX2 1
+#endif
 
 enum Kind { F32 = 0, BF16 = 1, F16 = 2 };
 static const int TILE = 4;  // tokens per pass over a row's packed weights
@@ -882,6 +886,7 @@ struct Int4Acts {  // the quantized activations of T tokens
   int64_t* sum;    // (T, groups): sum of the group's codes
   int32_t* sum32;  // the same, as int32 (exact for G <= 65536)
   int64_t half;
+  int16_t* xr;     // (T, in), the AVX2 2:4 loop's order (int4_24_avx2), or null
 };
 
 static void int4_quantize_group(const float* x, int64_t len, float s, int16_t* q) {
@@ -944,6 +949,17 @@ static Int4Acts int4_prepare(const void* x_in, int x_kind, int64_t T, int64_t in
     }
   }
   free(x);
+  a.xr = 0;
+#ifdef LMC_INT4_AVX2
+  if (in % 32 == 0) {  // blocks of 32 inputs as their 8-input quarters 0, 2, 1, 3
+    a.xr = (int16_t*)malloc(sizeof(int16_t) * T * in);
+    static const int quarter[4] = {0, 2, 1, 3};
+    for (int64_t t = 0; t < T; t++)
+      for (int64_t c = 0; c < in; c += 32)
+        for (int k = 0; k < 4; k++)
+          memcpy(a.xr + t * in + c + 8 * k, a.xq + t * in + c + 8 * quarter[k], 8 * sizeof(int16_t));
+  }
+#endif
   return a;
 }
 
@@ -954,6 +970,7 @@ static void int4_free(Int4Acts* a) {
   free(a->scale);
   free(a->sum);
   free(a->sum32);
+  free(a->xr);
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -1027,10 +1044,6 @@ static int64_t int4_24_vector(const uint8_t* codes, const uint8_t* row_idx, cons
 }
 #endif
 
-#if !defined(LMC_INT4_VECTOR) && defined(__AVX2__)
-#define LMC_INT4_AVX2 1  // the AVX2 loops (tiled decode, dequantization) instead
-#endif
-
 // 1: the AVX-512 int4 loops were compiled in; 2: the AVX2 ones (a CPU without AVX-512); 0: none
 extern "C" int lmc_int4_vector(void) {
 #if defined(LMC_INT4_VECTOR)
@@ -1076,6 +1089,66 @@ static void int4_group_dense(const Int4Acts& a, int64_t t0, int64_t in, int64_t 
   (void)vector;
 }
 
+#ifdef LMC_INT4_AVX2
+// vpshufb indices of 2:4 kept activations: a position byte (kept values i = 0..3 of two groups
+// of 4 inputs, 2 bits each) gives kept i's int16 activation, input c = 4 (i / 2) + p_i of 8
+// (bytes 2c, 2c + 1 of 16), at bytes 2i, 2i + 1 (lo) or 8 + 2i, 9 + 2i (hi); 0x80 zeroes the rest.
+struct Shuffle24 {
+  uint8_t lo[256][16], hi[256][16];
+  Shuffle24() {
+    for (int v = 0; v < 256; v++) {
+      for (int b = 0; b < 16; b++) lo[v][b] = hi[v][b] = 0x80;
+      for (int i = 0; i < 4; i++) {
+        int c = 4 * (i / 2) + ((v >> (2 * i)) & 3);
+        lo[v][2 * i] = hi[v][8 + 2 * i] = (uint8_t)(2 * c);
+        lo[v][2 * i + 1] = hi[v][9 + 2 * i] = (uint8_t)(2 * c + 1);
+      }
+    }
+  }
+};
+static const Shuffle24 SHUFFLE24;
+
+static inline int32_t hsum_epi32_256(__m256i v) {  // modulo 2^32
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// 2:4 kept codes of one group with AVX2, 32 inputs (16 kept, 8 code bytes, 4 position bytes) a
+// step: the codes widened to 16-bit lanes less z; the activations (a.xr: quarters 0, 2 | 1, 3 of
+// the 32 inputs in the two 128-bit lanes) gathered by two vpshufb with Shuffle24's indices into
+// kept order; one vpmaddwd. sum[t] += sum (q - z) * x[t] (exact: |D| < 2^31 for G <= 4096).
+// Returns the kept values consumed.
+template <int TN>
+static int64_t int4_24_avx2(const uint8_t* codes, const uint8_t* row_idx, const int16_t* xr,
+                            int64_t stride, int64_t cols, int z, int64_t* sum) {
+  __m256i acc[TN];
+  for (int t = 0; t < TN; t++) acc[t] = _mm256_setzero_si256();
+  const __m128i low4 = _mm_set1_epi8(15);
+  const __m256i zv = _mm256_set1_epi16((short)z);
+  const int64_t steps = cols / 32;
+  for (int64_t b = 0; b < steps; b++) {
+    __m128i v = _mm_loadl_epi64((const __m128i*)(codes + 8 * b));
+    __m128i kept = _mm_unpacklo_epi8(_mm_and_si128(v, low4), _mm_and_si128(_mm_srli_epi16(v, 4), low4));
+    __m256i w = _mm256_sub_epi16(_mm256_cvtepu8_epi16(kept), zv);
+    const uint8_t* p = row_idx + 4 * b;
+    __m256i ia = _mm256_set_m128i(_mm_loadu_si128((const __m128i*)SHUFFLE24.lo[p[2]]),
+                                  _mm_loadu_si128((const __m128i*)SHUFFLE24.lo[p[0]]));
+    __m256i ib = _mm256_set_m128i(_mm_loadu_si128((const __m128i*)SHUFFLE24.hi[p[3]]),
+                                  _mm_loadu_si128((const __m128i*)SHUFFLE24.hi[p[1]]));
+    for (int t = 0; t < TN; t++) {
+      const int16_t* xb = xr + t * stride + 32 * b;
+      __m256i xg = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i*)xb), ia),
+                                   _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i*)(xb + 16)), ib));
+      acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(w, xg));
+    }
+  }
+  for (int t = 0; t < TN; t++) sum[t] += hsum_epi32_256(acc[t]);
+  return 16 * steps;
+}
+#endif
+
 // The same for packed N:M kept codes (groups over the original columns; G a multiple of m).
 template <int TN>
 static void int4_group_nm(const Int4Acts& a, int64_t t0, int64_t in, int64_t groups, int64_t G,
@@ -1086,6 +1159,10 @@ static void int4_group_nm(const Int4Acts& a, int64_t t0, int64_t in, int64_t gro
 #ifdef LMC_INT4_VECTOR
   if (vector && n == 2 && m == 4 && c0 % 8 == 0)
     done = int4_24_vector<TN>(codes + j0 / 2, row_idx + j0 / 4, a.xq + t0 * in + c0, in, G, z, sum);
+#endif
+#ifdef LMC_INT4_AVX2
+  if (vector && n == 2 && m == 4 && a.xr && G % 32 == 0 && G <= 4096)
+    done = int4_24_avx2<TN>(codes + j0 / 2, row_idx + j0 / 4, a.xr + t0 * in + c0, in, G, z, sum);
 #endif
   (void)vector;
   for (int64_t j = j0 + done; j < j1; j++) {
