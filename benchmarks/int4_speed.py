@@ -51,6 +51,8 @@ SHAPES = [(576, 576, 64), (1536, 576, 64), (576, 1536, 64), (8192, 2048, 128), (
 MODEL_TOKENS = (1, 2, 4, 8, 12, 16, 24, 32)
 PREFILL_TOKENS = 512
 COLD_BYTES = 256 << 20
+# lmc_int4_vector(): which vector loops the kernels were built with on this host
+VECTOR_LOOPS = {0: "none (plain loops)", 1: "AVX-512", 2: "AVX2"}
 
 
 def int4_layer(out_features: int, in_features: int, group_size: int, g: torch.Generator) -> dict:
@@ -201,7 +203,7 @@ def measure(args: argparse.Namespace, _names: list[str], _previous: dict) -> Ite
         "threads": args.threads,
         "rounds": args.rounds,
         "loadavg_before": os.getloadavg(),
-        "kernel_vector_loops": bool(int4_ops.cpu_kernels.library().lmc_int4_vector()),
+        "kernel_vector_loops": VECTOR_LOOPS[int4_ops.cpu_kernels.library().lmc_int4_vector()],
         "error": error_rows(g),
         "shapes": shape_rows(args.rounds, g),
         "model": model_rows(args.rounds, g),
@@ -221,6 +223,12 @@ def _ratio(ms: dict, key: str) -> str:
     return f"{best / ms['int4 bf16'][key]:.2f}"
 
 
+def _loops(record: dict) -> str:
+    """The vector loops of a record (older records say only whether there were any)."""
+    loops = record["kernel_vector_loops"]
+    return {True: "AVX-512", False: "none"}.get(loops, loops) if isinstance(loops, bool) else loops
+
+
 def render(record: dict[str, Any]) -> str:
     host = record["machine"]
     names = list(record["shapes"][0]["decode_ms"])
@@ -228,7 +236,7 @@ def render(record: dict[str, Any]) -> str:
         f"Host: {host.get('cpu_model')} ({', '.join(host.get('isa') or [])}), "
         f"{record['threads']} threads, torch {host.get('torch')}; load average "
         f"{record['loadavg_before'][0]:.1f} before, {record['loadavg_after'][0]:.1f} after "
-        f"(other processes shared the CPUs). Vector int4 loops: {record['kernel_vector_loops']}.",
+        f"(other processes shared the CPUs). Vector int4 loops: {_loops(record)}.",
         "",
         "Batch-1 decode per layer shape (weights cycled over copies: 256 MiB of fp32), "
         f"median (least) of {record['rounds']} interleaved rounds, µs; × best dense = the faster "

@@ -202,14 +202,18 @@ def test_decode_error_against_the_float_dequantized_matmul_is_bounded(dtype):
 
 def test_the_vector_loops_are_built_where_the_cpu_has_them():
     """A source that does not compile with ``-march=native`` falls back to plain flags (still
-    bit for bit, but 3-5x slower): on a CPU with AVX-512 BW and VL the int4 loops are in."""
+    bit for bit, but 3-10x slower): on a CPU with AVX-512 BW and VL its int4 loops are in, on
+    one with AVX2 only (AMD Zen 2 and 3, Intel before Ice Lake) the AVX2 loops."""
     try:
         flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         pytest.skip("no /proc/cpuinfo")
-    if not {"avx512bw", "avx512vl"} <= flags:
-        pytest.skip("no AVX-512 BW/VL here")
-    assert cpu_kernels.library().lmc_int4_vector() == 1
+    if {"avx512bw", "avx512vl"} <= flags:
+        assert cpu_kernels.library().lmc_int4_vector() == 1
+    elif "avx2" in flags:
+        assert cpu_kernels.library().lmc_int4_vector() == 2  # the AVX2 loops
+    else:
+        pytest.skip("neither AVX-512 BW/VL nor AVX2 here")
 
 
 def test_the_avx512_loops_without_vnni_are_the_reference_too(tmp_path, monkeypatch):
@@ -242,6 +246,59 @@ def test_the_avx512_loops_without_vnni_are_the_reference_too(tmp_path, monkeypat
         x = torch.randn(3, 512, generator=g).bfloat16()
         want = R4.decode_linear(x, qweight, scales, zeros, 4, 128, 512, None, nm)
         assert torch.equal(int4_ops.decode(x, qweight, scales, zeros, 4, 128, 512, None, nm), want)
+    finally:
+        cpu_kernels.library.cache_clear()
+
+
+def test_the_avx2_loops_are_the_reference_too(tmp_path, monkeypatch):
+    """The library built without AVX-512 (as on a CPU with AVX2 only; on such a host the
+    default build): the tiled decode, the packed 2:4 decode and the dequantization by their
+    AVX2 loops, bit for bit, at 1-16 tokens, fp32 and bf16, every group width they take (32,
+    64, 128, the whole row) and ones they leave to the plain loop (8, 96; 2:4 over 200 inputs)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    if "avx2" not in flags:
+        pytest.skip("no AVX2 here")
+    avx2 = ["-O3", "-march=native", "-mno-avx512f", "-fopenmp"]
+    monkeypatch.setenv("LMCOMPRESS_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "FLAG_SETS", (avx2,))
+    monkeypatch.setattr(cpu_kernels, "_cpu_identity", lambda: "this CPU without AVX-512")
+    cpu_kernels.library.cache_clear()
+    try:
+        assert cpu_kernels.library().lmc_int4_vector() == 2
+        g = torch.Generator().manual_seed(9)
+        for out, in_features, group_size in [(37, 128, 32), (21, 1152, 64), (9, 2048, 128)]:
+            for bits, symmetric in [(4, True), (4, False), (3, False)]:
+                qweight, scales, zeros = _weight(out, in_features, bits, group_size, symmetric)
+                W = R4.dequantize(qweight, scales, zeros, bits, group_size, in_features)
+                for dtype in (torch.float32, torch.bfloat16):
+                    rows = int4_ops.dequantize_rows(
+                        qweight, scales, zeros, bits, group_size, in_features, 2, out, dtype
+                    )
+                    assert torch.equal(rows, W[2:].to(dtype)), (out, bits, dtype)
+                tiles = int4_tiles.tile(qweight)
+                for tokens in (1, 2, 3, 4, 5, 8, 16):
+                    x = (torch.randn(tokens, in_features, generator=g) * 3).to(
+                        torch.bfloat16 if tokens % 2 else torch.float32
+                    )
+                    want = R4.decode_linear(
+                        x, qweight, scales, zeros, bits, group_size, in_features
+                    )
+                    got = int4_tiles.decode(x, tiles, scales, zeros, group_size, in_features)
+                    assert torch.equal(got, want), (out, bits, tokens)
+        for out, in_features, group_size in [(37, 128, 32), (9, 1152, 64), (7, 512, -1)]:
+            qweight, scales, zeros, nm = _nm_weight(out, in_features, 4, group_size, 2, 4)
+            for tokens in (1, 3, 4, 6):
+                x = torch.randn(tokens, in_features, generator=g).bfloat16()
+                want = R4.decode_linear(
+                    x, qweight, scales, zeros, 4, group_size, in_features, None, nm
+                )
+                got = int4_ops.decode(
+                    x, qweight, scales, zeros, 4, group_size, in_features, None, nm
+                )
+                assert torch.equal(got, want), (out, in_features, tokens)
     finally:
         cpu_kernels.library.cache_clear()
 
