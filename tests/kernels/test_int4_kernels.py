@@ -254,7 +254,8 @@ def test_the_avx2_loops_are_the_reference_too(tmp_path, monkeypatch):
     """The library built without AVX-512 (as on a CPU with AVX2 only; on such a host the
     default build): the tiled decode, the packed 2:4 decode and the dequantization by their
     AVX2 loops, bit for bit, at 1-16 tokens, fp32 and bf16, every group width they take (32,
-    64, 128, the whole row) and ones they leave to the plain loop (8, 96; 2:4 over 200 inputs)."""
+    64, 128, the whole row) and ones the dequantization or the 2:4 loop leave to the plain loop
+    (8, 96; 2:4 over a row of 200 inputs)."""
     try:
         flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
@@ -269,7 +270,8 @@ def test_the_avx2_loops_are_the_reference_too(tmp_path, monkeypatch):
     try:
         assert cpu_kernels.library().lmc_int4_vector() == 2
         g = torch.Generator().manual_seed(9)
-        for out, in_features, group_size in [(37, 128, 32), (21, 1152, 64), (9, 2048, 128)]:
+        dense = [(37, 128, 32), (21, 1152, 64), (9, 2048, 128), (3, 64, 8), (5, 192, 96)]
+        for out, in_features, group_size in dense:
             for bits, symmetric in [(4, True), (4, False), (3, False)]:
                 qweight, scales, zeros = _weight(out, in_features, bits, group_size, symmetric)
                 W = R4.dequantize(qweight, scales, zeros, bits, group_size, in_features)
@@ -288,7 +290,12 @@ def test_the_avx2_loops_are_the_reference_too(tmp_path, monkeypatch):
                     )
                     got = int4_tiles.decode(x, tiles, scales, zeros, group_size, in_features)
                     assert torch.equal(got, want), (out, bits, tokens)
-        for out, in_features, group_size in [(37, 128, 32), (9, 1152, 64), (7, 512, -1)]:
+        for out, in_features, group_size in [
+            (37, 128, 32),
+            (9, 1152, 64),
+            (7, 512, -1),
+            (7, 200, -1),
+        ]:
             qweight, scales, zeros, nm = _nm_weight(out, in_features, 4, group_size, 2, 4)
             for tokens in (1, 3, 4, 6):
                 x = torch.randn(tokens, in_features, generator=g).bfloat16()
