@@ -280,9 +280,160 @@ static int64_t row_24_int8_bytes(const uint8_t* xu, int64_t in, const int8_t* va
 
 #endif
 
-extern "C" int lmc_nm_simd(void) {  // 1: the AVX-512 2:4 loops were compiled in
-#ifdef __AVX512F__
+#ifdef __AVX2__
+// vpshufb indices of 2:4 kept activations: a position byte (kept values i = 0..3 of two groups
+// of 4 inputs, 2 bits each) gives kept i's int16 activation, input c = 4 (i / 2) + p_i of 8
+// (bytes 2c, 2c + 1 of 16), at bytes 2i, 2i + 1 (lo) or 8 + 2i, 9 + 2i (hi); 0x80 zeroes the rest.
+struct Shuffle24 {
+  uint8_t lo[256][16], hi[256][16];
+  Shuffle24() {
+    for (int v = 0; v < 256; v++) {
+      for (int b = 0; b < 16; b++) lo[v][b] = hi[v][b] = 0x80;
+      for (int i = 0; i < 4; i++) {
+        int c = 4 * (i / 2) + ((v >> (2 * i)) & 3);
+        lo[v][2 * i] = hi[v][8 + 2 * i] = (uint8_t)(2 * c);
+        lo[v][2 * i + 1] = hi[v][9 + 2 * i] = (uint8_t)(2 * c + 1);
+      }
+    }
+  }
+};
+static const Shuffle24 SHUFFLE24;
+
+static inline int32_t hsum_epi32_256(__m256i v) {  // modulo 2^32
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#define LMC_NM_AVX2 1
+// The few-token loops with AVX2 (no AVX-512: e.g. AMD Zen 2 and 3, Intel before Ice Lake), 8
+// float or 16 int16 lanes: the same products as the AVX-512 loops above, half as wide. Float
+// rows sum in another order than the plain loop (float rounding); int8 rows are exact.
+
+static inline __m256 load8(const void* values, int kind, int64_t i) {
+  if (kind == F32) return _mm256_loadu_ps((const float*)values + i);
+  __m128i half = _mm_loadu_si128((const __m128i*)((const uint16_t*)values + i));
+  if (kind == BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+  return _mm256_cvtph_ps(half);
+}
+
+static inline float hsum_ps_256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// 2:4, 16 inputs (8 kept values, 16 position bits) a step: lane i's input within its 8-input
+// half (kept 0-3 read inputs 0-7, kept 4-7 inputs 8-15), one vpermps of each half, a blend.
+template <int T>
+static int64_t row_24_float_avx2(const float* x, int64_t in, const void* values, int kind,
+                                 const uint8_t* row_idx, float* acc) {
+  constexpr int U = T == 1 ? 4 : T == 2 ? 2 : 1;
+  const __m256i shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+  const __m256i group = _mm256_setr_epi32(0, 0, 4, 4, 0, 0, 4, 4), three = _mm256_set1_epi32(3);
+  __m256 sum[T][U];
+  for (int t = 0; t < T; t++)
+    for (int u = 0; u < U; u++) sum[t][u] = _mm256_setzero_ps();
+  const int64_t blocks = in / 16;
+  for (int64_t b0 = 0; b0 < blocks; b0 += U) {
+    for (int u = 0; u < U && b0 + u < blocks; u++) {
+      const int64_t b = b0 + u;
+      uint16_t bits16;
+      memcpy(&bits16, row_idx + 2 * b, 2);
+      __m256i pos = _mm256_add_epi32(group, _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(bits16), shifts), three));
+      __m256 v = load8(values, kind, 8 * b);
+      for (int t = 0; t < T; t++) {
+        const float* xb = x + t * in + 16 * b;
+        __m256 xg = _mm256_blend_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(xb), pos),
+                                    _mm256_permutevar8x32_ps(_mm256_loadu_ps(xb + 8), pos), 0xF0);
+        sum[t][u] = _mm256_fmadd_ps(v, xg, sum[t][u]);
+      }
+    }
+  }
+  for (int t = 0; t < T; t++) {
+    for (int u = 1; u < U; u++) sum[t][0] = _mm256_add_ps(sum[t][0], sum[t][u]);
+    acc[t] += hsum_ps_256(sum[t][0]);
+  }
+  return 8 * blocks;
+}
+
+// Dense float row: 8 weights a step, one FMA per token (two accumulators at one token).
+template <int T>
+static int64_t row_dense_float_avx2(const float* x, int64_t in, const void* row, int kind,
+                                    float* acc) {
+  constexpr int U = T == 1 ? 2 : 1;
+  __m256 sum[T][U];
+  for (int t = 0; t < T; t++)
+    for (int u = 0; u < U; u++) sum[t][u] = _mm256_setzero_ps();
+  const int64_t blocks = in / 8;
+  for (int64_t b0 = 0; b0 < blocks; b0 += U) {
+    for (int u = 0; u < U && b0 + u < blocks; u++) {
+      __m256 v = load8(row, kind, 8 * (b0 + u));
+      for (int t = 0; t < T; t++)
+        sum[t][u] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + t * in + 8 * (b0 + u)), sum[t][u]);
+    }
+  }
+  for (int t = 0; t < T; t++) {
+    for (int u = 1; u < U; u++) sum[t][0] = _mm256_add_ps(sum[t][0], sum[t][u]);
+    acc[t] += hsum_ps_256(sum[t][0]);
+  }
+  return 8 * blocks;
+}
+
+// Dense int8 row: 16 codes a step widened to 16-bit lanes, one vpmaddwd per token (exact).
+template <int T>
+static int64_t row_dense_int8_avx2(const int16_t* x, int64_t in, const int8_t* row, int32_t* acc) {
+  __m256i sum[T];
+  for (int t = 0; t < T; t++) sum[t] = _mm256_setzero_si256();
+  const int64_t blocks = in / 16;
+  for (int64_t b = 0; b < blocks; b++) {
+    __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(row + 16 * b)));
+    for (int t = 0; t < T; t++)
+      sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(v, _mm256_loadu_si256((const __m256i*)(x + t * in + 16 * b))));
+  }
+  for (int t = 0; t < T; t++) acc[t] += hsum_epi32_256(sum[t]);
+  return 16 * blocks;
+}
+
+// int8 2:4: 32 inputs (16 kept codes, 4 position bytes) a step; the activations' 8-input
+// quarters put as 0, 2 | 1, 3 in the two 128-bit lanes (vperm2i128), gathered into kept order
+// by two vpshufb with Shuffle24's indices; one vpmaddwd per token (exact).
+template <int T>
+static int64_t row_24_int8_avx2(const int16_t* x, int64_t in, const int8_t* values,
+                                const uint8_t* row_idx, int32_t* acc) {
+  __m256i sum[T];
+  for (int t = 0; t < T; t++) sum[t] = _mm256_setzero_si256();
+  const int64_t blocks = in / 32;
+  for (int64_t b = 0; b < blocks; b++) {
+    __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(values + 16 * b)));
+    const uint8_t* p = row_idx + 4 * b;
+    __m256i ia = _mm256_set_m128i(_mm_loadu_si128((const __m128i*)SHUFFLE24.lo[p[2]]),
+                                  _mm_loadu_si128((const __m128i*)SHUFFLE24.lo[p[0]]));
+    __m256i ib = _mm256_set_m128i(_mm_loadu_si128((const __m128i*)SHUFFLE24.hi[p[3]]),
+                                  _mm_loadu_si128((const __m128i*)SHUFFLE24.hi[p[1]]));
+    for (int t = 0; t < T; t++) {
+      const int16_t* xb = x + t * in + 32 * b;
+      __m256i l01 = _mm256_loadu_si256((const __m256i*)xb), l23 = _mm256_loadu_si256((const __m256i*)(xb + 16));
+      __m256i xg = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_permute2x128_si256(l01, l23, 0x20), ia),
+                                   _mm256_shuffle_epi8(_mm256_permute2x128_si256(l01, l23, 0x31), ib));
+      sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(v, xg));
+    }
+  }
+  for (int t = 0; t < T; t++) acc[t] += hsum_epi32_256(sum[t]);
+  return 16 * blocks;
+}
+#endif
+
+// 1: the AVX-512 2:4 loops were compiled in; 2: the AVX2 ones (a CPU without AVX-512); 0: none
+extern "C" int lmc_nm_simd(void) {
+#if defined(__AVX512F__)
   return 1;
+#elif defined(LMC_NM_AVX2)
+  return 2;
 #else
   return 0;
 #endif
@@ -302,6 +453,11 @@ static void row_float(const float* xt, int64_t tn, int64_t in, const void* value
     else if (tn == 3) done = row_dense_float<3>(xt, in, row, v_kind, acc);
     else if (tn == 2) done = row_dense_float<2>(xt, in, row, v_kind, acc);
     else done = row_dense_float<1>(xt, in, row, v_kind, acc);
+#elif defined(LMC_NM_AVX2)
+    if (tn == 4) done = row_dense_float_avx2<4>(xt, in, row, v_kind, acc);
+    else if (tn == 3) done = row_dense_float_avx2<3>(xt, in, row, v_kind, acc);
+    else if (tn == 2) done = row_dense_float_avx2<2>(xt, in, row, v_kind, acc);
+    else done = row_dense_float_avx2<1>(xt, in, row, v_kind, acc);
 #endif
     for (int64_t i = done; i < in; i++) {
       float v = load_value(row, v_kind, i);
@@ -319,6 +475,13 @@ static void row_float(const float* xt, int64_t tn, int64_t in, const void* value
     else if (tn == 3) done = row_24_float<3>(xt, in, row_values, v_kind, row_idx, acc);
     else if (tn == 2) done = row_24_float<2>(xt, in, row_values, v_kind, row_idx, acc);
     else done = row_24_float<1>(xt, in, row_values, v_kind, row_idx, acc);
+  }
+#elif defined(LMC_NM_AVX2)
+  if (n == 2 && m == 4) {
+    if (tn == 4) done = row_24_float_avx2<4>(xt, in, row_values, v_kind, row_idx, acc);
+    else if (tn == 3) done = row_24_float_avx2<3>(xt, in, row_values, v_kind, row_idx, acc);
+    else if (tn == 2) done = row_24_float_avx2<2>(xt, in, row_values, v_kind, row_idx, acc);
+    else done = row_24_float_avx2<1>(xt, in, row_values, v_kind, row_idx, acc);
   }
 #endif
   for (int64_t g = done / n, j = done; j < kept; g++) {  // done is a whole number of groups
@@ -414,6 +577,11 @@ static void row_int8(const int16_t* xt, const uint8_t* xu, int64_t tn, int64_t i
     else if (tn == 3) done = row_dense_int8<3>(xt, in, row, acc);
     else if (tn == 2) done = row_dense_int8<2>(xt, in, row, acc);
     else done = row_dense_int8<1>(xt, in, row, acc);
+#elif defined(LMC_NM_AVX2)
+    if (tn == 4) done = row_dense_int8_avx2<4>(xt, in, row, acc);
+    else if (tn == 3) done = row_dense_int8_avx2<3>(xt, in, row, acc);
+    else if (tn == 2) done = row_dense_int8_avx2<2>(xt, in, row, acc);
+    else done = row_dense_int8_avx2<1>(xt, in, row, acc);
 #endif
     for (int64_t i = done; i < in; i++)
       for (int64_t t = 0; t < tn; t++) acc[t] += (int32_t)row[i] * (int32_t)xt[t * in + i];
@@ -436,6 +604,13 @@ static void row_int8(const int16_t* xt, const uint8_t* xu, int64_t tn, int64_t i
     else if (tn == 3) done = row_24_int8_bw<3>(xt, in, row_values, row_idx, acc);
     else if (tn == 2) done = row_24_int8_bw<2>(xt, in, row_values, row_idx, acc);
     else done = row_24_int8_bw<1>(xt, in, row_values, row_idx, acc);
+  }
+#elif defined(LMC_NM_AVX2)
+  if (n == 2 && m == 4) {
+    if (tn == 4) done = row_24_int8_avx2<4>(xt, in, row_values, row_idx, acc);
+    else if (tn == 3) done = row_24_int8_avx2<3>(xt, in, row_values, row_idx, acc);
+    else if (tn == 2) done = row_24_int8_avx2<2>(xt, in, row_values, row_idx, acc);
+    else done = row_24_int8_avx2<1>(xt, in, row_values, row_idx, acc);
   }
 #endif
   for (int64_t g = done / n, j = done; j < kept; g++) {
@@ -1090,31 +1265,6 @@ static void int4_group_dense(const Int4Acts& a, int64_t t0, int64_t in, int64_t 
 }
 
 #ifdef LMC_INT4_AVX2
-// vpshufb indices of 2:4 kept activations: a position byte (kept values i = 0..3 of two groups
-// of 4 inputs, 2 bits each) gives kept i's int16 activation, input c = 4 (i / 2) + p_i of 8
-// (bytes 2c, 2c + 1 of 16), at bytes 2i, 2i + 1 (lo) or 8 + 2i, 9 + 2i (hi); 0x80 zeroes the rest.
-struct Shuffle24 {
-  uint8_t lo[256][16], hi[256][16];
-  Shuffle24() {
-    for (int v = 0; v < 256; v++) {
-      for (int b = 0; b < 16; b++) lo[v][b] = hi[v][b] = 0x80;
-      for (int i = 0; i < 4; i++) {
-        int c = 4 * (i / 2) + ((v >> (2 * i)) & 3);
-        lo[v][2 * i] = hi[v][8 + 2 * i] = (uint8_t)(2 * c);
-        lo[v][2 * i + 1] = hi[v][9 + 2 * i] = (uint8_t)(2 * c + 1);
-      }
-    }
-  }
-};
-static const Shuffle24 SHUFFLE24;
-
-static inline int32_t hsum_epi32_256(__m256i v) {  // modulo 2^32
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
-}
-
 // 2:4 kept codes of one group with AVX2, 32 inputs (16 kept, 8 code bytes, 4 position bytes) a
 // step: the codes widened to 16-bit lanes less z; the activations (a.xr: quarters 0, 2 | 1, 3 of
 // the 32 inputs in the two 128-bit lanes) gathered by two vpshufb with Shuffle24's indices into
