@@ -24,7 +24,9 @@
 // (4 bytes) turned into lane indices 0..31, and one two-register permute of x per token
 // (vpermt2ps) feeding one fused multiply-add; int8 codes take 64 inputs at a time in 16-bit
 // lanes (vpermt2w, then vpdpwssd; needs AVX-512 BW). Dense rows take 16 float or 32 int8
-// weights a step. Every other N:M, and every layout without AVX-512, runs the scalar loop,
+// weights a step. A CPU with AVX2 but not AVX-512 (AMD Zen 2 and 3, Intel before Ice Lake)
+// runs AVX2 loops instead, half as wide (LMC_NM_AVX2, LMC_INT4_AVX2; lmc_nm_simd() and
+// lmc_int4_vector() say 2). Every other N:M, and a CPU with neither, runs the scalar loop,
 // which also finishes what the vector loops leave.
 
 #include <math.h>

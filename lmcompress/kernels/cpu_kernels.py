@@ -15,7 +15,10 @@ each compressed weight once per call for up to four tokens at a time:
   vector on the tiled layout), their dequantization by blocks for more.
 
 On SmolLM2's 210 decoder linears at one token they run 2–4× faster than torch's
-(``benchmarks/results/speed.md``).
+(``benchmarks/results/speed.md``). The vector loops are AVX-512's where the CPU has it, AVX2's
+(half as wide) where it has only that (``lmc_nm_simd()`` / ``lmc_int4_vector()``: 1, 2), and
+plain loops elsewhere: on an AVX2-only AMD EPYC the plain loops were 6-13× slower than torch's
+dense bf16 linears, the AVX2 ones are not (``benchmarks/results/layer_speed_avx2``).
 
 The C++ source is compiled once per machine with the system compiler (``$CXX``, else ``c++``,
 ``g++`` or ``clang++``; ``-O3 -march=native -fopenmp``), the same toolchain ``torch.compile``

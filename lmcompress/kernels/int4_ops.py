@@ -14,7 +14,8 @@ the same way over the kept axis, and ``nm = (indices, n, m)`` their positions
   the same results). Each token's
   activations are quantized per weight group to **int16** (``absmax / 32767``), the group's
   products are exact integers on 16-bit lanes (AVX-512 ``vpdpwssd`` with VNNI, ``vpmaddwd`` +
-  add without; a plain loop without AVX-512 BW/VL), and the float part (per group
+  add without; AVX2 ``vpmaddwd`` on a CPU without AVX-512 BW/VL; a plain loop without either),
+  and the float part (per group
   ``(D · s) · x_scale``, summed in group order, then the bias) is fixed, so the kernel equals
   :func:`int4_reference.decode_linear` bit for bit on every path.
 - **prefill** (everything else): the weight is dequantized ``BLOCK_BYTES`` of output rows at a

@@ -25,7 +25,9 @@ per-thread buffer, then the stored layout's loops).
 Speed (``python -m benchmarks.int4_speed`` → ``benchmarks/results/int4_speed.md``, 2 threads
 of an Intel Xeon with AVX-512 VNNI): one pass over SmolLM2's 210 decoder linears at one token,
 bf16, 7.35 ms tiled against 11.29 ms for the row kernel (17.77 ms dense fp32, 23.37 dense bf16);
-its 1536x576 layer 43.6 µs against 77.1. The loads are prefetched 4 KiB ahead.
+its 1536x576 layer 43.6 µs against 77.1. The loads are prefetched 4 KiB ahead. A CPU with
+AVX2 but not AVX-512 runs the same loop 8 rows a vector (each 64-byte tile line as two halves;
+``benchmarks/results/int4_speed_avx2``).
 """
 
 from __future__ import annotations
