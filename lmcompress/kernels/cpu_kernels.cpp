@@ -631,14 +631,20 @@ extern "C" void lmc_nm_matmul_int8(const int8_t* x_q, int64_t T, int64_t in, con
   int16_t* x = (int16_t*)malloc(sizeof(int16_t) * T * in);  // widened once, for vpermt2w
   for (int64_t i = 0; i < T * in; i++) x[i] = x_q[i];
   uint8_t* xu = unsigned_codes(x, T * in);
+  // blocks of tokens (many tokens: a prefill where torch's int8 GEMM is slow), so that every row
+  // reads a block's codes from cache, not all of them from memory
+  const int64_t block = 64;
+  for (int64_t b0 = 0; b0 < T; b0 += block) {
+    const int64_t b1 = T - b0 < block ? T : b0 + block;
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t o = 0; o < out; o++) {
-    for (int64_t t0 = 0; t0 < T; t0 += TILE) {
-      int64_t tn = T - t0 < TILE ? T - t0 : TILE;
-      int32_t acc[TILE] = {0};
-      row_int8(x + t0 * in, xu ? xu + t0 * in : 0, tn, in, values, idx, idx_stride, n, m, bits,
-               o, acc);
-      for (int64_t t = 0; t < tn; t++) acc_out[(t0 + t) * out + o] = acc[t];
+    for (int64_t o = 0; o < out; o++) {
+      for (int64_t t0 = b0; t0 < b1; t0 += TILE) {
+        int64_t tn = b1 - t0 < TILE ? b1 - t0 : TILE;
+        int32_t acc[TILE] = {0};
+        row_int8(x + t0 * in, xu ? xu + t0 * in : 0, tn, in, values, idx, idx_stride, n, m,
+                 bits, o, acc);
+        for (int64_t t = 0; t < tn; t++) acc_out[(t0 + t) * out + o] = acc[t];
+      }
     }
   }
   free(xu);

@@ -82,6 +82,26 @@ def test_int8_matmul_is_int_mm_of_the_unpacked_codes(n, m, in_features):
         assert torch.equal(ops.nm_int8_matmul(x_q, values, indices, n, m, in_features), got)
 
 
+@pytest.mark.parametrize("in_features", [8, 31, 576])
+def test_dense_int8_products_are_int_mm_at_any_token_count(in_features, monkeypatch):
+    """The kernel's products of dense codes, by blocks of 64 tokens (1, a block, one past it,
+    several and a partial one), are ``_int_mm``'s; ``int8_ops.int8_matmul`` takes them where
+    they beat ``_int_mm`` on the CPU (forced here both ways) with the same integers."""
+    g = torch.Generator().manual_seed(in_features)
+    w_q = torch.randint(-128, 128, (37, in_features), dtype=torch.int8, generator=g)
+    kernel, calls = cpu_kernels.int8_matmul_dense, []
+    monkeypatch.setattr(cpu_kernels, "int8_matmul_dense", lambda *a: calls.append(1) or kernel(*a))
+    for tokens in (1, 5, 63, 64, 65, 130, 200):
+        x_q = torch.randint(-128, 128, (tokens, in_features), dtype=torch.int8, generator=g)
+        want = torch._int_mm(x_q, w_q.t())
+        assert torch.equal(kernel(x_q, w_q), want), tokens
+        for faster in (True, False):
+            monkeypatch.setattr(cpu_kernels, "products_beat_int_mm", lambda f=faster: f)
+            calls.clear()
+            assert torch.equal(int8_ops.int8_matmul(x_q, w_q), want), (tokens, faster)
+            assert len(calls) == faster, (tokens, faster)
+
+
 def test_extreme_int8_codes_sum_exactly():
     """-128 · -128 over 2 · 576 kept inputs: 1.9·10⁷, past float32's exact integers (2²⁴)."""
     in_features = 2304
