@@ -194,6 +194,38 @@ REMEDIES = {
 }
 
 
+# the same on a CPU without AVX-512 (AVX2 only: benchmarks/results/speed_avx2), where the
+# kernels run their AVX2 loops and bf16 matmuls have no native arithmetic
+_BF16_PREFILL = (
+    "Prefill: without bf16 arithmetic (AVX2 only) torch's bf16 matmuls run at about an "
+    "eighth of fp32's speed (dense bf16 against dense fp32 in the table above): every bf16 "
+    "row's prefill sits at dense bf16's; its fp32 export prefills at dense fp32's."
+)
+_REST_OF_STEP = (
+    "the rest of the step (attention, norms, the model's Python: the profile's other buckets) "
+    "is unchanged, about half of dense bf16's: even linears several times faster leave a "
+    "model at about 1.5× dense"
+)
+REMEDIES_AVX2 = {
+    "int8, int8 head": "Prefill: the int8 products are the compiled kernel's (torch's "
+    "`_int_mm` has no fast path without VNNI), a few-token loop by blocks of 64 tokens, not "
+    "a blocked GEMM: well below fp32's BLAS. Decode: " + _REST_OF_STEP + ".",
+    "svd 0.8 bf16": _BF16_PREFILL + " Decode: 80 % of the parameters, and " + _REST_OF_STEP + ".",
+    "2:4 bf16": _BF16_PREFILL + " Decode: the AVX2 2:4 loop (8 kept values a step, two "
+    "vpermps and a blend a token) needs about twice dense's instructions per input for 0.56× "
+    "its bytes: the 210 linears at one token run at about dense bf16's speed "
+    "(`benchmarks/results/layer_speed_avx2`).",
+    "int4": "Decode: the int4 layers run 1.5-4.3× dense bf16's at one token by shape, 1.3× "
+    "over SmolLM2's 210 small linears, where each call's fixed cost shows "
+    "(`benchmarks/results/int4_speed_avx2`); " + _REST_OF_STEP + ".",
+    "int4 bf16": _BF16_PREFILL + " Decode: as `int4`.",
+    "int4 bf16, int4 head": _BF16_PREFILL + " Decode: as `int4`.",
+    "2:4 + int4 bf16": "Decode: the AVX2 loop of packed codes (16 kept values a step, their "
+    "activations gathered by two vpshufb, a horizontal sum per group) takes 2.4-3.3× the "
+    "int4 tiled loop's time per layer (`benchmarks/results/int4_speed_avx2`).",
+}
+
+
 def export_name(row: str, names: dict[str, str]) -> str:
     """A bench row's name (``DIR``, ``DIR (runtime)``, ``... compiled``) with the export's job
     name for its directory (``names``: directory -> job name)."""
@@ -247,15 +279,23 @@ def render(record: dict[str, Any]) -> str:
             else ""
         )
         + (
-            where_the_time_goes(record["profile"], missed_goals(record))
+            where_the_time_goes(record["profile"], missed_goals(record), _isa(record))
             if "profile" in record
             else ""
         )
     )
 
 
-def where_the_time_goes(profile: dict[str, Any], missed: list[str]) -> str:
-    """Milliseconds by module for dense bf16 and each row that misses a goal."""
+def _isa(record: dict[str, Any]) -> list[str]:
+    return (record.get("machine") or {}).get("isa") or []
+
+
+def where_the_time_goes(profile: dict[str, Any], missed: list[str], isa: list[str]) -> str:
+    """Milliseconds by module for dense bf16 and each row that misses a goal; the remedies
+    of a host without AVX-512 where ``isa`` (its flags) says so."""
+    remedies = REMEDIES
+    if isa and not any(flag.startswith("avx512") for flag in isa):
+        remedies = {**REMEDIES, **REMEDIES_AVX2}
 
     names = list(profile["models"])
     lines = [
@@ -274,7 +314,7 @@ def where_the_time_goes(profile: dict[str, Any], missed: list[str]) -> str:
         totals = [f"{sum(profile['models'][n][key].values()):.1f}" for n in names]
         lines.append("| total | " + " | ".join(totals) + " |")
     lines.append("\nWhat would close each miss:\n")
-    lines += [f"- **{n}**: {REMEDIES[n]}" for n in missed if n in REMEDIES]
+    lines += [f"- **{n}**: {remedies[n]}" for n in missed if n in remedies]
     return "\n".join(lines) + "\n"
 
 

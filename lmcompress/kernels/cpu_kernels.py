@@ -15,10 +15,9 @@ each compressed weight once per call for up to four tokens at a time:
   vector on the tiled layout), their dequantization by blocks for more.
 
 On SmolLM2's 210 decoder linears at one token they run 2–4× faster than torch's
-(``benchmarks/results/speed.md``). The vector loops are AVX-512's where the CPU has it, AVX2's
-(half as wide) where it has only that (``lmc_nm_simd()`` / ``lmc_int4_vector()``: 1, 2), and
-plain loops elsewhere: on an AVX2-only AMD EPYC the plain loops were 6-13× slower than torch's
-dense bf16 linears, the AVX2 ones are not (``benchmarks/results/layer_speed_avx2``).
+(``benchmarks/results/speed.md``). Vector loops: AVX-512's, else AVX2's (half as wide; 1 or 2
+from ``lmc_nm_simd()`` / ``lmc_int4_vector()``), else plain loops (6-13× slower than torch's
+dense bf16 on an AVX2-only AMD EPYC: ``benchmarks/results/layer_speed_avx2``).
 
 The C++ source is compiled once per machine with the system compiler (``$CXX``, else ``c++``,
 ``g++`` or ``clang++``; ``-O3 -march=native -fopenmp``), the same toolchain ``torch.compile``
@@ -243,20 +242,17 @@ def int8_matmul_dense(x_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
     """``x_q @ w_q.T`` as exact int32 for int8 ``x_q`` (tokens, in) and dense int8 codes
     ``w_q`` (out, in): equal to ``torch._int_mm(x_q, w_q.t())``, any number of tokens."""
     x_q, w_q = x_q.contiguous(), w_q.contiguous()
-    tokens, in_features = x_q.shape
-    acc = torch.empty((tokens, w_q.shape[0]), dtype=torch.int32)
+    acc = torch.empty((x_q.shape[0], w_q.shape[0]), dtype=torch.int32)
     library().lmc_nm_matmul_int8(
-        x_q.data_ptr(), tokens, in_features, w_q.data_ptr(), None, 0, w_q.shape[0], 1, 1, 0,
+        x_q.data_ptr(), *x_q.shape, w_q.data_ptr(), None, 0, w_q.shape[0], 1, 1, 0,
         acc.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return acc
 
 
 def products_beat_int_mm() -> bool:
-    """Whether the kernels' int8 products beat ``torch._int_mm`` at every token count on this
-    CPU: one with AVX2 but not AVX-512 (``lmc_nm_simd() == 2``), where torch's int8 GEMM has
-    no VNNI path. On an AMD EPYC (Zen 3, 2 threads) ``_int_mm`` of 256 tokens by a 1536 × 576
-    weight took ~147 ms, the kernel ~8 ms, fp32 ``F.linear`` ~9 ms (ad hoc)."""
+    """Whether the kernels' int8 products beat ``torch._int_mm`` at any token count: with AVX2
+    but not AVX-512 (``lmc_nm_simd() == 2``; Zen 3, 256 x 1536 x 576: ~147 ms against ~8)."""
     lib = library()
     return lib is not None and lib.lmc_nm_simd() == 2
 
