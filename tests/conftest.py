@@ -6,6 +6,7 @@ Every hidden size is a multiple of 8 so that 2:4 and 4:8 patterns fit every line
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # Nothing in the tests may reach a model hub; huggingface_hub reads these at import time.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -221,3 +222,38 @@ def int4_weight(out, in_features, bits, group_size, symmetric=False, seed=0):
     else:
         zeros = torch.randint(0, 2**bits, (out, groups), dtype=torch.uint8, generator=g)
     return int4_reference.pack_codes(q, bits), scales, zeros
+
+
+# compiler flags of a build as on a CPU with AVX2 but not AVX-512 (the kernels' AVX2 loops)
+AVX2_ONLY = ["-O3", "-march=native", "-mno-avx512f", "-fopenmp"]
+
+
+def cpu_flags_or_skip(*required: str) -> set[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``); skips the test where they cannot be read or
+    one of ``required`` is missing."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    missing = sorted(set(required) - flags)
+    if missing:
+        pytest.skip(f"no {', '.join(missing)} here")
+    return flags
+
+
+@pytest.fixture
+def kernels_built_with(tmp_path, monkeypatch):
+    """``build(flags, cpu)``: the compiled CPU kernels rebuilt with compiler ``flags`` in a cache
+    of their own, as on a CPU (``cpu``, the build's identity) with fewer instructions; the
+    default library is loaded again after the test."""
+    from lmcompress.kernels import cpu_kernels
+
+    def build(flags: list[str], cpu: str):
+        monkeypatch.setenv("LMCOMPRESS_CACHE", str(tmp_path))
+        monkeypatch.setattr(cpu_kernels, "FLAG_SETS", (flags,))
+        monkeypatch.setattr(cpu_kernels, "_cpu_identity", lambda: cpu)
+        cpu_kernels.library.cache_clear()
+        return cpu_kernels.library()
+
+    yield build
+    cpu_kernels.library.cache_clear()

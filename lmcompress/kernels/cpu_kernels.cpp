@@ -308,6 +308,23 @@ static inline int32_t hsum_epi32_256(__m256i v) {  // modulo 2^32
   return _mm_cvtsi128_si32(s);
 }
 
+// Shuffle24's indices for a 32-input 2:4 step's 4 position bytes p: lo of bytes 0 | 2 (ia), hi
+// of bytes 1 | 3 (ib), each 128-bit lane's.
+static inline void shuffle_24(const uint8_t* p, __m256i* ia, __m256i* ib) {
+  *ia = _mm256_set_m128i(_mm_loadu_si128((const __m128i*)SHUFFLE24.lo[p[2]]),
+                         _mm_loadu_si128((const __m128i*)SHUFFLE24.lo[p[0]]));
+  *ib = _mm256_set_m128i(_mm_loadu_si128((const __m128i*)SHUFFLE24.hi[p[3]]),
+                         _mm_loadu_si128((const __m128i*)SHUFFLE24.hi[p[1]]));
+}
+
+// The 16 kept int16 activations of a 32-input step xb, in kept order: the 8-input quarters put
+// as 0, 2 | 1, 3 in the two 128-bit lanes (vperm2i128), gathered by two vpshufb.
+static inline __m256i gather_24(const int16_t* xb, __m256i ia, __m256i ib) {
+  __m256i l01 = _mm256_loadu_si256((const __m256i*)xb), l23 = _mm256_loadu_si256((const __m256i*)(xb + 16));
+  return _mm256_or_si256(_mm256_shuffle_epi8(_mm256_permute2x128_si256(l01, l23, 0x20), ia),
+                         _mm256_shuffle_epi8(_mm256_permute2x128_si256(l01, l23, 0x31), ib));
+}
+
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
@@ -401,9 +418,8 @@ static int64_t row_dense_int8_avx2(const int16_t* x, int64_t in, const int8_t* r
   return 16 * blocks;
 }
 
-// int8 2:4: 32 inputs (16 kept codes, 4 position bytes) a step; the activations' 8-input
-// quarters put as 0, 2 | 1, 3 in the two 128-bit lanes (vperm2i128), gathered into kept order
-// by two vpshufb with Shuffle24's indices; one vpmaddwd per token (exact).
+// int8 2:4: 32 inputs (16 kept codes, 4 position bytes) a step; the activations gathered into
+// kept order (gather_24); one vpmaddwd per token (exact).
 template <int T>
 static int64_t row_24_int8_avx2(const int16_t* x, int64_t in, const int8_t* values,
                                 const uint8_t* row_idx, int32_t* acc) {
@@ -412,18 +428,10 @@ static int64_t row_24_int8_avx2(const int16_t* x, int64_t in, const int8_t* valu
   const int64_t blocks = in / 32;
   for (int64_t b = 0; b < blocks; b++) {
     __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(values + 16 * b)));
-    const uint8_t* p = row_idx + 4 * b;
-    __m256i ia = _mm256_set_m128i(_mm_loadu_si128((const __m128i*)SHUFFLE24.lo[p[2]]),
-                                  _mm_loadu_si128((const __m128i*)SHUFFLE24.lo[p[0]]));
-    __m256i ib = _mm256_set_m128i(_mm_loadu_si128((const __m128i*)SHUFFLE24.hi[p[3]]),
-                                  _mm_loadu_si128((const __m128i*)SHUFFLE24.hi[p[1]]));
-    for (int t = 0; t < T; t++) {
-      const int16_t* xb = x + t * in + 32 * b;
-      __m256i l01 = _mm256_loadu_si256((const __m256i*)xb), l23 = _mm256_loadu_si256((const __m256i*)(xb + 16));
-      __m256i xg = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_permute2x128_si256(l01, l23, 0x20), ia),
-                                   _mm256_shuffle_epi8(_mm256_permute2x128_si256(l01, l23, 0x31), ib));
-      sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(v, xg));
-    }
+    __m256i ia, ib;
+    shuffle_24(row_idx + 4 * b, &ia, &ib);
+    for (int t = 0; t < T; t++)
+      sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(v, gather_24(x + t * in + 32 * b, ia, ib)));
   }
   for (int t = 0; t < T; t++) acc[t] += hsum_epi32_256(sum[t]);
   return 16 * blocks;
@@ -1069,7 +1077,6 @@ struct Int4Acts {  // the quantized activations of T tokens
   int64_t* sum;    // (T, groups): sum of the group's codes
   int32_t* sum32;  // the same, as int32 (exact for G <= 65536)
   int64_t half;
-  int16_t* xr;     // (T, in), the AVX2 2:4 loop's order (int4_24_avx2), or null
 };
 
 static void int4_quantize_group(const float* x, int64_t len, float s, int16_t* q) {
@@ -1132,17 +1139,6 @@ static Int4Acts int4_prepare(const void* x_in, int x_kind, int64_t T, int64_t in
     }
   }
   free(x);
-  a.xr = 0;
-#ifdef LMC_INT4_AVX2
-  if (in % 32 == 0) {  // blocks of 32 inputs as their 8-input quarters 0, 2, 1, 3
-    a.xr = (int16_t*)malloc(sizeof(int16_t) * T * in);
-    static const int quarter[4] = {0, 2, 1, 3};
-    for (int64_t t = 0; t < T; t++)
-      for (int64_t c = 0; c < in; c += 32)
-        for (int k = 0; k < 4; k++)
-          memcpy(a.xr + t * in + c + 8 * k, a.xq + t * in + c + 8 * quarter[k], 8 * sizeof(int16_t));
-  }
-#endif
   return a;
 }
 
@@ -1153,7 +1149,6 @@ static void int4_free(Int4Acts* a) {
   free(a->scale);
   free(a->sum);
   free(a->sum32);
-  free(a->xr);
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -1274,12 +1269,11 @@ static void int4_group_dense(const Int4Acts& a, int64_t t0, int64_t in, int64_t 
 
 #ifdef LMC_INT4_AVX2
 // 2:4 kept codes of one group with AVX2, 32 inputs (16 kept, 8 code bytes, 4 position bytes) a
-// step: the codes widened to 16-bit lanes less z; the activations (a.xr: quarters 0, 2 | 1, 3 of
-// the 32 inputs in the two 128-bit lanes) gathered by two vpshufb with Shuffle24's indices into
-// kept order; one vpmaddwd. sum[t] += sum (q - z) * x[t] (exact: |D| < 2^31 for G <= 4096).
+// step: the codes widened to 16-bit lanes less z; the activations gathered into kept order
+// (gather_24); one vpmaddwd. sum[t] += sum (q - z) * x[t] (exact: |D| < 2^31 for G <= 4096).
 // Returns the kept values consumed.
 template <int TN>
-static int64_t int4_24_avx2(const uint8_t* codes, const uint8_t* row_idx, const int16_t* xr,
+static int64_t int4_24_avx2(const uint8_t* codes, const uint8_t* row_idx, const int16_t* x,
                             int64_t stride, int64_t cols, int z, int64_t* sum) {
   __m256i acc[TN];
   for (int t = 0; t < TN; t++) acc[t] = _mm256_setzero_si256();
@@ -1290,17 +1284,10 @@ static int64_t int4_24_avx2(const uint8_t* codes, const uint8_t* row_idx, const 
     __m128i v = _mm_loadl_epi64((const __m128i*)(codes + 8 * b));
     __m128i kept = _mm_unpacklo_epi8(_mm_and_si128(v, low4), _mm_and_si128(_mm_srli_epi16(v, 4), low4));
     __m256i w = _mm256_sub_epi16(_mm256_cvtepu8_epi16(kept), zv);
-    const uint8_t* p = row_idx + 4 * b;
-    __m256i ia = _mm256_set_m128i(_mm_loadu_si128((const __m128i*)SHUFFLE24.lo[p[2]]),
-                                  _mm_loadu_si128((const __m128i*)SHUFFLE24.lo[p[0]]));
-    __m256i ib = _mm256_set_m128i(_mm_loadu_si128((const __m128i*)SHUFFLE24.hi[p[3]]),
-                                  _mm_loadu_si128((const __m128i*)SHUFFLE24.hi[p[1]]));
-    for (int t = 0; t < TN; t++) {
-      const int16_t* xb = xr + t * stride + 32 * b;
-      __m256i xg = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i*)xb), ia),
-                                   _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i*)(xb + 16)), ib));
-      acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(w, xg));
-    }
+    __m256i ia, ib;
+    shuffle_24(row_idx + 4 * b, &ia, &ib);
+    for (int t = 0; t < TN; t++)
+      acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(w, gather_24(x + t * stride + 32 * b, ia, ib)));
   }
   for (int t = 0; t < TN; t++) sum[t] += hsum_epi32_256(acc[t]);
   return 16 * steps;
@@ -1319,8 +1306,8 @@ static void int4_group_nm(const Int4Acts& a, int64_t t0, int64_t in, int64_t gro
     done = int4_24_vector<TN>(codes + j0 / 2, row_idx + j0 / 4, a.xq + t0 * in + c0, in, G, z, sum);
 #endif
 #ifdef LMC_INT4_AVX2
-  if (vector && n == 2 && m == 4 && a.xr && G % 32 == 0 && G <= 4096)
-    done = int4_24_avx2<TN>(codes + j0 / 2, row_idx + j0 / 4, a.xr + t0 * in + c0, in, G, z, sum);
+  if (vector && n == 2 && m == 4 && G % 32 == 0 && G <= 4096)
+    done = int4_24_avx2<TN>(codes + j0 / 2, row_idx + j0 / 4, a.xq + t0 * in + c0, in, G, z, sum);
 #endif
   (void)vector;
   for (int64_t j = j0 + done; j < j1; j++) {

@@ -8,11 +8,11 @@ compiler and CPU) and its fallback."""
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import AVX2_ONLY, cpu_flags_or_skip
 
 from lmcompress.compressor.formats import quant
 from lmcompress.compressor.formats.int8 import QuantLinear
@@ -305,52 +305,39 @@ def test_packed_layers_call_the_kernels_and_agree_with_the_op():
             assert torch.equal(packed_int8(x), quant(x))
 
 
-def test_the_avx2_loops_match_too(tmp_path, monkeypatch):
+def test_the_avx2_loops_match_too(kernels_built_with):
     """The library built without AVX-512 (as on a CPU with AVX2 only, e.g. AMD Zen 2 and 3;
     on such a host the default build): 2:4 float rows (fp32, bf16, fp16 values) to float32
     rounding, dense float rows (the low-rank kernel), and dense and 2:4 int8 rows bit for bit,
     with inputs that end inside a vector step."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        pytest.skip("no /proc/cpuinfo")
-    if not {"avx2", "fma", "f16c"} <= flags:
-        pytest.skip("no AVX2/FMA/F16C here")
-    avx2 = ["-O3", "-march=native", "-mno-avx512f", "-fopenmp"]
-    monkeypatch.setenv("LMCOMPRESS_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_kernels, "FLAG_SETS", (avx2,))
-    monkeypatch.setattr(cpu_kernels, "_cpu_identity", lambda: "this CPU without AVX-512")
-    cpu_kernels.library.cache_clear()
-    try:
-        assert cpu_kernels.library().lmc_nm_simd() == 2
-        g = torch.Generator().manual_seed(6)
-        for in_features in (200, 96, 8, 576):
-            for dtype in (torch.float32, torch.bfloat16, torch.float16):
-                values, indices = R.pack_nm(_sparse(21, in_features, 2, 4, 2, dtype), 2, 4)
-                W = R.unpack_nm(values, indices, 2, 4, in_features).double()
-                for tokens in (1, 2, 3, 4, 5):
-                    x = torch.randn(tokens, in_features, generator=g)
-                    got = cpu_kernels.matmul(x, values, indices, 2, 4, 2)
-                    torch.testing.assert_close(got.double(), x.double() @ W.T, rtol=1e-5, atol=1e-4)
-            values, indices = R.pack_nm(_sparse(23, in_features, 2, 4, 4, torch.int8), 2, 4)
-            codes = R.unpack_nm(values, indices, 2, 4, in_features)
+    cpu_flags_or_skip("avx2", "fma", "f16c")
+    assert kernels_built_with(AVX2_ONLY, "this CPU without AVX-512").lmc_nm_simd() == 2
+    g = torch.Generator().manual_seed(6)
+    for in_features in (200, 96, 8, 576):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            values, indices = R.pack_nm(_sparse(21, in_features, 2, 4, 2, dtype), 2, 4)
+            W = R.unpack_nm(values, indices, 2, 4, in_features).double()
             for tokens in (1, 2, 3, 4, 5):
-                x_q = torch.randint(-128, 128, (tokens, in_features), dtype=torch.int8, generator=g)
-                want = torch._int_mm(x_q, codes.t())
-                assert torch.equal(cpu_kernels.int8_matmul(x_q, values, indices, 2, 4, 2), want)
-                weight_scale = torch.rand(23, 1, generator=g) / 50 + 1e-4
                 x = torch.randn(tokens, in_features, generator=g)
-                dense = cpu_kernels.int8_linear(x, weight_scale, None, None, codes)
-                assert torch.equal(dense, _torch_int8(x, codes, weight_scale, None, None))
-            A = torch.randn(7, in_features, generator=g) / in_features**0.5
-            B = torch.randn(37, 7, generator=g)
-            for tokens in (1, 2, 5):
-                x = torch.randn(tokens, in_features, generator=g)
-                want = F.linear(F.linear(x.double(), A.double()), B.double())
-                got = cpu_kernels.lowrank(x, A, B, None)
-                torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-    finally:
-        cpu_kernels.library.cache_clear()
+                got = cpu_kernels.matmul(x, values, indices, 2, 4, 2)
+                torch.testing.assert_close(got.double(), x.double() @ W.T, rtol=1e-5, atol=1e-4)
+        values, indices = R.pack_nm(_sparse(23, in_features, 2, 4, 4, torch.int8), 2, 4)
+        codes = R.unpack_nm(values, indices, 2, 4, in_features)
+        for tokens in (1, 2, 3, 4, 5):
+            x_q = torch.randint(-128, 128, (tokens, in_features), dtype=torch.int8, generator=g)
+            want = torch._int_mm(x_q, codes.t())
+            assert torch.equal(cpu_kernels.int8_matmul(x_q, values, indices, 2, 4, 2), want)
+            weight_scale = torch.rand(23, 1, generator=g) / 50 + 1e-4
+            x = torch.randn(tokens, in_features, generator=g)
+            dense = cpu_kernels.int8_linear(x, weight_scale, None, None, codes)
+            assert torch.equal(dense, _torch_int8(x, codes, weight_scale, None, None))
+        A = torch.randn(7, in_features, generator=g) / in_features**0.5
+        B = torch.randn(37, 7, generator=g)
+        for tokens in (1, 2, 5):
+            x = torch.randn(tokens, in_features, generator=g)
+            want = F.linear(F.linear(x.double(), A.double()), B.double())
+            got = cpu_kernels.lowrank(x, A, B, None)
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_build_is_cached_and_keyed_by_the_cpu(tmp_path, monkeypatch):

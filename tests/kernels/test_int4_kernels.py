@@ -8,11 +8,10 @@ float dequantized matmul."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import AVX2_ONLY, cpu_flags_or_skip
 from conftest import int4_weight as _weight
 
 from lmcompress.compressor.sparsity import nm_mask
@@ -204,10 +203,7 @@ def test_the_vector_loops_are_built_where_the_cpu_has_them():
     """A source that does not compile with ``-march=native`` falls back to plain flags (still
     bit for bit, but 3-10x slower): on a CPU with AVX-512 BW and VL its int4 loops are in, on
     one with AVX2 only (AMD Zen 2 and 3, Intel before Ice Lake) the AVX2 loops."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        pytest.skip("no /proc/cpuinfo")
+    flags = cpu_flags_or_skip()
     if {"avx512bw", "avx512vl"} <= flags:
         assert cpu_kernels.library().lmc_int4_vector() == 1
     elif "avx2" in flags:
@@ -216,98 +212,67 @@ def test_the_vector_loops_are_built_where_the_cpu_has_them():
         pytest.skip("neither AVX-512 BW/VL nor AVX2 here")
 
 
-def test_the_avx512_loops_without_vnni_are_the_reference_too(tmp_path, monkeypatch):
+def test_the_avx512_loops_without_vnni_are_the_reference_too(kernels_built_with):
     """The library built without VNNI (as on an AVX-512 CPU that lacks it): the 16-bit
     products by ``vpmaddwd`` + add instead of ``vpdpwssd``, still bit for bit."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        pytest.skip("no /proc/cpuinfo")
-    if not {"avx512bw", "avx512vl", "avx512_vbmi2"} <= flags:
-        pytest.skip("no AVX-512 BW/VL/VBMI2 here")
+    cpu_flags_or_skip("avx512bw", "avx512vl", "avx512_vbmi2")
     no_vnni = ["-O3", "-march=native", "-mno-avx512vnni", "-mno-avxvnni", "-fopenmp"]
-    monkeypatch.setenv("LMCOMPRESS_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_kernels, "FLAG_SETS", (no_vnni,))
-    monkeypatch.setattr(cpu_kernels, "_cpu_identity", lambda: "this CPU without VNNI")
-    cpu_kernels.library.cache_clear()
-    try:
-        assert cpu_kernels.library().lmc_int4_vector() == 1
-        g = torch.Generator().manual_seed(8)
-        for out, in_features, group_size in [(9, 576, 64), (7, 1056, 32), (5, 192, 96)]:
-            qweight, scales, zeros = _weight(out, in_features, 4, group_size)
-            x = torch.randn(5, in_features, generator=g)
-            want = R4.decode_linear(x, qweight, scales, zeros, 4, group_size, in_features)
-            got = int4_ops.decode(x, qweight, scales, zeros, 4, group_size, in_features)
-            assert torch.equal(got, want)
-            tiles = int4_tiles.tile(qweight)  # the tiled kernel's vpmaddwd too
-            got = int4_tiles.decode(x, tiles, scales, zeros, group_size, in_features)
-            assert torch.equal(got, want)
-        qweight, scales, zeros, nm = _nm_weight(7, 512, 4, 128, 2, 4)
-        x = torch.randn(3, 512, generator=g).bfloat16()
-        want = R4.decode_linear(x, qweight, scales, zeros, 4, 128, 512, None, nm)
-        assert torch.equal(int4_ops.decode(x, qweight, scales, zeros, 4, 128, 512, None, nm), want)
-    finally:
-        cpu_kernels.library.cache_clear()
+    assert kernels_built_with(no_vnni, "this CPU without VNNI").lmc_int4_vector() == 1
+    g = torch.Generator().manual_seed(8)
+    for out, in_features, group_size in [(9, 576, 64), (7, 1056, 32), (5, 192, 96)]:
+        qweight, scales, zeros = _weight(out, in_features, 4, group_size)
+        x = torch.randn(5, in_features, generator=g)
+        want = R4.decode_linear(x, qweight, scales, zeros, 4, group_size, in_features)
+        got = int4_ops.decode(x, qweight, scales, zeros, 4, group_size, in_features)
+        assert torch.equal(got, want)
+        tiles = int4_tiles.tile(qweight)  # the tiled kernel's vpmaddwd too
+        got = int4_tiles.decode(x, tiles, scales, zeros, group_size, in_features)
+        assert torch.equal(got, want)
+    qweight, scales, zeros, nm = _nm_weight(7, 512, 4, 128, 2, 4)
+    x = torch.randn(3, 512, generator=g).bfloat16()
+    want = R4.decode_linear(x, qweight, scales, zeros, 4, 128, 512, None, nm)
+    assert torch.equal(int4_ops.decode(x, qweight, scales, zeros, 4, 128, 512, None, nm), want)
 
 
-def test_the_avx2_loops_are_the_reference_too(tmp_path, monkeypatch):
+def test_the_avx2_loops_are_the_reference_too(kernels_built_with):
     """The library built without AVX-512 (as on a CPU with AVX2 only; on such a host the
     default build): the tiled decode, the packed 2:4 decode and the dequantization by their
     AVX2 loops, bit for bit, at 1-16 tokens, fp32 and bf16, every group width they take (32,
     64, 128, the whole row) and ones the dequantization or the 2:4 loop leave to the plain loop
     (8, 96; 2:4 over a row of 200 inputs)."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        pytest.skip("no /proc/cpuinfo")
-    if "avx2" not in flags:
-        pytest.skip("no AVX2 here")
-    avx2 = ["-O3", "-march=native", "-mno-avx512f", "-fopenmp"]
-    monkeypatch.setenv("LMCOMPRESS_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_kernels, "FLAG_SETS", (avx2,))
-    monkeypatch.setattr(cpu_kernels, "_cpu_identity", lambda: "this CPU without AVX-512")
-    cpu_kernels.library.cache_clear()
-    try:
-        assert cpu_kernels.library().lmc_int4_vector() == 2
-        g = torch.Generator().manual_seed(9)
-        dense = [(37, 128, 32), (21, 1152, 64), (9, 2048, 128), (3, 64, 8), (5, 192, 96)]
-        for out, in_features, group_size in dense:
-            for bits, symmetric in [(4, True), (4, False), (3, False)]:
-                qweight, scales, zeros = _weight(out, in_features, bits, group_size, symmetric)
-                W = R4.dequantize(qweight, scales, zeros, bits, group_size, in_features)
-                for dtype in (torch.float32, torch.bfloat16):
-                    rows = int4_ops.dequantize_rows(
-                        qweight, scales, zeros, bits, group_size, in_features, 2, out, dtype
-                    )
-                    assert torch.equal(rows, W[2:].to(dtype)), (out, bits, dtype)
-                tiles = int4_tiles.tile(qweight)
-                for tokens in (1, 2, 3, 4, 5, 8, 16):
-                    x = (torch.randn(tokens, in_features, generator=g) * 3).to(
-                        torch.bfloat16 if tokens % 2 else torch.float32
-                    )
-                    want = R4.decode_linear(
-                        x, qweight, scales, zeros, bits, group_size, in_features
-                    )
-                    got = int4_tiles.decode(x, tiles, scales, zeros, group_size, in_features)
-                    assert torch.equal(got, want), (out, bits, tokens)
-        for out, in_features, group_size in [
-            (37, 128, 32),
-            (9, 1152, 64),
-            (7, 512, -1),
-            (7, 200, -1),
-        ]:
-            qweight, scales, zeros, nm = _nm_weight(out, in_features, 4, group_size, 2, 4)
-            for tokens in (1, 3, 4, 6):
-                x = torch.randn(tokens, in_features, generator=g).bfloat16()
-                want = R4.decode_linear(
-                    x, qweight, scales, zeros, 4, group_size, in_features, None, nm
+    cpu_flags_or_skip("avx2")
+    assert kernels_built_with(AVX2_ONLY, "this CPU without AVX-512").lmc_int4_vector() == 2
+    g = torch.Generator().manual_seed(9)
+    dense = [(37, 128, 32), (21, 1152, 64), (9, 2048, 128), (3, 64, 8), (5, 192, 96)]
+    for out, in_features, group_size in dense:
+        for bits, symmetric in [(4, True), (4, False), (3, False)]:
+            qweight, scales, zeros = _weight(out, in_features, bits, group_size, symmetric)
+            W = R4.dequantize(qweight, scales, zeros, bits, group_size, in_features)
+            for dtype in (torch.float32, torch.bfloat16):
+                rows = int4_ops.dequantize_rows(
+                    qweight, scales, zeros, bits, group_size, in_features, 2, out, dtype
                 )
-                got = int4_ops.decode(
-                    x, qweight, scales, zeros, 4, group_size, in_features, None, nm
+                assert torch.equal(rows, W[2:].to(dtype)), (out, bits, dtype)
+            tiles = int4_tiles.tile(qweight)
+            for tokens in (1, 2, 3, 4, 5, 8, 16):
+                x = (torch.randn(tokens, in_features, generator=g) * 3).to(
+                    torch.bfloat16 if tokens % 2 else torch.float32
                 )
-                assert torch.equal(got, want), (out, in_features, tokens)
-    finally:
-        cpu_kernels.library.cache_clear()
+                want = R4.decode_linear(x, qweight, scales, zeros, bits, group_size, in_features)
+                got = int4_tiles.decode(x, tiles, scales, zeros, group_size, in_features)
+                assert torch.equal(got, want), (out, bits, tokens)
+    for out, in_features, group_size in [
+        (37, 128, 32),
+        (9, 1152, 64),
+        (7, 512, -1),
+        (7, 200, -1),
+    ]:
+        qweight, scales, zeros, nm = _nm_weight(out, in_features, 4, group_size, 2, 4)
+        for tokens in (1, 3, 4, 6):
+            x = torch.randn(tokens, in_features, generator=g).bfloat16()
+            want = R4.decode_linear(x, qweight, scales, zeros, 4, group_size, in_features, None, nm)
+            got = int4_ops.decode(x, qweight, scales, zeros, 4, group_size, in_features, None, nm)
+            assert torch.equal(got, want), (out, in_features, tokens)
 
 
 def test_gradients_through_prefill_blocks_are_the_dequantized_linear_s(monkeypatch):
