@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from benchmarks.harness import Table, add_harness_args, run_table
 from lmcompress.compressor.sparsity import nm_mask
-from lmcompress.kernels import int4_ops, int4_tiles
+from lmcompress.kernels import int4_ops, int4_tiles, int4_tiles24
 from lmcompress.kernels import int4_reference as R4
 from lmcompress.kernels import reference as R
 
@@ -75,6 +75,9 @@ def int4_layer(out_features: int, in_features: int, group_size: int, g: torch.Ge
     # what an Int4Linear holds where the kernels are built: the tiles and the grid's tiled copy
     layer["tiles"] = int4_tiles.tile(layer["qweight"])
     layer["grid16"] = int4_tiles.tile_grid(layer["scales"], layer["zeros"])
+    # and the 2:4 codes in int4_tiles24's layout (what a PackedNMInt4Linear holds on a CPU
+    # with AVX2 and not AVX-512; timed here on any host)
+    layer["tiles24"], layer["patterns24"] = int4_tiles24.tile(layer["kept"], indices, in_features)
     return layer
 
 
@@ -107,6 +110,13 @@ def fns() -> dict[str, Callable[[dict, torch.Tensor], Any]]:
             group_size=layer["group_size"], in_features=layer["in"], nm=layer["nm"],
         )  # fmt: skip
 
+    def int4_24_tiled(layer, x):
+        return int4_ops.linear(
+            x, layer["tiles24"], layer["scales"], layer["zeros"], bits=4,
+            group_size=layer["group_size"], in_features=layer["in"],
+            nm=(layer["patterns24"], 2, 4), tiled=True,
+        )  # fmt: skip
+
     return {
         "dense fp32": lambda layer, x: F.linear(x, layer["fp32"]),
         "dense bf16": lambda layer, x: F.linear(x.bfloat16(), layer["bf16"]),
@@ -114,7 +124,8 @@ def fns() -> dict[str, Callable[[dict, torch.Tensor], Any]]:
         "int4 bf16": lambda layer, x: int4(layer, x.bfloat16()),
         "int4 bf16 rows": lambda layer, x: int4_rows(layer, x.bfloat16()),
         "int4 bf16 prefill path": lambda layer, x: int4_prefill(layer, x.bfloat16()),
-        "2:4 + int4 bf16": lambda layer, x: int4_24(layer, x.bfloat16()),
+        "2:4 + int4 bf16 rows": lambda layer, x: int4_24(layer, x.bfloat16()),
+        "2:4 + int4 bf16 tiled": lambda layer, x: int4_24_tiled(layer, x.bfloat16()),
     }
 
 

@@ -95,7 +95,12 @@ SIGNATURES = {
     "lmc_int4_untile_rows": [_VOID, _I64, _I64, _I64, _VOID, _INT],
     "lmc_int4_dequant_tiled": [_VOID, _VOID, _VOID, _I64, _I64, _I64, _I64, _I64, _VOID, _INT]
     + [_INT],
+    "lmc_int4_linear_tiled24": [_VOID, _INT, _I64, _I64, _VOID, _VOID, _VOID, _VOID, _I64, _I64]
+    + [_I64, _VOID, _INT, _VOID, _INT, _INT, _INT],
+    "lmc_int4_dequant_tiled24": [_VOID, _VOID, _VOID, _VOID, _I64, _I64, _I64, _I64, _I64, _VOID]
+    + [_INT, _INT],
 }
+_RETURNS_INT = ("lmc_nm_simd", "lmc_nm_first_bad_byte", "lmc_all_finite", "lmc_int4_vector")
 
 
 def enabled() -> bool:
@@ -119,13 +124,7 @@ def library() -> ctypes.CDLL | None:
         return None
     for name, args in SIGNATURES.items():
         getattr(lib, name).argtypes = args
-        returns_int = name in (
-            "lmc_nm_simd",
-            "lmc_nm_first_bad_byte",
-            "lmc_all_finite",
-            "lmc_int4_vector",
-        )
-        getattr(lib, name).restype = _INT if returns_int else None
+        getattr(lib, name).restype = _INT if name in _RETURNS_INT else None
     logger.debug("compiled CPU kernels loaded (AVX-512 2:4 loops: %s)", bool(lib.lmc_nm_simd()))
     return lib
 

@@ -52,7 +52,7 @@ import threading
 
 import torch
 
-from lmcompress.kernels import cpu_kernels, int4_reference, int4_tiles, reference
+from lmcompress.kernels import cpu_kernels, int4_reference, int4_tiles, int4_tiles24, reference
 
 # The row kernel (codes in the stored layout) up to this many tokens: its cost grows with each
 # token (16-bit products), the prefill path's hardly (one dequantization, then the bf16
@@ -96,6 +96,12 @@ def linear(
     if x.shape[-1] != in_features:  # as nn.Linear: never a silent reshape into other rows
         raise ValueError(f"int4 linear: input {tuple(x.shape)}, {in_features} features expected")
     x2 = x if x.dim() == 2 else x.reshape(-1, in_features)
+    if tiled and nm is not None:  # packed 2:4 in int4_tiles24's layout: indices its patterns
+        buffers = {"qweight": qweight, "indices": nm[0], "scales": scales, "zeros": zeros}
+        y = int4_tiles24.try_decode(x2, buffers | {"bias": bias}, in_features, scales.shape[0])
+        if y is None:
+            y = prefill_tiled24(x2, buffers, bits, group_size, in_features, bias)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[1])
     if tiled:
         if grid16 is None:
             grid16 = int4_tiles.tile_grid(scales, zeros)
@@ -315,6 +321,35 @@ def prefill_tiled(
         )  # fmt: skip
 
     return int4_reference.prefill_linear(x, out_features, block, rows, bias)
+
+
+def prefill_tiled24(
+    x: torch.Tensor,
+    buffers: dict[str, torch.Tensor],
+    bits: int,
+    group_size: int,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`prefill` of packed 2:4 codes in :mod:`~lmcompress.kernels.int4_tiles24`' layout
+    (``buffers``: ``qweight`` its tiles, ``indices`` its patterns, ``scales``, ``zeros``):
+    ``lmc_int4_dequant_tiled24`` reads them directly; where it does not apply (another dtype or
+    device, tracing), each block's rows are untiled first."""
+    scales, zeros = buffers["scales"], buffers["zeros"]
+    x, dtype, block, buffer = _prefill_setup(x, scales.shape[0], in_features)
+
+    def rows(start: int, end: int) -> torch.Tensor:
+        if dtype in KERNEL_DTYPES and _eager_cpu(x) and cpu_kernels.library():
+            out = None if buffer is None else buffer[: end - start]
+            return int4_tiles24.dequantize_rows(buffers, in_features, start, end, dtype, out)
+        qweight, indices = int4_tiles24.untile(buffers["qweight"], buffers["indices"], end)
+        part = slice(start, end)
+        return int4_reference.dequantize_any(
+            qweight[part], scales[part], zeros[part], bits, group_size, in_features,
+            (indices[part], 2, 4),
+        ).to(dtype)  # fmt: skip
+
+    return int4_reference.prefill_linear(x, scales.shape[0], block, rows, bias)
 
 
 def _prefill_setup(x: torch.Tensor, out_features: int, in_features: int):

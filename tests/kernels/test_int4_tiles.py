@@ -15,7 +15,7 @@ from conftest import int4_weight as _weight
 
 from lmcompress.compressor.formats.int4 import Int4Linear, PackedNMInt4Linear
 from lmcompress.compressor.sparsity import nm_mask
-from lmcompress.kernels import cpu_kernels, int4_ops, int4_tiles
+from lmcompress.kernels import cpu_kernels, int4_ops, int4_tiles, int4_tiles24
 from lmcompress.kernels import int4_reference as R4
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler here")
@@ -150,8 +150,9 @@ def test_the_short_path_applies_only_to_decode():
 
 def test_int4_linear_holds_tiles_where_the_kernel_reads_them(monkeypatch):
     """Tiled: 4 bits with widths multiple of 8; stored layout: 8 bits, an input width not a
-    multiple of 8, packed N:M. Either way the same codes, grid, stored state, outputs and
-    copies; a tiled layer holds its grid tiled only (``scales``/``zeros`` read untiled)."""
+    multiple of 8 (packed 2:4: int4_tiles24's tiles where held). Either way the same codes,
+    grid, stored state, outputs and copies; a tiled layer holds its grid tiled only
+    (``scales``/``zeros`` read untiled)."""
     linear = torch.nn.Linear(64, 40)
     tiled = Int4Linear.from_linear(linear, bits=4, group_size=32)
     assert tiled.tiled and tiled.qweight.dtype == torch.int32
@@ -160,7 +161,8 @@ def test_int4_linear_holds_tiles_where_the_kernel_reads_them(monkeypatch):
     sparse = torch.nn.Linear(64, 40)
     with torch.no_grad():
         sparse.weight *= nm_mask(sparse.weight.abs(), 2, 4)
-    assert not PackedNMInt4Linear.from_linear(sparse, n=2, m=4, bits=4, group_size=32).tiled
+    packed = PackedNMInt4Linear.from_linear(sparse, n=2, m=4, bits=4, group_size=32)
+    assert packed.tiled == int4_tiles24.hold()  # its own tiles (test_int4_tiles24.py)
     stored = tiled.state_tensors()
     assert stored["qweight"].shape == (40, 32) and stored["qweight"].dtype == torch.uint8
     meta = {**tiled.meta(), "conv1d": False}

@@ -23,7 +23,7 @@ from transformers.pytorch_utils import Conv1D
 
 from lmcompress.compressor.formats import grid
 from lmcompress.compressor.formats.base import CompressedLinear
-from lmcompress.compressor.formats.int4_forward import tiled_forward
+from lmcompress.compressor.formats.int4_forward import hold_tiles24, stored_nm, tiled_forward
 from lmcompress.compressor.formats.int4_schema import INT4, NM_PACKED_INT4, bad_codes
 from lmcompress.compressor.formats.nm_packed import kept
 from lmcompress.compressor.formats.quant import check_scale
@@ -31,12 +31,7 @@ from lmcompress.compressor.formats.registry import register_format
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.errors import ModelLoadError
 from lmcompress.kernels import int4_ops, int4_tiles, ops
-from lmcompress.kernels.int4_reference import (
-    check_bits,
-    dequantize_codes,
-    pack_codes,
-    unpack_codes,
-)
+from lmcompress.kernels.int4_reference import check_bits, dequantize_codes, pack_codes, unpack_codes
 from lmcompress.kernels.reference import gather_nm, pack_nm
 
 
@@ -328,6 +323,12 @@ class PackedNMInt4Linear(Int4CodedLinear):
         self.register_buffer("qweight", qweight)
         self.register_buffer("indices", indices)
         self.init_grid(scales, zeros, bits, group_size, symmetric, bias, dtype)
+        self.tile_codes()
+
+    def tile_codes(self) -> None:
+        """Hold 2:4 codes in :mod:`lmcompress.kernels.int4_tiles24`' layout where its decode
+        kernel reads them (at construction; by the Hugging Face quantizer once filled)."""
+        hold_tiles24(self)
 
     @classmethod
     @torch.no_grad()
@@ -371,15 +372,15 @@ class PackedNMInt4Linear(Int4CodedLinear):
         return self.indices, self.n, self.m
 
     def weight_codes(self) -> torch.Tensor:
-        values = unpack_codes(self.qweight, self.bits, self.n * self.in_features // self.m)
-        marked = ops.unpack_nm(
-            values.to(torch.int16) + 1, self.indices, self.n, self.m, self.in_features
-        )
+        qweight, idx = stored_nm(self)
+        values = unpack_codes(qweight, self.bits, self.n * self.in_features // self.m)
+        marked = ops.unpack_nm(values.to(torch.int16) + 1, idx, self.n, self.m, self.in_features)
         zeros = grid.expand(self.zeros, self.in_features)  # (out, in)
         return torch.where(marked == 0, zeros, (marked - 1).to(torch.uint8))
 
     def code_tensors(self) -> dict[str, torch.Tensor]:
-        return {"qweight": self.qweight, "indices": self.indices}
+        qweight, indices = stored_nm(self)
+        return {"qweight": qweight, "indices": indices}
 
     def code_meta(self) -> dict[str, Any]:
         return {"n": self.n, "m": self.m}

@@ -15,13 +15,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmcompress.kernels import int4_tiles, lean_ops
+from lmcompress.kernels import int4_tiles, int4_tiles24, lean_ops
 
 
 def tiled_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """``layer``'s output for ``x`` by the decode kernel (module doc), ``None`` where it does
     not apply (more tokens, another dtype or device, a gradient needed): the caller then takes
     the general path."""
+    if "n" in layer.__dict__:  # packed 2:4 tiles (int4_tiles24); compiled: the general op
+        if torch.compiler.is_compiling():
+            return None
+        return int4_tiles24.try_decode(x, layer._buffers, layer.in_features, layer.out_features)
     if not torch.compiler.is_compiling():
         shared = layer.__dict__.get("shared_input")
         if shared is not None:
@@ -36,3 +40,26 @@ def tiled_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         x, held["qweight"], held["scales16"], held["zeros16"], held["bias"], layer.bits,
         layer.group_size, layer.out_features,
     )  # fmt: skip
+
+
+def hold_tiles24(layer: nn.Module) -> None:
+    """Hold a packed 2:4 int4 layer's codes and positions in :mod:`~lmcompress.kernels.
+    int4_tiles24`' layout (``qweight`` its tiles, ``indices`` its patterns) where
+    :func:`~lmcompress.kernels.int4_tiles24.tileable`; else they stay as stored."""
+    if layer.tiled or not int4_tiles24.tileable(
+        layer.qweight, layer.n, layer.m, layer.bits, layer.group_size, layer.in_features
+    ):
+        return
+    tiled = int4_tiles24.tile(layer.qweight, layer.indices, layer.in_features)
+    if tiled is not None:
+        layer.qweight, layer.indices = tiled
+        if layer.bias is not None:
+            layer.bias = layer.bias.contiguous()
+        layer.tiled = True
+
+
+def stored_nm(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed N:M int4 layer's (``qweight``, ``indices``) in the stored layout."""
+    if layer.tiled:
+        return int4_tiles24.untile(layer.qweight, layer.indices, layer.out_features)
+    return layer.qweight, layer.indices
