@@ -114,7 +114,7 @@ def fns() -> dict[str, Callable[[dict, torch.Tensor], Any]]:
         return int4_ops.linear(
             x, layer["tiles24"], layer["scales"], layer["zeros"], bits=4,
             group_size=layer["group_size"], in_features=layer["in"],
-            nm=(layer["patterns24"], 2, 4), tiled=True,
+            nm=(layer["patterns24"], 2, 4), tiled=True, grid16=layer["grid16"],
         )  # fmt: skip
 
     return {

@@ -2133,21 +2133,21 @@ extern "C" void lmc_int4_untile_rows(const uint32_t* tiles, int64_t in, int64_t 
 //                             equal to lmc_int4_linear and int4_reference.decode_linear bit for bit.
 //   lmc_int4_dequant_tiled24  the prefill dequantization of rows [row0, row0 + rows).
 //
-// Tiles: blocks of 8 rows; for each 16 input columns (4 groups of 4) and row, one 32-bit word of
+// Tiles: blocks of 16 rows; for each 16 input columns (4 groups of 4) and row, one 32-bit word of
 // the 8 kept codes (group i's first kept code in bits 4i .. 4i+3, its second in bits 16 + 4i ..)
 // and one 16-bit word of the 4 patterns (group i's in bits 4i .. 4i+3: 0..5, the pair of kept
-// positions (0,1) (0,2) (0,3) (1,2) (1,3) (2,3)); word k of rows 8b .. 8b+7 are 8 consecutive
-// words. 3 bits a weight, as the stored layout. Each token's quantized activations (the same
-// int16 codes as lmc_int4_linear) become a table of the 6 pairs (x[a], x[b]) of every group of
-// 4 inputs, 8 int32 a group. One output row a 32-bit vector lane: the masks 0x000F000F after
-// shifts of 0, 4, 8, 12 give each row's two kept codes of a group (less the row's zero point)
-// as 16-bit pairs, one vpermd picks each row's pair of activations from the group's table by
-// its pattern, one vpmaddwd adds the two products: one multiply-add per group of 4 inputs,
-// where the dense tiled loop needs two, and no horizontal sum. The group sums D = sum (q - z) x
-// (exact integers: |D| < 2^31 for G <= 4096) then take the row kernel's float steps
-// (int4_add_partial, int4_tree) in 8 row lanes: the same bits.
+// positions (0,1) (0,2) (0,3) (1,2) (1,3) (2,3)); word k of rows 16b .. 16b+15 are 16
+// consecutive words. 3 bits a weight, as the stored layout. The grid is int4_tiles' (scales16,
+// zeros16: a group's 16 rows together). Each token's quantized activations (the same int16 codes
+// as lmc_int4_linear) become a table of the 6 pairs (x[a], x[b]) of every group of 4 inputs, 8
+// int32 a group. With AVX2, 8 rows a vector (each block's two halves in turn, a group at a time):
+// the masks 0x000F000F after shifts of 0, 4, 8, 12 give each row's two kept codes of a group
+// (less the row's zero point) as 16-bit pairs, one vpermd picks each row's pair of activations
+// from the group's table by its pattern, one vpmaddwd adds the two products: one multiply-add
+// per group of 4 inputs, where the dense tiled loop needs two, and no horizontal sum. The group
+// sums D = sum (q - z) x (exact integers: |D| < 2^31 for G <= 4096) then take the row kernel's
+// float steps (int4_add_partial, int4_tree) in the row lanes: the same bits.
 
-static const int T24_ROWS = 8;
 static const int8_t T24_PAIR[6][2] = {{0, 1}, {0, 2}, {0, 3}, {1, 2}, {1, 3}, {2, 3}};
 
 struct Int4PairTable {  // the quantized activations of T tokens
@@ -2177,138 +2177,130 @@ static Int4PairTable int4_prepare_table(const void* x_in, int x_kind, int64_t T,
   return a;
 }
 
-// Row 8b + l's scale and zero point of group g (rows past `out`: those of the last row).
-static inline void t24_grid(const float* scales, const uint8_t* zeros, int64_t groups, int64_t b,
-                            int64_t out, int64_t g, float* s, int32_t* z) {
-  for (int l = 0; l < T24_ROWS; l++) {
-    int64_t o = 8 * b + l < out ? 8 * b + l : out - 1;
-    s[l] = scales[o * groups + g];
-    z[l] = zeros[o * groups + g];
-  }
-}
-
 #ifdef __AVX2__
 template <int TN>
 static void int4_t24_block_avx2(const Int4PairTable& a, int64_t t0, int64_t in, int64_t groups,
                                 int64_t G, const uint32_t* tb, const uint16_t* pb,
-                                const float* scales, const uint8_t* zeros, int64_t b, int64_t out,
-                                float* res) {
+                                const float* s16, const uint8_t* z16, float* res) {
   const int64_t kg = G / 16;
   const __m256i M = _mm256_set1_epi32(0x000F000F);
-  __m256 part[TN][16];
-  for (int t = 0; t < TN; t++)
-    for (int i = 0; i < 16; i++) part[t][i] = _mm256_setzero_ps();
+  __m256 part[2][TN][16];
+  for (int h = 0; h < 2; h++)
+    for (int t = 0; t < TN; t++)
+      for (int i = 0; i < 16; i++) part[h][t][i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; g++) {
-    float sl[8];
-    int32_t zl[8];
-    t24_grid(scales, zeros, groups, b, out, g, sl, zl);
-    const __m256i z = _mm256_loadu_si256((const __m256i*)zl);
-    const __m256i zz = _mm256_or_si256(z, _mm256_slli_epi32(z, 16));  // z in both halves
-    __m256i acc[TN][2];
-    for (int t = 0; t < TN; t++) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
-    for (int64_t k = g * kg; k < (g + 1) * kg; k++) {
-      _mm_prefetch((const char*)(tb + k * 8 + LMC_TILE_PREFETCH), _MM_HINT_T0);
-      __m256i v = _mm256_loadu_si256((const __m256i*)(tb + k * 8));
-      __m256i p0 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(pb + k * 8)));
-      __m256i w0 = _mm256_sub_epi16(_mm256_and_si256(v, M), zz);
-      __m256i w1 = _mm256_sub_epi16(_mm256_and_si256(_mm256_srli_epi32(v, 4), M), zz);
-      __m256i w2 = _mm256_sub_epi16(_mm256_and_si256(_mm256_srli_epi32(v, 8), M), zz);
-      __m256i w3 = _mm256_sub_epi16(_mm256_and_si256(_mm256_srli_epi32(v, 12), M), zz);
-      __m256i p1 = _mm256_srli_epi32(p0, 4), p2 = _mm256_srli_epi32(p0, 8);
-      __m256i p3 = _mm256_srli_epi32(p0, 12);  // vpermd reads the low 3 bits of each lane
+    for (int h = 0; h < 2; h++) {
+      const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(z16 + 16 * g + 8 * h)));
+      const __m256i zz = _mm256_or_si256(z, _mm256_slli_epi32(z, 16));  // z in both halves
+      __m256i acc[TN][2];
+      for (int t = 0; t < TN; t++) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
+      for (int64_t k = g * kg; k < (g + 1) * kg; k++) {
+        if (h == 0) _mm_prefetch((const char*)(tb + k * 16 + LMC_TILE_PREFETCH), _MM_HINT_T0);
+        __m256i v = _mm256_loadu_si256((const __m256i*)(tb + k * 16 + 8 * h));
+        __m256i p0 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(pb + k * 16 + 8 * h)));
+        __m256i w0 = _mm256_sub_epi16(_mm256_and_si256(v, M), zz);
+        __m256i w1 = _mm256_sub_epi16(_mm256_and_si256(_mm256_srli_epi32(v, 4), M), zz);
+        __m256i w2 = _mm256_sub_epi16(_mm256_and_si256(_mm256_srli_epi32(v, 8), M), zz);
+        __m256i w3 = _mm256_sub_epi16(_mm256_and_si256(_mm256_srli_epi32(v, 12), M), zz);
+        __m256i p1 = _mm256_srli_epi32(p0, 4), p2 = _mm256_srli_epi32(p0, 8);
+        __m256i p3 = _mm256_srli_epi32(p0, 12);  // vpermd reads the low 3 bits of each lane
+        for (int t = 0; t < TN; t++) {
+          const __m256i* P = (const __m256i*)(a.pairs + (t0 + t) * 2 * in + 32 * k);
+          __m256i e = _mm256_add_epi32(
+              _mm256_madd_epi16(w0, _mm256_permutevar8x32_epi32(_mm256_loadu_si256(P), p0)),
+              _mm256_madd_epi16(w1, _mm256_permutevar8x32_epi32(_mm256_loadu_si256(P + 1), p1)));
+          __m256i o = _mm256_add_epi32(
+              _mm256_madd_epi16(w2, _mm256_permutevar8x32_epi32(_mm256_loadu_si256(P + 2), p2)),
+              _mm256_madd_epi16(w3, _mm256_permutevar8x32_epi32(_mm256_loadu_si256(P + 3), p3)));
+          acc[t][0] = _mm256_add_epi32(acc[t][0], e);
+          acc[t][1] = _mm256_add_epi32(acc[t][1], o);
+        }
+      }
+      const __m256 s = _mm256_loadu_ps(s16 + 16 * g + 8 * h);
       for (int t = 0; t < TN; t++) {
-        const __m256i* P = (const __m256i*)(a.pairs + (t0 + t) * 2 * in + 32 * k);
-        __m256i e = _mm256_add_epi32(
-            _mm256_madd_epi16(w0, _mm256_permutevar8x32_epi32(_mm256_loadu_si256(P), p0)),
-            _mm256_madd_epi16(w1, _mm256_permutevar8x32_epi32(_mm256_loadu_si256(P + 1), p1)));
-        __m256i o = _mm256_add_epi32(
-            _mm256_madd_epi16(w2, _mm256_permutevar8x32_epi32(_mm256_loadu_si256(P + 2), p2)),
-            _mm256_madd_epi16(w3, _mm256_permutevar8x32_epi32(_mm256_loadu_si256(P + 3), p3)));
-        acc[t][0] = _mm256_add_epi32(acc[t][0], e);
-        acc[t][1] = _mm256_add_epi32(acc[t][1], o);
+        __m256i D = _mm256_add_epi32(acc[t][0], acc[t][1]);
+        __m256 pr = _mm256_mul_ps(_mm256_cvtepi32_ps(D), s);
+        pr = _mm256_mul_ps(pr, _mm256_set1_ps(a.scale[(t0 + t) * groups + g]));
+        LMC_OPAQUE_V(pr);  // rounded here: never contracted with the sum into an FMA
+        part[h][t][g & 15] = _mm256_add_ps(part[h][t][g & 15], pr);
       }
     }
-    const __m256 s = _mm256_loadu_ps(sl);
-    for (int t = 0; t < TN; t++) {
-      __m256i D = _mm256_add_epi32(acc[t][0], acc[t][1]);
-      __m256 pr = _mm256_mul_ps(_mm256_cvtepi32_ps(D), s);
-      pr = _mm256_mul_ps(pr, _mm256_set1_ps(a.scale[(t0 + t) * groups + g]));
-      LMC_OPAQUE_V(pr);  // rounded here: never contracted with the sum into an FMA
-      part[t][g & 15] = _mm256_add_ps(part[t][g & 15], pr);
+  }
+  for (int h = 0; h < 2; h++)
+    for (int t = 0; t < TN; t++) {  // int4_tree, lane by lane
+      __m256 s8[8], s4[4];
+      for (int i = 0; i < 8; i++) s8[i] = _mm256_add_ps(part[h][t][i], part[h][t][i + 8]);
+      for (int i = 0; i < 4; i++) s4[i] = _mm256_add_ps(s8[i], s8[i + 4]);
+      _mm256_storeu_ps(res + 16 * t + 8 * h, _mm256_add_ps(_mm256_add_ps(s4[0], s4[2]),
+                                                           _mm256_add_ps(s4[1], s4[3])));
     }
-  }
-  for (int t = 0; t < TN; t++) {  // int4_tree, lane by lane
-    __m256 s8[8], s4[4];
-    for (int i = 0; i < 8; i++) s8[i] = _mm256_add_ps(part[t][i], part[t][i + 8]);
-    for (int i = 0; i < 4; i++) s4[i] = _mm256_add_ps(s8[i], s8[i + 4]);
-    _mm256_storeu_ps(res + 8 * t, _mm256_add_ps(_mm256_add_ps(s4[0], s4[2]), _mm256_add_ps(s4[1], s4[3])));
-  }
 }
 #endif
 
-// One block of 8 rows for tokens t0 .. t0 + TN: res[t * 8 + l] = row 8b + l's sum before the bias.
+// One block of 16 rows for tokens t0 .. t0 + TN: res[t * 16 + l] = row 16b + l's sum before the
+// bias. s16, z16: the block's scales and zero points, (groups, 16).
 template <int TN>
 static void int4_t24_block(const Int4PairTable& a, int64_t t0, int64_t in, int64_t groups,
-                           int64_t G, const uint32_t* tb, const uint16_t* pb, const float* scales,
-                           const uint8_t* zeros, int64_t b, int64_t out, int vector, float* res) {
+                           int64_t G, const uint32_t* tb, const uint16_t* pb, const float* s16,
+                           const uint8_t* z16, int vector, float* res) {
 #ifdef __AVX2__
   if (vector) {
-    int4_t24_block_avx2<TN>(a, t0, in, groups, G, tb, pb, scales, zeros, b, out, res);
+    int4_t24_block_avx2<TN>(a, t0, in, groups, G, tb, pb, s16, z16, res);
     return;
   }
 #endif
   (void)vector;
   const int64_t kg = G / 16;
-  for (int l = 0; l < T24_ROWS; l++) {
+  for (int l = 0; l < 16; l++) {
     float part[TN][16];
     memset(part, 0, sizeof(part));
     for (int64_t g = 0; g < groups; g++) {
-      float sl[8];
-      int32_t zl[8];
-      t24_grid(scales, zeros, groups, b, out, g, sl, zl);
+      int32_t z = z16[16 * g + l];
       int64_t D[TN] = {0};
       for (int64_t k = g * kg; k < (g + 1) * kg; k++) {
-        uint32_t w = tb[k * 8 + l];
-        uint16_t p = pb[k * 8 + l];
+        uint32_t w = tb[k * 16 + l];
+        uint16_t p = pb[k * 16 + l];
         for (int i = 0; i < 4; i++) {
           int pat = (p >> (4 * i)) & 7;  // as vpermd: the low 3 bits
-          int32_t q0 = (int32_t)((w >> (4 * i)) & 15) - zl[l];
-          int32_t q1 = (int32_t)((w >> (16 + 4 * i)) & 15) - zl[l];
+          int32_t q0 = (int32_t)((w >> (4 * i)) & 15) - z;
+          int32_t q1 = (int32_t)((w >> (16 + 4 * i)) & 15) - z;
           for (int t = 0; t < TN; t++) {
             const int16_t* pair = (const int16_t*)(a.pairs + (t0 + t) * 2 * in + 8 * (4 * k + i) + pat);
             D[t] += q0 * pair[0] + q1 * pair[1];
           }
         }
       }
-      for (int t = 0; t < TN; t++) int4_add_partial(part[t], g, D[t], sl[l], a.scale[(t0 + t) * groups + g]);
+      for (int t = 0; t < TN; t++) int4_add_partial(part[t], g, D[t], s16[16 * g + l], a.scale[(t0 + t) * groups + g]);
     }
-    for (int t = 0; t < TN; t++) res[8 * t + l] = int4_tree(part[t]);
+    for (int t = 0; t < TN; t++) res[16 * t + l] = int4_tree(part[t]);
   }
 }
 
 extern "C" void lmc_int4_linear_tiled24(const void* x_in, int x_kind, int64_t T, int64_t in,
                                         const uint32_t* tiles, const uint16_t* patterns,
-                                        const float* scales, const uint8_t* zeros, int64_t groups,
-                                        int64_t G, int64_t out, const void* bias, int b_kind,
-                                        void* y, int y_kind, int vector, int threads) {
+                                        const float* scales16, const uint8_t* zeros16,
+                                        int64_t groups, int64_t G, int64_t out, const void* bias,
+                                        int b_kind, void* y, int y_kind, int vector, int threads) {
   Int4PairTable a = int4_prepare_table(x_in, x_kind, T, in, groups, G);
-  const int64_t blocks = (out + T24_ROWS - 1) / T24_ROWS, K = in / 16;
+  const int64_t blocks = (out + 15) / 16, K = in / 16;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t b = 0; b < blocks; b++) {
-    const uint32_t* tb = tiles + b * K * 8;
-    const uint16_t* pb = patterns + b * K * 8;
+    const uint32_t* tb = tiles + b * K * 16;
+    const uint16_t* pb = patterns + b * K * 16;
+    const float* s16 = scales16 + b * groups * 16;
+    const uint8_t* z16 = zeros16 + b * groups * 16;
     for (int64_t t0 = 0; t0 < T; t0 += TILE) {
       int64_t tn = T - t0 < TILE ? T - t0 : TILE;
-      float res[TILE * 8];
-      if (tn == 4) int4_t24_block<4>(a, t0, in, groups, G, tb, pb, scales, zeros, b, out, vector, res);
-      else if (tn == 3) int4_t24_block<3>(a, t0, in, groups, G, tb, pb, scales, zeros, b, out, vector, res);
-      else if (tn == 2) int4_t24_block<2>(a, t0, in, groups, G, tb, pb, scales, zeros, b, out, vector, res);
-      else int4_t24_block<1>(a, t0, in, groups, G, tb, pb, scales, zeros, b, out, vector, res);
-      for (int l = 0; l < T24_ROWS && b * 8 + l < out; l++)
+      float res[TILE * 16];
+      if (tn == 4) int4_t24_block<4>(a, t0, in, groups, G, tb, pb, s16, z16, vector, res);
+      else if (tn == 3) int4_t24_block<3>(a, t0, in, groups, G, tb, pb, s16, z16, vector, res);
+      else if (tn == 2) int4_t24_block<2>(a, t0, in, groups, G, tb, pb, s16, z16, vector, res);
+      else int4_t24_block<1>(a, t0, in, groups, G, tb, pb, s16, z16, vector, res);
+      for (int l = 0; l < 16 && b * 16 + l < out; l++)
         for (int64_t t = 0; t < tn; t++) {
-          float v = res[8 * t + l];
-          if (bias) v = v + load_value(bias, b_kind, b * 8 + l);
-          store_value(y, y_kind, (t0 + t) * out + b * 8 + l, v);
+          float v = res[16 * t + l];
+          if (bias) v = v + load_value(bias, b_kind, b * 16 + l);
+          store_value(y, y_kind, (t0 + t) * out + b * 16 + l, v);
         }
     }
   }
@@ -2317,23 +2309,23 @@ extern "C" void lmc_int4_linear_tiled24(const void* x_in, int x_kind, int64_t T,
 // Rows [row0, row0 + rows) of the tiled 2:4 codes as fp32 or bf16 (W: (rows, in)), each value
 // (q - z) * s rounded once, as lmc_int4_dequant; the pruned positions 0.
 extern "C" void lmc_int4_dequant_tiled24(const uint32_t* tiles, const uint16_t* patterns,
-                                         const float* scales, const uint8_t* zeros, int64_t groups,
-                                         int64_t G, int64_t row0, int64_t rows, int64_t in, void* W,
-                                         int w_kind, int threads) {
+                                         const float* scales16, const uint8_t* zeros16,
+                                         int64_t groups, int64_t G, int64_t row0, int64_t rows,
+                                         int64_t in, void* W, int w_kind, int threads) {
   const int64_t K = in / 16;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t r = 0; r < rows; r++) {
-    int64_t o = row0 + r, b = o / T24_ROWS, l = o % T24_ROWS;
+    int64_t o = row0 + r, b = o / 16, l = o % 16;
     float* wf = w_kind == F32 ? (float*)W + r * in : 0;
     uint16_t* wb = w_kind == F32 ? 0 : (uint16_t*)W + r * in;
     if (wf) memset(wf, 0, sizeof(float) * in);
     else memset(wb, 0, sizeof(uint16_t) * in);
     for (int64_t k = 0; k < K; k++) {
-      uint32_t w = tiles[(b * K + k) * 8 + l];
-      uint16_t p = patterns[(b * K + k) * 8 + l];
+      uint32_t w = tiles[(b * K + k) * 16 + l];
+      uint16_t p = patterns[(b * K + k) * 16 + l];
       int64_t g = 16 * k / G;
-      float s = scales[o * groups + g];
-      int32_t z = zeros[o * groups + g];
+      float s = scales16[(b * groups + g) * 16 + l];
+      int32_t z = zeros16[(b * groups + g) * 16 + l];
       for (int i = 0; i < 4; i++) {
         int pat = (p >> (4 * i)) & 7;
         if (pat > 5) continue;  // never tiled (int4_tiles24.tile); memory safety

@@ -89,24 +89,25 @@ def linear(
     ``x``'s dtype. ``qweight`` uint8, ``scales`` float32 (out, groups), ``zeros`` uint8
     (out, groups), ``bias`` (out,) or ``None``; ``nm = (indices, n, m)`` for packed N:M kept
     codes (groups counted over the original columns; ``group_size`` a multiple of ``m``);
-    ``tiled``: ``qweight`` is :func:`int4_tiles.tile`'s layout (dense codes only), ``grid16``
+    ``tiled``: ``qweight`` is :func:`int4_tiles.tile`'s layout (with ``nm``: the packed 2:4
+    codes in :mod:`int4_tiles24`' layout, ``nm[0]`` their patterns), ``grid16``
     the grid's :func:`int4_tiles.tile_grid` (computed where not given; where given, ``scales``
     and ``zeros`` may be ``None`` and ``out_features`` says the rows).
     Trusts its arguments (the format checks them at load)."""
     if x.shape[-1] != in_features:  # as nn.Linear: never a silent reshape into other rows
         raise ValueError(f"int4 linear: input {tuple(x.shape)}, {in_features} features expected")
     x2 = x if x.dim() == 2 else x.reshape(-1, in_features)
-    if tiled and nm is not None:  # packed 2:4 in int4_tiles24's layout: indices its patterns
-        buffers = {"qweight": qweight, "indices": nm[0], "scales": scales, "zeros": zeros}
-        y = int4_tiles24.try_decode(x2, buffers | {"bias": bias}, in_features, scales.shape[0])
-        if y is None:
-            y = prefill_tiled24(x2, buffers, bits, group_size, in_features, bias)
-        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[1])
     if tiled:
         if grid16 is None:
             grid16 = int4_tiles.tile_grid(scales, zeros)
         out = scales.shape[0] if scales is not None else out_features
-    if tiled and use_decode_kernel(x2, bits, int4_tiles.MAX_TOKENS):
+    if tiled and nm is not None:  # packed 2:4 in int4_tiles24's layout: indices its patterns
+        buffers = {"qweight": qweight, "indices": nm[0], "scales16": grid16[0]}
+        buffers |= {"zeros16": grid16[1], "bias": bias}
+        y = int4_tiles24.try_decode(x2, buffers, in_features, out)
+        if y is None:
+            y = prefill_tiled24(x2, buffers, out, bits, group_size, in_features)
+    elif tiled and use_decode_kernel(x2, bits, int4_tiles.MAX_TOKENS):
         y = int4_tiles.decode_grid16(x2, qweight, grid16, in_features, out, bias)
     elif tiled:
         y = prefill_tiled(x2, qweight, grid16, out, bits, group_size, in_features, bias)
@@ -325,31 +326,34 @@ def prefill_tiled(
 
 def prefill_tiled24(
     x: torch.Tensor,
-    buffers: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor | None],
+    out_features: int,
     bits: int,
     group_size: int,
     in_features: int,
-    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`prefill` of packed 2:4 codes in :mod:`~lmcompress.kernels.int4_tiles24`' layout
-    (``buffers``: ``qweight`` its tiles, ``indices`` its patterns, ``scales``, ``zeros``):
-    ``lmc_int4_dequant_tiled24`` reads them directly; where it does not apply (another dtype or
-    device, tracing), each block's rows are untiled first."""
-    scales, zeros = buffers["scales"], buffers["zeros"]
-    x, dtype, block, buffer = _prefill_setup(x, scales.shape[0], in_features)
+    (``buffers``: ``qweight`` its tiles, ``indices`` its patterns, ``scales16``, ``zeros16``,
+    ``bias``): ``lmc_int4_dequant_tiled24`` reads them directly; where it does not apply
+    (another dtype or device, tracing), each block's rows are untiled first."""
+    x, dtype, block, buffer = _prefill_setup(x, out_features, in_features)
+    stored: list[torch.Tensor] = []  # the row-major grid, made only where the kernel is not used
 
     def rows(start: int, end: int) -> torch.Tensor:
         if dtype in KERNEL_DTYPES and _eager_cpu(x) and cpu_kernels.library():
             out = None if buffer is None else buffer[: end - start]
             return int4_tiles24.dequantize_rows(buffers, in_features, start, end, dtype, out)
+        if not stored:
+            grid = (buffers["scales16"], buffers["zeros16"])
+            stored.extend(int4_tiles.untile_rows_of_grid(t, out_features) for t in grid)
         qweight, indices = int4_tiles24.untile(buffers["qweight"], buffers["indices"], end)
         part = slice(start, end)
         return int4_reference.dequantize_any(
-            qweight[part], scales[part], zeros[part], bits, group_size, in_features,
+            qweight[part], stored[0][part], stored[1][part], bits, group_size, in_features,
             (indices[part], 2, 4),
         ).to(dtype)  # fmt: skip
 
-    return int4_reference.prefill_linear(x, scales.shape[0], block, rows, bias)
+    return int4_reference.prefill_linear(x, out_features, block, rows, buffers["bias"])
 
 
 def _prefill_setup(x: torch.Tensor, out_features: int, in_features: int):

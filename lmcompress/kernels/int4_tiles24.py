@@ -6,15 +6,16 @@ activations and sums each group's lanes, a horizontal sum per group and row: at 
 ran 2.4-3.3x slower than dense int4 on a CPU with AVX2 only (``benchmarks/results/
 int4_speed_avx2``), though it reads a quarter fewer bytes.
 
-**Tiles** (``lmc_int4_linear_tiled24`` in ``cpu_kernels.cpp`` describes the loop): blocks of 8
+**Tiles** (``lmc_int4_linear_tiled24`` in ``cpu_kernels.cpp`` describes the loop): blocks of 16
 rows; for each 16 input columns (4 groups of 4) and row, one int32 word of its 8 kept codes
 (group ``i``'s first in bits ``4i .. 4i+3``, its second in bits ``16 + 4i ..``) and one int16
 word of the 4 groups' *patterns* (``PAIRS``: which two of the four positions are kept, 0..5),
-word ``k`` of the 8 rows consecutive: ``tiles`` (blocks, in / 16, 8) int32, ``patterns``
-(blocks, in / 16, 8) int16. 3 bits a weight, as stored. Each token's activations become a
+word ``k`` of the 16 rows consecutive: ``tiles`` (blocks, in / 16, 16) int32, ``patterns``
+(blocks, in / 16, 16) int16. 3 bits a weight, as stored. Each token's activations become a
 table of the 6 pairs of every group of 4; one ``vpermd`` picks every row's pair by its
 pattern and one ``vpmaddwd`` adds both products: one multiply-add per group of 4 inputs where
-dense int4 needs two, and no horizontal sum. The grid (scales, zero points) stays as stored.
+dense int4 needs two, and no horizontal sum. The grid is held as :mod:`int4_tiles` holds it
+(``scales16``, ``zeros16``: a group's 16 rows in one vector).
 The integer group sums and the float steps are those of the row kernel: the outputs equal
 :func:`int4_reference.decode_linear` bit for bit. Tiling rewrites whole codes (no rounding), so
 :func:`untile` gives back the stored bytes exactly.
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 
 from lmcompress.kernels import cpu_kernels, int4_reference
 
-ROWS = 8  # rows per tile: one AVX2 vector of int32 lanes
+ROWS = 16  # rows per tile, as int4_tiles (two AVX2 vectors of int32 lanes)
 COLUMNS = 16  # columns per word
 MAX_GROUP = 4096  # |D| < 2^31 in int32 lanes
 PAIRS = ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3))  # pattern -> its kept positions
@@ -97,7 +98,7 @@ def tile(
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """(out, K, 1) -> (ceil(out / 8), K, 8), rows past ``out`` zero."""
+    """(out, K, 1) -> (ceil(out / 16), K, 16), rows past ``out`` zero."""
     t = t.squeeze(-1)
     blocks = -(-t.shape[0] // ROWS)
     padded = F.pad(t, (0, 0, 0, blocks * ROWS - t.shape[0]))
@@ -136,16 +137,17 @@ def decode(
 ) -> torch.Tensor:
     """``lmc_int4_linear_tiled24`` on ``x`` (T, in) fp32 or bf16, contiguous: (T, out) in
     ``x``'s dtype, equal to :func:`int4_reference.decode_linear` bit for bit. ``buffers``: a
-    tiled layer's ``qweight`` (tiles), ``indices`` (patterns), ``scales``, ``zeros``, ``bias``
-    (contiguous CPU tensors). ``vector=False`` runs the plain loop, for tests."""
-    scales, bias = buffers["scales"], buffers["bias"]
+    tiled layer's ``qweight`` (tiles), ``indices`` (patterns), ``scales16``, ``zeros16``
+    (:func:`int4_tiles.tile_grid`), ``bias`` (contiguous CPU tensors). ``vector=False`` runs
+    the plain loop, for tests."""
+    scales, bias = buffers["scales16"], buffers["bias"]
     groups = scales.shape[1]
     kind = _KINDS[x.dtype]
     bias_kind = 0 if bias is None else cpu_kernels.FLOAT_KINDS[bias.dtype]
     y = x.new_empty((*x.shape[:-1], out))
     cpu_kernels.library().lmc_int4_linear_tiled24(
         x.data_ptr(), kind, x.numel() // in_features, in_features, buffers["qweight"].data_ptr(),
-        buffers["indices"].data_ptr(), scales.data_ptr(), buffers["zeros"].data_ptr(), groups,
+        buffers["indices"].data_ptr(), scales.data_ptr(), buffers["zeros16"].data_ptr(), groups,
         in_features // groups, out, _ptr(bias), bias_kind,
         y.data_ptr(), kind, int(vector), torch.get_num_threads(),
     )  # fmt: skip
@@ -158,11 +160,11 @@ def dequantize_rows(
 ) -> torch.Tensor:  # fmt: skip
     """Rows ``start:end`` of the weight ``(q - z) · s`` in ``dtype`` (fp32 or bf16), as
     :func:`int4_reference.dequantize_any` (into ``out`` where given)."""
-    scales = buffers["scales"]
+    scales = buffers["scales16"]
     W = torch.empty((end - start, in_features), dtype=dtype) if out is None else out
     cpu_kernels.library().lmc_int4_dequant_tiled24(
         buffers["qweight"].data_ptr(), buffers["indices"].data_ptr(), scales.data_ptr(),
-        buffers["zeros"].data_ptr(), scales.shape[1], in_features // scales.shape[1], start,
+        buffers["zeros16"].data_ptr(), scales.shape[1], in_features // scales.shape[1], start,
         end - start, in_features, W.data_ptr(), _KINDS[dtype], torch.get_num_threads(),
     )  # fmt: skip
     return W

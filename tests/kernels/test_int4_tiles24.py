@@ -15,7 +15,7 @@ from conftest import int4_weight
 
 from lmcompress.compressor.formats.int4 import PackedNMInt4Linear
 from lmcompress.compressor.sparsity import nm_mask
-from lmcompress.kernels import cpu_kernels, int4_ops, int4_tiles24
+from lmcompress.kernels import cpu_kernels, int4_ops, int4_tiles, int4_tiles24
 from lmcompress.kernels import int4_reference as R4
 from lmcompress.kernels import reference as R
 
@@ -39,7 +39,9 @@ def _packed(out, in_features, bits, group_size, symmetric=False, seed=0):
 
 def _buffers(qweight, indices, scales, zeros, bias=None):
     tiles, patterns = int4_tiles24.tile(qweight, indices, indices.shape[1] * 8)
-    return {"qweight": tiles, "indices": patterns, "scales": scales, "zeros": zeros, "bias": bias}
+    scales16, zeros16 = int4_tiles.tile_grid(scales, zeros)
+    grid = {"scales16": scales16, "zeros16": zeros16}
+    return {"qweight": tiles, "indices": patterns, **grid, "bias": bias}
 
 
 def test_the_words_hold_codes_and_patterns_where_the_kernel_reads_them():
@@ -53,7 +55,7 @@ def test_the_words_hold_codes_and_patterns_where_the_kernel_reads_them():
     values, indices = R.pack_nm(dense, 2, 4)
     qweight = R4.pack_codes((values - 1).to(torch.uint8), 4)
     tiles, patterns = int4_tiles24.tile(qweight, indices, 16)
-    assert tiles.shape == (1, 1, 8) and patterns.shape == (1, 1, 8)
+    assert tiles.shape == (1, 1, 16) and patterns.shape == (1, 1, 16)
     word = sum(ca << (4 * i) | cb << (16 + 4 * i) for i, (ca, cb) in enumerate(codes))
     pattern = sum(int4_tiles24.PAIRS.index(p) << (4 * i) for i, p in enumerate(positions))
     assert int(tiles[0, 0, 0]) & 0xFFFFFFFF == word and int(patterns[0, 0, 0]) == pattern
@@ -63,7 +65,7 @@ def test_the_words_hold_codes_and_patterns_where_the_kernel_reads_them():
 def test_tiling_is_undone_exactly_and_refuses_what_pack_nm_never_writes():
     qweight, indices, _, _ = _packed(19, 256, 4, 64)
     tiles, patterns = int4_tiles24.tile(qweight, indices, 256)
-    assert tiles.shape == (3, 16, 8) and tiles.dtype == torch.int32
+    assert tiles.shape == (2, 16, 16) and tiles.dtype == torch.int32
     back = int4_tiles24.untile(tiles, patterns, 19)
     assert torch.equal(back[0], qweight) and torch.equal(back[1], indices)
     for bad in (0b0101, 0b0111):  # positions (1, 1), then (3, 1): not an ascending pair
@@ -163,7 +165,8 @@ def test_a_tiled_layer_is_the_stored_layers_twin(monkeypatch):
         patch.setattr(int4_tiles24, "hold", lambda: False)
         plain = PackedNMInt4Linear.from_linear(linear, n=2, m=4, bits=4, group_size=32)
     assert tiled.tiled and again.tiled and not plain.tiled
-    assert tiled.qweight.shape == (5, 6, 8) and tiled.indices.dtype == torch.int16
+    assert tiled.qweight.shape == (3, 6, 16) and tiled.indices.dtype == torch.int16
+    assert set(tiled.state_dict()) == {"qweight", "indices", "scales16", "zeros16", "bias"}
     for key, value in plain.state_tensors().items():
         assert torch.equal(tiled.state_tensors()[key], value), key
     assert torch.equal(tiled.weight_codes(), plain.weight_codes())
@@ -181,10 +184,10 @@ def test_a_tiled_layer_is_the_stored_layers_twin(monkeypatch):
                 assert torch.equal(got, want), (tokens, dtype)
                 assert torch.equal(copy.deepcopy(again).to(dtype)(x), want), (tokens, dtype)
     x = torch.randn(3, 96)
-    buffers = {k: tiled._buffers[k] for k in ("qweight", "indices", "scales", "zeros")}
+    buffers = {k: tiled._buffers[k] for k in ("qweight", "indices", "scales16", "zeros16", "bias")}
     with monkeypatch.context() as patch:  # a traced graph's fallback: untiled, then torch
         patch.setattr(int4_ops, "_eager_cpu", lambda _: False)
-        fallback = int4_ops.prefill_tiled24(x, buffers, 4, 32, 96, tiled.bias)
+        fallback = int4_ops.prefill_tiled24(x, buffers, 40, 4, 32, 96)
     dense = torch.nn.functional.linear(x, plain.dequantized(), plain.bias)
     torch.testing.assert_close(fallback, dense, rtol=1e-5, atol=1e-5)
 

@@ -34,6 +34,8 @@ from lmcompress.kernels import int4_ops, int4_tiles, ops
 from lmcompress.kernels.int4_reference import check_bits, dequantize_codes, pack_codes, unpack_codes
 from lmcompress.kernels.reference import gather_nm, pack_nm
 
+_GRID = {"scales": "scales16", "zeros": "zeros16"}  # a tiled layer's grid buffers
+
 
 class Int4CodedLinear(CompressedLinear):
     """What :class:`Int4Linear` and :class:`PackedNMInt4Linear` share: the grid (``scales``
@@ -43,7 +45,7 @@ class Int4CodedLinear(CompressedLinear):
     :meth:`init_grid`, and implements :meth:`weight_codes`, :meth:`code_tensors`."""
 
     exact_tensors = frozenset({"scales"})  # float32 at any save dtype
-    tiled = False  # qweight in int4_tiles' layout (Int4Linear, where the kernels can read it)
+    tiled = False  # codes in int4_tiles' (int4_tiles24's) layout, where the kernels read them
     # the dense copy: pack-quantized (W4A16 / W8A16), as llm-compressor writes GPTQ and vLLM
     # reads; 3 bits, asymmetric grids and Conv1D fall back to dequantized weights (save.py)
     interop = "compressed-tensors"
@@ -63,6 +65,31 @@ class Int4CodedLinear(CompressedLinear):
         self.register_buffer("scales", scales.float())
         self.register_buffer("zeros", zeros.to(torch.uint8))
         self.register_buffer("bias", bias)
+
+    def hold_grid_tiled(self) -> None:
+        """The grid held as :func:`int4_tiles.tile_grid` (``scales16``, ``zeros16``) only, as
+        the tiled decode kernels read it, and the layer marked tiled."""
+        scales16, zeros16 = int4_tiles.tile_grid(self.scales, self.zeros)
+        del self._buffers["scales"], self._buffers["zeros"]  # held tiled only (__getattr__)
+        self.register_buffer("scales16", scales16)
+        self.register_buffer("zeros16", zeros16)
+        if self.bias is not None:
+            self.bias = self.bias.contiguous()
+        self.tiled = True
+
+    def __getattr__(self, name: str) -> Any:
+        """A tiled layer's ``scales`` and ``zeros``: its tiled grid (``scales16``,
+        ``zeros16``), untiled to (out, groups) on reading."""
+        if name in _GRID and self.__dict__.get("tiled"):
+            return int4_tiles.untile_rows_of_grid(self._buffers[_GRID[name]], self.out_features)
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Setting a tiled layer's ``scales`` or ``zeros`` (out, groups) tiles them."""
+        if name in _GRID and self.__dict__.get("tiled"):
+            value = value.float() if name == "scales" else value.to(torch.uint8)
+            name, value = _GRID[name], int4_tiles.tile_rows(value)
+        super().__setattr__(name, value)
 
     def weight_codes(self) -> torch.Tensor:
         """The uint8 codes (out, in); ``zeros`` where a packed format stores nothing."""
@@ -131,17 +158,14 @@ class Int4CodedLinear(CompressedLinear):
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The int4 runtime (:func:`lmcompress.kernels.int4_ops.linear`): a compiled kernel
-        reads the packed codes for a few tokens on CPU; otherwise blocks of rows are
-        dequantized into ``x``'s dtype for ``F.linear``. While ``torch.compile`` traces (no
-        gradient needed), the same computation as one opaque op (``lean_ops.int4_decode`` for a
-        tiled layer's few tokens: ``int4_forward``; else ``ops.int4_linear``)."""
+        """The int4 runtime (:func:`lmcompress.kernels.int4_ops.linear`): a kernel reads the
+        codes for a few tokens on CPU; else rows are dequantized by blocks for ``F.linear``.
+        Traced by ``torch.compile`` (no gradient needed): one opaque op (``int4_forward``)."""
         if self.tiled:  # the decode kernel's short path (None where it does not apply)
             y = tiled_forward(self, x)
             if y is not None:
                 return y
-        # a tiled layer passes its grid tiled only (no "scales"/"zeros" buffers: None)
-        held = self._buffers
+        held = self._buffers  # a tiled layer's grid: tiled only (no "scales", "zeros": None)
         grid = held.get("scales"), held.get("zeros")
         grid16 = held.get("scales16"), held.get("zeros16")
         if torch.compiler.is_compiling() and not (x.requires_grad and torch.is_grad_enabled()):
@@ -157,17 +181,13 @@ class Int4CodedLinear(CompressedLinear):
         )  # fmt: skip
 
     def expanded(self) -> nn.Module:
-        """Dequantized once: a dense linear of :attr:`dtype` (the same function for inputs of
-        that dtype)."""
+        """Dequantized once: a dense linear of :attr:`dtype`."""
         return self.to_dense()
 
     def extra_repr(self) -> str:
         groups = "row" if self.group_size == -1 else f"group of {self.group_size}"
         kind = "symmetric" if self.symmetric else "asymmetric"
         return f"{super().extra_repr()}, bits={self.bits}, per {groups}, {kind}"
-
-
-_GRID = {"scales": "scales16", "zeros": "zeros16"}  # a tiled Int4Linear's grid buffers
 
 
 @register_format
@@ -205,27 +225,7 @@ class Int4Linear(Int4CodedLinear):
             self.qweight, self.bits, self.group_size, self.in_features
         ):
             self.qweight = int4_tiles.tile(self.qweight)
-            scales16, zeros16 = int4_tiles.tile_grid(self.scales, self.zeros)
-            del self._buffers["scales"], self._buffers["zeros"]  # held tiled only (__getattr__)
-            self.register_buffer("scales16", scales16)
-            self.register_buffer("zeros16", zeros16)
-            if self.bias is not None:
-                self.bias = self.bias.contiguous()
-            self.tiled = True
-
-    def __getattr__(self, name: str) -> Any:
-        """A tiled layer's ``scales`` and ``zeros``: its tiled grid (``scales16``,
-        ``zeros16``), untiled to (out, groups) on reading."""
-        if name in _GRID and self.__dict__.get("tiled"):
-            return int4_tiles.untile_rows_of_grid(self._buffers[_GRID[name]], self.out_features)
-        return super().__getattr__(name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        """Setting a tiled layer's ``scales`` or ``zeros`` (out, groups) tiles them."""
-        if name in _GRID and self.__dict__.get("tiled"):
-            value = value.float() if name == "scales" else value.to(torch.uint8)
-            name, value = _GRID[name], int4_tiles.tile_rows(value)
-        super().__setattr__(name, value)
+            self.hold_grid_tiled()
 
     def stored_codes(self) -> torch.Tensor:
         """The packed codes in the stored layout (out, ceil(in/2)) (8 bits: (out, in))."""

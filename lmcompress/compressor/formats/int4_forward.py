@@ -44,8 +44,9 @@ def tiled_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
 
 def hold_tiles24(layer: nn.Module) -> None:
     """Hold a packed 2:4 int4 layer's codes and positions in :mod:`~lmcompress.kernels.
-    int4_tiles24`' layout (``qweight`` its tiles, ``indices`` its patterns) where
-    :func:`~lmcompress.kernels.int4_tiles24.tileable`; else they stay as stored."""
+    int4_tiles24`' layout (``qweight`` its tiles, ``indices`` its patterns; the grid tiled as
+    ``scales16``, ``zeros16``) where :func:`~lmcompress.kernels.int4_tiles24.tileable`; else
+    they stay as stored."""
     if layer.tiled or not int4_tiles24.tileable(
         layer.qweight, layer.n, layer.m, layer.bits, layer.group_size, layer.in_features
     ):
@@ -53,9 +54,7 @@ def hold_tiles24(layer: nn.Module) -> None:
     tiled = int4_tiles24.tile(layer.qweight, layer.indices, layer.in_features)
     if tiled is not None:
         layer.qweight, layer.indices = tiled
-        if layer.bias is not None:
-            layer.bias = layer.bias.contiguous()
-        layer.tiled = True
+        layer.hold_grid_tiled()
 
 
 def stored_nm(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
