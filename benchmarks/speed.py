@@ -2,6 +2,7 @@
 
     python -m benchmarks.speed                 # exports, then one `compress-model bench`
     python -m benchmarks.speed --render-only   # redraw speed.md / speed_curves.png
+    python -m benchmarks.speed --exports int4 "2:4 + int4" --results-dir DIR  # some rows
 
 One export per stored format, made with the fastest method that writes it (the speed of a
 runtime depends on its format, dtype and shapes, not on how the weights were chosen): magnitude
@@ -102,8 +103,8 @@ def export_job(name: str, flags: tuple[str, ...], out: Path, checkpoint: str) ->
 
 def measure(args: argparse.Namespace, _names: list[str], _previous: dict) -> Any:
     outputs = args.work / "outputs"
-    exports = []
-    for name, flags in EXPORTS:
+    exports, chosen = [], [(n, f) for n, f in EXPORTS if not args.exports or n in args.exports]
+    for name, flags in chosen:
         out = outputs / slug(name)
         run_job(export_job(name, flags, out, args.checkpoint), args.work)
         exports.append((name, out))
@@ -117,7 +118,7 @@ def measure(args: argparse.Namespace, _names: list[str], _previous: dict) -> Any
     names = {str(out): name for name, out in exports}
     for row in record["rows"]:  # the export's job name, not its directory's
         row["name"] = export_name(row["name"], names)
-    record["exports"] = {name: " ".join(flags) for name, flags in EXPORTS}
+    record["exports"] = {name: " ".join(flags) for name, flags in chosen}
     record["bench_wall_seconds"] = run.wall_seconds
     record["bench_peak_rss_mb"] = run.peak_rss_mb
     yield record
@@ -331,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compile", action="store_true", help="also time every row under torch.compile"
     )
+    parser.add_argument(
+        "--exports", nargs="+", choices=[name for name, _ in EXPORTS], metavar="NAME",
+        help="bench only these exports beside the dense rows (default: all)",
+    )  # fmt: skip
     add_harness_args(parser)
     table = Table(NAME, render, measure, plot=plot)
     return run_table(table, parser.parse_args(argv), parser)

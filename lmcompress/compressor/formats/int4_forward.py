@@ -22,15 +22,15 @@ def tiled_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """``layer``'s output for ``x`` by the decode kernel (module doc), ``None`` where it does
     not apply (more tokens, another dtype or device, a gradient needed): the caller then takes
     the general path."""
-    if "n" in layer.__dict__:  # packed 2:4 tiles (int4_tiles24); compiled: the general op
-        if torch.compiler.is_compiling():
-            return None
-        return int4_tiles24.try_decode(x, layer._buffers, layer.in_features, layer.out_features)
+    packed = "n" in layer.__dict__  # packed 2:4 tiles (int4_tiles24); compiled: the general op
     if not torch.compiler.is_compiling():
         shared = layer.__dict__.get("shared_input")
         if shared is not None:
             return shared[0].forward(layer, shared[1], x)
-        return int4_tiles.try_decode(x, layer._buffers, layer.in_features, layer.out_features)
+        decode = int4_tiles24.try_decode if packed else int4_tiles.try_decode
+        return decode(x, layer._buffers, layer.in_features, layer.out_features)
+    if packed:
+        return None
     if (x.requires_grad and torch.is_grad_enabled()) or not int4_tiles.traced_decode_applies(
         x, layer.in_features
     ):

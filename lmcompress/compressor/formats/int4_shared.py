@@ -1,10 +1,11 @@
 """One decode kernel call for the int4 layers that read the same input (q, k and v; gate and
-up): at batch-1 decode on SmolLM2 each layer's call costs a fixed ~10 µs (Python, ctypes,
-activation quantization, starting the threads) beside 5–25 µs of arithmetic, and a decoder
-block makes seven.
+up; tiled int4 or tiled packed 2:4 int4 alike): at batch-1 decode on SmolLM2 each layer's call
+costs a fixed ~10 µs (Python, ctypes, activation quantization, starting the threads) beside
+5–25 µs of arithmetic, and a decoder block makes seven.
 
 :func:`share_inputs` finds the siblings (the family's ``shared_inputs`` names under one parent
-module) that are tiled :class:`Int4Linear` layers on one grid, concatenates their tiles, scales,
+module) that are tiled :class:`Int4Linear` layers on one grid (or tiled 2:4
+:class:`PackedNMInt4Linear` ones, their patterns too), concatenates their tiles, scales,
 zeros and biases into one :class:`SharedInput`, and makes each layer's buffers views of those
 (no memory is added). At decode the first sibling called computes every sibling's rows in one
 kernel call and keeps the result for the others; each sibling is served once per input, and
@@ -22,23 +23,27 @@ import mmap
 import torch
 from torch import nn
 
-from lmcompress.compressor.formats.int4 import Int4Linear
+from lmcompress.compressor.formats.int4 import Int4CodedLinear, Int4Linear, PackedNMInt4Linear
 from lmcompress.compressor.model.families import decoder_blocks, family_of
 from lmcompress.errors import ModelLoadError
-from lmcompress.kernels import int4_tiles
+from lmcompress.kernels import int4_tiles, int4_tiles24
 
 logger = logging.getLogger(__name__)
 
 _KEYS = ("qweight", "scales16", "zeros16", "bias")  # what the decode kernel reads
+_KEYS24 = (*_KEYS, "indices")  # and a tiled 2:4 layer's patterns
+_TILED = (Int4Linear, PackedNMInt4Linear)
 _HUGE_PAGE = 2 << 20
 
 
 class SharedInput:
     """Sibling tiled int4 layers computed by one kernel call (module doc)."""
 
-    def __init__(self, members: list[Int4Linear]) -> None:
+    def __init__(self, members: list[Int4CodedLinear]) -> None:
         first = members[0]
         self.in_features = first.in_features
+        self.keys = _KEYS24 if type(first) is PackedNMInt4Linear else _KEYS
+        self.decode = int4_tiles24.try_decode if self.keys is _KEYS24 else int4_tiles.try_decode
         self.spans, start = [], 0
         for member in members:
             self.spans.append((start, start + member.out_features))
@@ -47,7 +52,7 @@ class SharedInput:
         self.layers = members
         self.members = len(members)
         self.pending: tuple[torch.Tensor, torch.Tensor, set[int]] | None = None
-        self.bind({key: _cat([m._buffers[key] for m in members]) for key in _KEYS})
+        self.bind({key: _cat([m._buffers[key] for m in members]) for key in self.keys})
         for index, member in enumerate(members):
             member.shared_input = (self, index)
 
@@ -60,17 +65,20 @@ class SharedInput:
             member.qweight = buffers["qweight"][blocks]
             member.scales16 = buffers["scales16"][blocks]
             member.zeros16 = buffers["zeros16"][blocks]
+            if "indices" in buffers:
+                member.indices = buffers["indices"][blocks]
             if member.bias is not None:
                 member.bias = buffers["bias"][a:b]
-            self.views.append(tuple(member._buffers[k] for k in _KEYS))
+            self.views.append(tuple(member._buffers[k] for k in self.keys))
 
-    def holds(self, member: Int4Linear, index: int) -> bool:
+    def holds(self, member: Int4CodedLinear, index: int) -> bool:
         """Whether ``member`` (sibling ``index``) still holds the shared views (not moved to
         another device or dtype, nor its buffers replaced, since sharing)."""
         held = member._buffers
-        return all(held[key] is view for key, view in zip(_KEYS, self.views[index], strict=True))
+        views = zip(self.keys, self.views[index], strict=True)
+        return all(held[key] is view for key, view in views)
 
-    def forward(self, member: Int4Linear, index: int, x: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, member: Int4CodedLinear, index: int, x: torch.Tensor) -> torch.Tensor | None:
         """Member ``index``'s decode output for ``x``, from the shared call (made now, or kept
         from a sibling's call on this same ``x``); ``None`` where the decode kernel does not
         apply or ``member`` no longer holds the shared views (the caller computes alone)."""
@@ -83,7 +91,7 @@ class SharedInput:
         else:
             if not self.holds(member, index):
                 return None  # moved or reassigned since sharing: its own buffers
-            y = int4_tiles.try_decode(x, self.buffers, self.in_features, self.out_features)
+            y = self.decode(x, self.buffers, self.in_features, self.out_features)
             if y is None:
                 return None
             self.pending = (x, y, {index})
@@ -95,13 +103,13 @@ def _cat(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
     return None if tensors[0] is None else torch.cat(tensors)
 
 
-def _siblings(parent: nn.Module, names: tuple[str, ...]) -> list[Int4Linear] | None:
+def _siblings(parent: nn.Module, names: tuple[str, ...]) -> list[Int4CodedLinear] | None:
     members = [getattr(parent, name, None) for name in names]
-    if not all(type(m) is Int4Linear and m.tiled for m in members):
+    if not all(type(m) in _TILED and m.tiled for m in members):
         return None
 
-    def grid(m: Int4Linear) -> tuple:
-        return m.in_features, m.bits, m.group_size, m.qweight.device, m.bias is None
+    def grid(m: Int4CodedLinear) -> tuple:
+        return type(m), m.in_features, m.bits, m.group_size, m.qweight.device, m.bias is None
 
     same = all(
         grid(m) == grid(members[0])
@@ -144,12 +152,13 @@ def place_in_huge_pages(model: nn.Module) -> int:
         return 0
     owners: dict[int, tuple[object, dict[str, torch.Tensor]]] = {}
     for module in model.modules():
-        if type(module) is not Int4Linear or not module.tiled or not module.qweight.is_cpu:
+        if type(module) not in _TILED or not module.tiled or not module.qweight.is_cpu:
             continue
         shared = module.__dict__.get("shared_input")
         owner = shared[0] if shared is not None else module
         held = owner.buffers if shared is not None else module._buffers
-        owners[id(owner)] = (owner, {key: held[key] for key in _KEYS[:3]})
+        keys = [key for key in _KEYS24 if key != "bias" and key in held]
+        owners[id(owner)] = (owner, {key: held[key] for key in keys})
     sizes = [
         -(-t.numel() * t.element_size() // 64) * 64
         for _, ts in owners.values()
@@ -172,7 +181,8 @@ def place_in_huge_pages(model: nn.Module) -> int:
         if isinstance(owner, SharedInput):
             owner.bind({**placed, "bias": owner.buffers["bias"]})
         else:
-            owner.qweight, owner.scales16, owner.zeros16 = placed.values()
+            for key, view in placed.items():
+                setattr(owner, key, view)
     return total
 
 

@@ -14,9 +14,10 @@ from conftest import make_odd_llama, make_tiny_model, make_tiny_tokenizer
 
 from lmcompress import compress, load_compressed, save_compressed
 from lmcompress.compressor.formats import int4_shared as shared_module
-from lmcompress.compressor.formats.int4 import Int4Linear
+from lmcompress.compressor.formats.int4 import Int4Linear, PackedNMInt4Linear
 from lmcompress.compressor.formats.int4_shared import share_inputs
-from lmcompress.kernels import cpu_kernels
+from lmcompress.compressor.sparsity import nm_mask
+from lmcompress.kernels import cpu_kernels, int4_tiles24
 from lmcompress.methods.gptq import RTNConfig
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler here")
@@ -138,3 +139,51 @@ def test_the_decode_tensors_move_into_one_mapping_with_the_same_values(monkeypat
     copied = copy.deepcopy(model)
     assert copied.model.layers[0].mlp.down_proj.qweight.untyped_storage().data_ptr() not in storages
     assert torch.equal(copied(ids).logits, before)
+
+
+def _packed_24(model):
+    """Every decoder linear pruned to 2:4 by magnitude and rounded to 4 bits, held tiled
+    (``kernels/int4_tiles24.py``)."""
+    for block in model.model.layers:
+        for parent in (block.self_attn, block.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    with torch.no_grad():
+                        child.weight *= nm_mask(child.weight.abs(), 2, 4)
+                    new = PackedNMInt4Linear.from_linear(child, n=2, m=4, bits=4, group_size=16)
+                    setattr(parent, name, new)
+    return model.eval()
+
+
+@torch.inference_mode()
+def test_tiled_24_siblings_share_one_call_and_one_mapping(monkeypatch):
+    """Tiled 2:4 int4 layers (their patterns too) are grouped and placed as int4 ones: the
+    shared call's outputs are the separate calls' bit for bit, before and after placing."""
+    monkeypatch.setattr(int4_tiles24, "hold", lambda: True)
+    monkeypatch.setattr(shared_module, "_HUGE_PAGE", 0)
+    model = _packed_24(make_tiny_model("llama"))
+    alone = copy.deepcopy(model)
+    assert all(m.tiled for m in model.modules() if isinstance(m, PackedNMInt4Linear))
+    assert share_inputs(model) == 2 * model.config.num_hidden_layers
+    attn = model.model.layers[0].self_attn
+    group = attn.q_proj.shared_input[0]
+    assert attn.v_proj.indices.untyped_storage().data_ptr() == (
+        group.buffers["indices"].untyped_storage().data_ptr()
+    )
+    ids = torch.randint(0, 200, (1, 1), generator=torch.Generator().manual_seed(2))
+    want = alone(ids).logits
+    x = torch.randn(1, 1, model.config.hidden_size)
+    attn.q_proj(x)
+    assert group.pending is not None  # one call, kept for k and v
+    assert torch.equal(attn.k_proj(x), alone.model.layers[0].self_attn.k_proj(x))
+    assert torch.equal(model(ids).logits, want)
+    if shared_module.place_in_huge_pages(model) == 0:
+        pytest.skip("no MADV_HUGEPAGE on this platform")
+    storages = {
+        m._buffers[key].untyped_storage().data_ptr()
+        for m in model.modules()
+        if isinstance(m, PackedNMInt4Linear)
+        for key in ("qweight", "indices", "scales16", "zeros16")
+    }
+    assert len(storages) == 1
+    assert torch.equal(model(ids).logits, want)
