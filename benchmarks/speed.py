@@ -221,9 +221,12 @@ REMEDIES_AVX2 = {
     "(`benchmarks/results/int4_speed_avx2`); " + _REST_OF_STEP + ".",
     "int4 bf16": _BF16_PREFILL + " Decode: as `int4`.",
     "int4 bf16, int4 head": _BF16_PREFILL + " Decode: as `int4`.",
-    "2:4 + int4 bf16": "Decode: the AVX2 loop of packed codes (16 kept values a step, their "
-    "activations gathered by two vpshufb, a horizontal sum per group) takes 2.4-3.3× the "
-    "int4 tiled loop's time per layer (`benchmarks/results/int4_speed_avx2`).",
+    "2:4 + int4 bf16": "Decode: in the stored layout the AVX2 loop (16 kept values a step, "
+    "their activations gathered by two vpshufb, a horizontal sum per group) took 2.4-3.3× the "
+    "int4 tiled loop's time per layer; held tiled (`kernels/int4_tiles24.py`: one vpermd and "
+    "one vpmaddwd per 4 inputs, int4 two vpmaddwd per 4) it takes about int4's, the same "
+    "shifts and masks per code bound both (`benchmarks/results/int4_speed_avx2`, both "
+    "layouts' columns).",
 }
 
 

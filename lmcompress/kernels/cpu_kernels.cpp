@@ -2201,7 +2201,7 @@ static void int4_t24_block_avx2(const Int4PairTable& a, int64_t t0, int64_t in, 
         __m256i w0 = _mm256_sub_epi16(_mm256_and_si256(v, M), zz);
         __m256i w1 = _mm256_sub_epi16(_mm256_and_si256(_mm256_srli_epi32(v, 4), M), zz);
         __m256i w2 = _mm256_sub_epi16(_mm256_and_si256(_mm256_srli_epi32(v, 8), M), zz);
-        __m256i w3 = _mm256_sub_epi16(_mm256_and_si256(_mm256_srli_epi32(v, 12), M), zz);
+        __m256i w3 = _mm256_sub_epi16(_mm256_srli_epi16(v, 12), zz);  // no mask: 16-bit shifts
         __m256i p1 = _mm256_srli_epi32(p0, 4), p2 = _mm256_srli_epi32(p0, 8);
         __m256i p3 = _mm256_srli_epi32(p0, 12);  // vpermd reads the low 3 bits of each lane
         for (int t = 0; t < TN; t++) {
