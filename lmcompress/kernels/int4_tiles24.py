@@ -2,9 +2,11 @@
 
 The stored ``nm_packed_int4`` layout (:mod:`lmcompress.kernels.int4_reference`) keeps each
 row's kept codes and 2-bit positions together; its decode kernel gathers each row's kept
-activations and sums each group's lanes, a horizontal sum per group and row: at one token it
-ran 2.4-3.3x slower than dense int4 on a CPU with AVX2 only (``benchmarks/results/
-int4_speed_avx2``), though it reads a quarter fewer bytes.
+activations and sums each group's lanes, a horizontal sum per group and row: on a CPU with
+AVX2 only it runs several times slower than dense int4 at one token, though it reads a quarter
+fewer bytes; tiled, about as fast (``benchmarks/results/int4_speed_avx2``, both layouts: the
+210 linears of SmolLM2 at one token 7.53 ms against int4's 7.10 and the stored layout's 21.31;
+the per-group ``vpermd`` costs what the halved multiply-adds save).
 
 **Tiles** (``lmc_int4_linear_tiled24`` in ``cpu_kernels.cpp`` describes the loop): blocks of 16
 rows; for each 16 input columns (4 groups of 4) and row, one int32 word of its 8 kept codes
