@@ -2237,6 +2237,57 @@ static void int4_t24_block_avx2(const Int4PairTable& a, int64_t t0, int64_t in, 
 }
 #endif
 
+#ifdef __AVX2__
+static void int4_t24_block_avx2_one(const Int4PairTable& a, int64_t t0, int64_t in, int64_t groups,
+                                    int64_t G, const uint32_t* tb, const uint16_t* pb,
+                                    const float* s16, const uint8_t* z16, float* res) {
+  const int64_t kg = G / 16;
+  const __m256i M = _mm256_set1_epi32(0x000F000F);
+  __m256 part[2][16];
+  for (int h = 0; h < 2; h++)
+    for (int i = 0; i < 16; i++) part[h][i] = _mm256_setzero_ps();
+  const int32_t* pairs = a.pairs + t0 * 2 * in;
+  for (int64_t g = 0; g < groups; g++) {
+    __m256i zz[2], acc[2];
+    for (int h = 0; h < 2; h++) {
+      __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(z16 + 16 * g + 8 * h)));
+      zz[h] = _mm256_or_si256(z, _mm256_slli_epi32(z, 16));
+      acc[h] = _mm256_setzero_si256();
+    }
+    for (int64_t k = g * kg; k < (g + 1) * kg; k++) {
+      _mm_prefetch((const char*)(tb + k * 16 + LMC_TILE_PREFETCH), _MM_HINT_T0);
+      const __m256i* P = (const __m256i*)(pairs + 32 * k);
+      __m256i v[2], p[2];
+      for (int h = 0; h < 2; h++) {
+        v[h] = _mm256_loadu_si256((const __m256i*)(tb + k * 16 + 8 * h));
+        p[h] = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(pb + k * 16 + 8 * h)));
+      }
+      for (int i = 0; i < 4; i++) {
+        __m256i table = _mm256_loadu_si256(P + i);
+        for (int h = 0; h < 2; h++) {
+          __m256i w = i == 3 ? _mm256_srli_epi16(v[h], 12)
+                             : _mm256_and_si256(_mm256_srli_epi32(v[h], 4 * i), M);
+          __m256i x = _mm256_permutevar8x32_epi32(table, _mm256_srli_epi32(p[h], 4 * i));
+          acc[h] = _mm256_add_epi32(acc[h], _mm256_madd_epi16(_mm256_sub_epi16(w, zz[h]), x));
+        }
+      }
+    }
+    for (int h = 0; h < 2; h++) {
+      __m256 pr = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[h]), _mm256_loadu_ps(s16 + 16 * g + 8 * h));
+      pr = _mm256_mul_ps(pr, _mm256_set1_ps(a.scale[t0 * groups + g]));
+      LMC_OPAQUE_V(pr);
+      part[h][g & 15] = _mm256_add_ps(part[h][g & 15], pr);
+    }
+  }
+  for (int h = 0; h < 2; h++) {
+    __m256 s8[8], s4[4];
+    for (int i = 0; i < 8; i++) s8[i] = _mm256_add_ps(part[h][i], part[h][i + 8]);
+    for (int i = 0; i < 4; i++) s4[i] = _mm256_add_ps(s8[i], s8[i + 4]);
+    _mm256_storeu_ps(res + 8 * h, _mm256_add_ps(_mm256_add_ps(s4[0], s4[2]), _mm256_add_ps(s4[1], s4[3])));
+  }
+}
+#endif
+
 // One block of 16 rows for tokens t0 .. t0 + TN: res[t * 16 + l] = row 16b + l's sum before the
 // bias. s16, z16: the block's scales and zero points, (groups, 16).
 template <int TN>
@@ -2244,6 +2295,10 @@ static void int4_t24_block(const Int4PairTable& a, int64_t t0, int64_t in, int64
                            int64_t G, const uint32_t* tb, const uint16_t* pb, const float* s16,
                            const uint8_t* z16, int vector, float* res) {
 #ifdef __AVX2__
+  if (vector && TN == 1) {
+    int4_t24_block_avx2_one(a, t0, in, groups, G, tb, pb, s16, z16, res);
+    return;
+  }
   if (vector) {
     int4_t24_block_avx2<TN>(a, t0, in, groups, G, tb, pb, s16, z16, res);
     return;
