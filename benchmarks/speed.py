@@ -216,8 +216,8 @@ REMEDIES_AVX2 = {
     "vpermps and a blend a token) needs about twice dense's instructions per input for 0.56× "
     "its bytes: the 210 linears at one token run at about dense bf16's speed "
     "(`benchmarks/results/layer_speed_avx2`).",
-    "int4": "Decode: the int4 layers run 1.4-3.8× the best dense row at one token by shape, "
-    "1.9× over SmolLM2's 210 small linears, where each call's fixed cost shows "
+    "int4": "Decode: the int4 layers run 1.5-4.6× the best dense row at one token by shape, "
+    "1.4× over SmolLM2's 210 small linears, where each call's fixed cost shows "
     "(`benchmarks/results/int4_speed_avx2`); " + _REST_OF_STEP + ".",
     "int4 bf16": _BF16_PREFILL + " Decode: as `int4`.",
     "int4 bf16, int4 head": _BF16_PREFILL + " Decode: as `int4`.",

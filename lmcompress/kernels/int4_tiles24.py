@@ -5,7 +5,7 @@ row's kept codes and 2-bit positions together; its decode kernel gathers each ro
 activations and sums each group's lanes, a horizontal sum per group and row: on a CPU with
 AVX2 only it runs several times slower than dense int4 at one token, though it reads a quarter
 fewer bytes; tiled, about as fast (``benchmarks/results/int4_speed_avx2``, both layouts: the
-210 linears of SmolLM2 at one token 7.53 ms against int4's 7.10 and the stored layout's 21.31;
+210 linears of SmolLM2 at one token 12.39 ms against int4's 13.31 and the stored layout's 33.43;
 the per-group ``vpermd`` costs what the halved multiply-adds save).
 
 **Tiles** (``lmc_int4_linear_tiled24`` in ``cpu_kernels.cpp`` describes the loop): blocks of 16
