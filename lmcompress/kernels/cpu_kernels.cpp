@@ -1893,6 +1893,23 @@ static Int4PairActs int4_prepare_pairs(const void* x_in, int x_kind, int64_t T, 
   return a;
 }
 
+#ifdef __AVX2__
+// The float steps of int4_add_partial for 8 row lanes: p = ((float)D * s) * xs into part[g & 15].
+static inline void int4_add_partial8(__m256* part, int64_t g, __m256i D, __m256 s, float xs) {
+  __m256 pr = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(D), s), _mm256_set1_ps(xs));
+  LMC_OPAQUE_V(pr);  // rounded here: never contracted with the sum into an FMA
+  part[g & 15] = _mm256_add_ps(part[g & 15], pr);
+}
+
+// int4_tree lane by lane: the 16 partials of 8 rows, summed, into dst.
+static inline void int4_tree8(const __m256* part, float* dst) {
+  __m256 s8[8], s4[4];
+  for (int i = 0; i < 8; i++) s8[i] = _mm256_add_ps(part[i], part[i + 8]);
+  for (int i = 0; i < 4; i++) s4[i] = _mm256_add_ps(s8[i], s8[i + 4]);
+  _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_add_ps(s4[0], s4[2]), _mm256_add_ps(s4[1], s4[3])));
+}
+#endif
+
 #ifdef LMC_INT4_AVX2
 // The tiled loop with AVX2 (no AVX-512: e.g. AMD Zen 2 and 3, Intel before Ice Lake), 8 rows a
 // vector: each tile line's two 32-byte halves (rows 0-7, rows 8-15) in turn, a group at a time
@@ -1935,21 +1952,12 @@ static void int4_tile_block_avx2(const Int4PairActs& a, int64_t t0, int64_t in, 
         __m256i sum = _mm256_add_epi32(acc[t][0], acc[t][1]);  // exact modulo 2^32, as D is
         __m256i sx = _mm256_set1_epi32(a.sum32[(t0 + t) * groups + g]);
         __m256i D = _mm256_sub_epi32(sum, _mm256_mullo_epi32(z, sx));
-        __m256 pr = _mm256_mul_ps(_mm256_cvtepi32_ps(D), s);
-        pr = _mm256_mul_ps(pr, _mm256_set1_ps(a.scale[(t0 + t) * groups + g]));
-        LMC_OPAQUE_V(pr);  // rounded here: never contracted with the sum into an FMA
-        part[h][t][g & 15] = _mm256_add_ps(part[h][t][g & 15], pr);
+        int4_add_partial8(part[h][t], g, D, s, a.scale[(t0 + t) * groups + g]);
       }
     }
   }
   for (int h = 0; h < 2; h++)
-    for (int t = 0; t < TN; t++) {  // int4_tree, lane by lane
-      __m256 s8[8], s4[4];
-      for (int i = 0; i < 8; i++) s8[i] = _mm256_add_ps(part[h][t][i], part[h][t][i + 8]);
-      for (int i = 0; i < 4; i++) s4[i] = _mm256_add_ps(s8[i], s8[i + 4]);
-      _mm256_storeu_ps(out + 16 * t + 8 * h, _mm256_add_ps(_mm256_add_ps(s4[0], s4[2]),
-                                                           _mm256_add_ps(s4[1], s4[3])));
-    }
+    for (int t = 0; t < TN; t++) int4_tree8(part[h][t], out + 16 * t + 8 * h);
 }
 #endif
 
@@ -2219,21 +2227,12 @@ static void int4_t24_block_avx2(const Int4PairTable& a, int64_t t0, int64_t in, 
       const __m256 s = _mm256_loadu_ps(s16 + 16 * g + 8 * h);
       for (int t = 0; t < TN; t++) {
         __m256i D = _mm256_add_epi32(acc[t][0], acc[t][1]);
-        __m256 pr = _mm256_mul_ps(_mm256_cvtepi32_ps(D), s);
-        pr = _mm256_mul_ps(pr, _mm256_set1_ps(a.scale[(t0 + t) * groups + g]));
-        LMC_OPAQUE_V(pr);  // rounded here: never contracted with the sum into an FMA
-        part[h][t][g & 15] = _mm256_add_ps(part[h][t][g & 15], pr);
+        int4_add_partial8(part[h][t], g, D, s, a.scale[(t0 + t) * groups + g]);
       }
     }
   }
   for (int h = 0; h < 2; h++)
-    for (int t = 0; t < TN; t++) {  // int4_tree, lane by lane
-      __m256 s8[8], s4[4];
-      for (int i = 0; i < 8; i++) s8[i] = _mm256_add_ps(part[h][t][i], part[h][t][i + 8]);
-      for (int i = 0; i < 4; i++) s4[i] = _mm256_add_ps(s8[i], s8[i + 4]);
-      _mm256_storeu_ps(res + 16 * t + 8 * h, _mm256_add_ps(_mm256_add_ps(s4[0], s4[2]),
-                                                           _mm256_add_ps(s4[1], s4[3])));
-    }
+    for (int t = 0; t < TN; t++) int4_tree8(part[h][t], res + 16 * t + 8 * h);
 }
 #endif
 
@@ -2272,19 +2271,10 @@ static void int4_t24_block_avx2_one(const Int4PairTable& a, int64_t t0, int64_t 
         }
       }
     }
-    for (int h = 0; h < 2; h++) {
-      __m256 pr = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[h]), _mm256_loadu_ps(s16 + 16 * g + 8 * h));
-      pr = _mm256_mul_ps(pr, _mm256_set1_ps(a.scale[t0 * groups + g]));
-      LMC_OPAQUE_V(pr);
-      part[h][g & 15] = _mm256_add_ps(part[h][g & 15], pr);
-    }
+    for (int h = 0; h < 2; h++)
+      int4_add_partial8(part[h], g, acc[h], _mm256_loadu_ps(s16 + 16 * g + 8 * h), a.scale[t0 * groups + g]);
   }
-  for (int h = 0; h < 2; h++) {
-    __m256 s8[8], s4[4];
-    for (int i = 0; i < 8; i++) s8[i] = _mm256_add_ps(part[h][i], part[h][i + 8]);
-    for (int i = 0; i < 4; i++) s4[i] = _mm256_add_ps(s8[i], s8[i + 4]);
-    _mm256_storeu_ps(res + 8 * h, _mm256_add_ps(_mm256_add_ps(s4[0], s4[2]), _mm256_add_ps(s4[1], s4[3])));
-  }
+  for (int h = 0; h < 2; h++) int4_tree8(part[h], res + 8 * h);
 }
 #endif
 

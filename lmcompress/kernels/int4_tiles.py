@@ -146,7 +146,7 @@ def decode_grid16(
     return _call(x.contiguous(), buffers, in_features, out_features, int(vector))
 
 
-_KINDS = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's activations (FLOAT_KINDS')
+KINDS = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' activations (FLOAT_KINDS')
 
 
 def try_decode(
@@ -157,17 +157,24 @@ def try_decode(
     tiled, ``scales16`` and ``zeros16`` from :func:`tile_grid`, ``bias``: contiguous CPU
     tensors), or ``None`` where it does not apply (more than :data:`MAX_TOKENS` tokens, another
     dtype, width or device, a gradient needed, tracing, no compiled kernels)."""
-    if (
-        x.dtype not in _KINDS
+    if not decode_applies(x, in_features):
+        return None
+    return _call(x if x.is_contiguous() else x.contiguous(), buffers, in_features, out, 1)
+
+
+def decode_applies(x: torch.Tensor, in_features: int) -> bool:
+    """Whether a tiled decode kernel (this module's, :mod:`int4_tiles24`'s) runs on ``x``
+    (..., in) eagerly: at most :data:`MAX_TOKENS` tokens of fp32 or bf16 on CPU, no gradient
+    needed, not tracing, the kernels built."""
+    return not (
+        x.dtype not in KINDS
         or x.shape[-1] != in_features  # (the general path raises the error)
         or x.numel() > MAX_TOKENS * in_features
         or not x.is_cpu
         or (x.requires_grad and torch.is_grad_enabled())
         or torch.compiler.is_compiling()
         or cpu_kernels.library() is None
-    ):
-        return None
-    return _call(x if x.is_contiguous() else x.contiguous(), buffers, in_features, out, 1)
+    )
 
 
 def traced_decode_applies(x: torch.Tensor, in_features: int) -> bool:
@@ -175,7 +182,7 @@ def traced_decode_applies(x: torch.Tensor, in_features: int) -> bool:
     :func:`try_decode` will run the kernel on ``x`` when the graph runs (what it checks that
     tracing knows)."""
     return (
-        x.dtype in _KINDS
+        x.dtype in KINDS
         and x.shape[-1] == in_features
         and x.numel() <= MAX_TOKENS * in_features
         and x.device.type == "cpu"
@@ -186,7 +193,7 @@ def traced_decode_applies(x: torch.Tensor, in_features: int) -> bool:
 def _call(x: torch.Tensor, buffers: dict, in_features: int, out: int, vector: int) -> torch.Tensor:
     scales16, bias = buffers["scales16"], buffers["bias"]
     groups = scales16.shape[1]
-    kind = _KINDS[x.dtype]
+    kind = KINDS[x.dtype]
     y = x.new_empty((*x.shape[:-1], out))
     if bias is None:
         bias_ptr = bias_kind = 0

@@ -32,16 +32,14 @@ layout. Prefill dequantizes straight from the tiles (``lmc_int4_dequant_tiled24`
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from lmcompress.kernels import cpu_kernels, int4_reference
+from lmcompress.kernels import cpu_kernels, int4_reference, int4_tiles
 
-ROWS = 16  # rows per tile, as int4_tiles (two AVX2 vectors of int32 lanes)
+# rows per tile (int4_tiles.ROWS: two AVX2 vectors of int32 lanes); up to int4_tiles.MAX_TOKENS
+# tokens at decode, then prefill's dequantized blocks and the BLAS matmul
 COLUMNS = 16  # columns per word
 MAX_GROUP = 4096  # |D| < 2^31 in int32 lanes
 PAIRS = ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3))  # pattern -> its kept positions
-MAX_TOKENS = 16  # as int4_tiles: then prefill's dequantized blocks and the BLAS matmul
-_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def hold() -> bool:
@@ -96,23 +94,17 @@ def tile(
     )  # fmt: skip
     p = pattern.to(torch.uint8).reshape(out, K, 4)
     half = torch.stack((p[..., 0] | p[..., 1] << 4, p[..., 2] | p[..., 3] << 4), dim=-1)
-    return _rows(word.contiguous().view(torch.int32)), _rows(half.contiguous().view(torch.int16))
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """(out, K, 1) -> (ceil(out / 16), K, 16), rows past ``out`` zero."""
-    t = t.squeeze(-1)
-    blocks = -(-t.shape[0] // ROWS)
-    padded = F.pad(t, (0, 0, 0, blocks * ROWS - t.shape[0]))
-    return padded.reshape(blocks, ROWS, -1).transpose(1, 2).contiguous()
+    words = word.contiguous().view(torch.int32).squeeze(-1)  # (out, K)
+    halves = half.contiguous().view(torch.int16).squeeze(-1)
+    return int4_tiles.tile_rows(words), int4_tiles.tile_rows(halves)  # rows past out: zero
 
 
 def untile(
     tiles: torch.Tensor, patterns: torch.Tensor, out: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tile` undone: the stored (``qweight``, ``indices``)."""
-    words = tiles.transpose(1, 2).reshape(-1, tiles.shape[1])[:out].contiguous()
-    half = patterns.transpose(1, 2).reshape(-1, patterns.shape[1])[:out].contiguous()
+    words = int4_tiles.untile_rows_of_grid(tiles, out)
+    half = int4_tiles.untile_rows_of_grid(patterns, out)
     b = words.view(torch.uint8).reshape(out, -1, 4)
     first = torch.stack((b[..., 0] & 15, b[..., 0] >> 4, b[..., 1] & 15, b[..., 1] >> 4), -1)
     second = torch.stack((b[..., 2] & 15, b[..., 2] >> 4, b[..., 3] & 15, b[..., 3] >> 4), -1)
@@ -144,7 +136,7 @@ def decode(
     the plain loop, for tests."""
     scales, bias = buffers["scales16"], buffers["bias"]
     groups = scales.shape[1]
-    kind = _KINDS[x.dtype]
+    kind = int4_tiles.KINDS[x.dtype]
     bias_kind = 0 if bias is None else cpu_kernels.FLOAT_KINDS[bias.dtype]
     y = x.new_empty((*x.shape[:-1], out))
     cpu_kernels.library().lmc_int4_linear_tiled24(
@@ -167,7 +159,7 @@ def dequantize_rows(
     cpu_kernels.library().lmc_int4_dequant_tiled24(
         buffers["qweight"].data_ptr(), buffers["indices"].data_ptr(), scales.data_ptr(),
         buffers["zeros16"].data_ptr(), scales.shape[1], in_features // scales.shape[1], start,
-        end - start, in_features, W.data_ptr(), _KINDS[dtype], torch.get_num_threads(),
+        end - start, in_features, W.data_ptr(), int4_tiles.KINDS[dtype], torch.get_num_threads(),
     )  # fmt: skip
     return W
 
@@ -177,16 +169,7 @@ def try_decode(
 ) -> torch.Tensor | None:
     """A tiled 2:4 layer's forward at decode, on the shortest path: the kernel on ``x``
     (..., in) with the layer's ``buffers`` (:func:`decode`), or ``None`` where it does not
-    apply (more than :data:`MAX_TOKENS` tokens, another dtype, width or device, a gradient
-    needed, tracing, no compiled kernels)."""
-    if (
-        x.dtype not in _KINDS
-        or x.shape[-1] != in_features  # (the general path raises the error)
-        or x.numel() > MAX_TOKENS * in_features
-        or not x.is_cpu
-        or (x.requires_grad and torch.is_grad_enabled())
-        or torch.compiler.is_compiling()
-        or cpu_kernels.library() is None
-    ):
+    apply (:func:`int4_tiles.decode_applies`)."""
+    if not int4_tiles.decode_applies(x, in_features):
         return None
     return decode(x if x.is_contiguous() else x.contiguous(), buffers, in_features, out)
