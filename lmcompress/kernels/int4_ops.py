@@ -20,9 +20,11 @@ the same way over the kept axis, and ``nm = (indices, n, m)`` their positions
   ``(D · s) · x_scale``, summed in group order, then the bias) is fixed, so the kernel equals
   :func:`int4_reference.decode_linear` bit for bit on every path.
 - **prefill** (everything else): the weight is dequantized ``BLOCK_BYTES`` of output rows at a
-  time into the activations' dtype (by ``lmc_int4_dequant``, bit-identical to
+  time into the matmul's dtype (by ``lmc_int4_dequant``, bit-identical to
   :func:`int4_reference.dequantize_any`; by torch where the kernel does not apply) and each block
-  multiplied by torch's BLAS matmul (``F.linear``): never a whole-matrix dequantization.
+  multiplied by torch's BLAS matmul (``F.linear``): never a whole-matrix dequantization. The
+  matmul's dtype is the activations' except for bf16 on a CPU that emulates bf16 matmuls
+  (:mod:`~lmcompress.kernels.gemm_dtype`): float32 there, the output rounded to bf16.
 
 Why int16 activations and not int8 (``vpdpbusd``, twice the products an instruction): W4A16
 means the activations keep their precision. Measured on SmolLM2's shapes
@@ -53,7 +55,14 @@ import threading
 
 import torch
 
-from lmcompress.kernels import cpu_kernels, int4_reference, int4_tiles, int4_tiles24, reference
+from lmcompress.kernels import (
+    cpu_kernels,
+    gemm_dtype,
+    int4_reference,
+    int4_tiles,
+    int4_tiles24,
+    reference,
+)
 
 # The row kernel (codes in the stored layout) up to this many tokens: its cost grows with each
 # token (16-bit products), the prefill path's hardly (one dequantization, then the bf16
@@ -277,6 +286,7 @@ def prefill(
 ) -> torch.Tensor:
     """:func:`int4_reference.prefill_linear` with :func:`dequantize_rows`: (T, out) in ``x``'s
     dtype (float dtypes; other inputs are computed in float32)."""
+    out_dtype = x.dtype if x.dtype.is_floating_point else torch.float32
     x, dtype, block, buffer = _prefill_setup(x, scales.shape[0], in_features)
 
     def rows(start: int, end: int) -> torch.Tensor:
@@ -284,7 +294,7 @@ def prefill(
             qweight, scales, zeros, bits, group_size, in_features, start, end, dtype, nm, buffer
         )
 
-    return int4_reference.prefill_linear(x, scales.shape[0], block, rows, bias)
+    return int4_reference.prefill_linear(x, scales.shape[0], block, rows, bias).to(out_dtype)
 
 
 def prefill_tiled(
@@ -300,6 +310,7 @@ def prefill_tiled(
     """:func:`prefill` of codes and grid in :mod:`~lmcompress.kernels.int4_tiles`' layout:
     ``lmc_int4_dequant_tiled`` reads them directly; where it does not apply, each block's rows
     are untiled first."""
+    out_dtype = x.dtype if x.dtype.is_floating_point else torch.float32
     x, dtype, block, buffer = _prefill_setup(x, out_features, in_features)
     scales16, zeros16 = grid16
     stored: list[torch.Tensor] = []  # the row-major grid, made only where the kernel is not used
@@ -322,7 +333,7 @@ def prefill_tiled(
             end - start, dtype, None, buffer,
         )  # fmt: skip
 
-    return int4_reference.prefill_linear(x, out_features, block, rows, bias)
+    return int4_reference.prefill_linear(x, out_features, block, rows, bias).to(out_dtype)
 
 
 def prefill_tiled24(
@@ -337,6 +348,7 @@ def prefill_tiled24(
     (``buffers``: ``qweight`` its tiles, ``indices`` its patterns, ``scales16``, ``zeros16``,
     ``bias``): ``lmc_int4_dequant_tiled24`` reads them directly; where it does not apply
     (another dtype or device, tracing), each block's rows are untiled first."""
+    out_dtype = x.dtype if x.dtype.is_floating_point else torch.float32
     x, dtype, block, buffer = _prefill_setup(x, out_features, in_features)
     stored: list[torch.Tensor] = []  # the row-major grid, made only where the kernel is not used
 
@@ -354,13 +366,15 @@ def prefill_tiled24(
             (indices[part], 2, 4),
         ).to(dtype)  # fmt: skip
 
-    return int4_reference.prefill_linear(x, out_features, block, rows, buffers["bias"])
+    y = int4_reference.prefill_linear(x, out_features, block, rows, buffers["bias"])
+    return y.to(out_dtype)
 
 
 def _prefill_setup(x: torch.Tensor, out_features: int, in_features: int):
-    """``x`` in its computing dtype, that dtype, the rows per block, and the block buffer
-    (``None`` where autograd keeps each block's weight for the backward: a new one each)."""
-    dtype = x.dtype if x.dtype.is_floating_point else torch.float32
+    """``x`` in its computing dtype (:func:`gemm_dtype.compute_dtype`: float32 for bf16 on a CPU
+    that emulates bf16 matmuls), that dtype, the rows per block, and the block buffer (``None``
+    where autograd keeps each block's weight for the backward: a new one each)."""
+    dtype = gemm_dtype.compute_dtype(x)
     x = x.to(dtype)
     block = block_rows(in_features, dtype)
     buffer = None

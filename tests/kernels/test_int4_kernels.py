@@ -15,7 +15,7 @@ from conftest import AVX2_ONLY, cpu_flags_or_skip
 from conftest import int4_weight as _weight
 
 from lmcompress.compressor.sparsity import nm_mask
-from lmcompress.kernels import cpu_kernels, int4_ops, int4_tiles
+from lmcompress.kernels import cpu_kernels, gemm_dtype, int4_ops, int4_tiles
 from lmcompress.kernels import int4_reference as R4
 from lmcompress.kernels import reference as R
 
@@ -121,11 +121,16 @@ def test_extreme_codes_and_activations_sum_exactly():
         torch.testing.assert_close(got, torch.full((2, 3), 15 * 7.0 * 8192 * 1e-6))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_by_blocks_is_the_reference_by_blocks(monkeypatch, dtype):
+@pytest.mark.parametrize(
+    ("dtype", "native"), [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)]
+)
+def test_prefill_by_blocks_is_the_reference_by_blocks(monkeypatch, dtype, native):
     """Blocks of 16 rows (and a last partial block): the compiled dequantization of each block,
     then ``F.linear`` with its part of the bias, equals the torch dequantization's blocks bit for
-    bit, and the float dequantized matmul to float rounding."""
+    bit, and the float dequantized matmul to float rounding; bf16 on a CPU without a native bf16
+    matmul (``native`` False): blocks of float32 rows, the product rounded to bf16."""
+    monkeypatch.setattr(gemm_dtype, "native_bf16", lambda: native)
+    compute = dtype if native else torch.float32
     monkeypatch.setattr(int4_ops, "BLOCK_BYTES", 16 * 96 * 4)
     monkeypatch.setattr(int4_ops, "MIN_BLOCK_ROWS", 16)
     qweight, scales, zeros = _weight(53, 96, 4, 32)
@@ -138,10 +143,11 @@ def test_prefill_by_blocks_is_the_reference_by_blocks(monkeypatch, dtype):
     )
 
     def torch_rows(start, end):
-        return W[start:end].to(dtype)
+        return W[start:end].to(compute)
 
-    assert int4_ops.block_rows(96, dtype) == (16 if dtype == torch.float32 else 32)
-    want = R4.prefill_linear(x, 53, int4_ops.block_rows(96, dtype), torch_rows, bias)
+    assert int4_ops.block_rows(96, compute) == (16 if compute == torch.float32 else 32)
+    block = int4_ops.block_rows(96, compute)
+    want = R4.prefill_linear(x.to(compute), 53, block, torch_rows, bias).to(dtype)
     assert got.dtype == dtype and torch.equal(got, want)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(
