@@ -7,7 +7,8 @@ benchmarks) runs everywhere through the same dispatcher entry:
   reference in :mod:`lmcompress.kernels.reference`, the specification;
 - on CPU, :func:`nm_linear_cpu`: the compiled kernels of :mod:`lmcompress.kernels.cpu_kernels`
   (read the packed form for a few tokens; unpack once per call, then torch's matmul, for
-  more), the reference where they are unavailable. ``PackedNMLinear`` calls it directly in
+  more: in float32 for bf16 on a CPU that emulates bf16 matmuls, :mod:`~lmcompress.kernels.
+  gemm_dtype`), the reference where they are unavailable. ``PackedNMLinear`` calls it directly in
   eager mode (no dispatch cost, ~20 µs a call);
 - ``register_fake`` gives shapes and dtypes without computing, so ``torch.compile(fullgraph=True)``
   traces through the op instead of breaking the graph;
@@ -27,7 +28,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from lmcompress.kernels import cpu_kernels, int4_ops, reference
+from lmcompress.kernels import cpu_kernels, gemm_dtype, int4_ops, reference
 from lmcompress.kernels.int8_ops import int8_matmul
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,10 @@ def low_rank_linear(
     ):
         y = cpu_kernels.lowrank(x.reshape(-1, in_features), A, B, bias)
         return y.reshape(*x.shape[:-1], B.shape[0])
+    compute = gemm_dtype.compute_dtype(x)  # bf16 on a CPU that emulates it: float32
+    if compute != x.dtype:
+        part = None if bias is None else bias.to(compute)
+        return F.linear(F.linear(x.to(compute), A.to(compute)), B.to(compute), part).to(x.dtype)
     return F.linear(F.linear(x, A), B, bias)  # (..., r) then (..., out)
 
 
@@ -162,8 +167,10 @@ def nm_linear_cpu(
             x.reshape(tokens, in_features), values, indices, n, m, reference.index_bits(m), bias
         )
         return y.reshape(*x.shape[:-1], values.shape[0])
-    weight = unpack_nm(values, indices, n, m, in_features)
-    return F.linear(x, weight.to(x.dtype), bias)
+    compute = gemm_dtype.compute_dtype(x)  # bf16 on a CPU that emulates it: float32
+    weight = unpack_nm(values.to(compute), indices, n, m, in_features)
+    y = F.linear(x.to(compute), weight, None if bias is None else bias.to(compute))
+    return y.to(x.dtype)
 
 
 def unpack_nm(

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import int4_weight
 
 from lmcompress.compressor.sparsity import nm_mask
-from lmcompress.kernels import gemm_dtype, int4_ops, int4_tiles, int4_tiles24
+from lmcompress.kernels import gemm_dtype, int4_ops, int4_tiles, int4_tiles24, ops
 from lmcompress.kernels import int4_reference as R4
 from lmcompress.kernels import reference as R
 
@@ -103,4 +104,39 @@ def test_int4_prefill_computes_in_the_gemm_dtype(monkeypatch, native, layout):
         for s in range(0, out, 16)
     ]
     want = torch.cat(parts, dim=1).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_packed_nm_and_low_rank_prefill_compute_in_the_gemm_dtype(monkeypatch, native):
+    """Past their few-token kernels (20 tokens), the packed 2:4 layer (unpacked, then one matmul)
+    and the low-rank one (two matmuls, the rank-sized middle not rounded to bf16 in float32)
+    compute in the compute dtype and return bf16."""
+    monkeypatch.setattr(gemm_dtype, "native_bf16", lambda: native)
+    compute = torch.bfloat16 if native else torch.float32
+    seen, linear = [], F.linear  # the dtypes each matmul ran in (bf16's own F.linear rounds
+    # once from float32 sums: where the weight is bf16 the values alone may not tell)
+
+    def spy(*args):
+        seen.append({a.dtype for a in args if a is not None})
+        return linear(*args)
+
+    monkeypatch.setattr(F, "linear", spy)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 10, 64, generator=g).bfloat16()
+    bias = torch.randn(24, generator=g).bfloat16()
+    dense = torch.randn(24, 64, generator=g) * nm_mask(torch.rand(24, 64, generator=g), 2, 4)
+    values, indices = R.pack_nm(dense.bfloat16(), 2, 4)
+    got = ops.nm_linear_cpu(x, values, indices, 2, 4, 64, bias)
+    assert seen == [{compute}]
+    W = dense.bfloat16().to(compute)
+    want = F.linear(x.to(compute), W, bias.to(compute)).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    seen.clear()
+    A = torch.randn(8, 64, generator=g).bfloat16()
+    B = torch.randn(24, 8, generator=g).bfloat16()
+    got = ops.low_rank_linear(x, A, B, bias)
+    assert seen == [{compute}, {compute}]
+    middle = F.linear(x.to(compute), A.to(compute))
+    want = F.linear(middle, B.to(compute), bias.to(compute)).to(torch.bfloat16)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)

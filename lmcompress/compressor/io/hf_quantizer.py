@@ -224,6 +224,7 @@ class LmcompressHfQuantizer(HfQuantizer):
         from lmcompress.compressor.formats.base import check_finite
         from lmcompress.compressor.formats.catalog import format_class, transform_class
         from lmcompress.compressor.formats.int4_shared import prepare_decode
+        from lmcompress.compressor.model import bf16_prefill
 
         skip = tuple(f"{name}." for name in self.quantization_config.compressed_layers)
         dense = {k: p for k, p in model.named_parameters() if not k.startswith(skip)}
@@ -238,6 +239,7 @@ class LmcompressHfQuantizer(HfQuantizer):
             if hasattr(module, "tile_codes"):  # int4: the decode kernel's layout, as replay's
                 module.tile_codes()
         prepare_decode(model)  # as load_compressed's packed runtime
+        bf16_prefill.install(model)
         device = next(model.parameters()).device
         for index, entry in enumerate(self.quantization_config.transforms):
             try:

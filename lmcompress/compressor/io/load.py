@@ -46,6 +46,7 @@ from lmcompress.compressor.io.replay import (
     stored_keys,
 )
 from lmcompress.compressor.io.shards import TensorFiles, open_safetensors
+from lmcompress.compressor.model import bf16_prefill
 from lmcompress.compressor.model.checkpoint import LOAD_ERRORS, check_local_dir, config_error
 from lmcompress.compressor.model.loading import check_device, load_tokenizer, resolve_dtype
 from lmcompress.compressor.model.structure import apply_widths_
@@ -124,6 +125,8 @@ def load_compressed(
             transformers models, including another compression run, expects);
             ``"expanded"`` unpacks packed layers once, for speed, at the memory that costs
             (:meth:`~lmcompress.compressor.formats.base.CompressedLinear.expanded`; logged).
+            In both, a bf16 model's plain linears compute prefill in float32 on a CPU that
+            emulates bf16 matmuls (:mod:`~lmcompress.compressor.model.bf16_prefill`).
         device: where the model lives; tensors are read from disk straight onto it.
 
     Works without the dense copy (``save_compressed(..., dense_copy=False)``). Raises
@@ -147,6 +150,8 @@ def load_compressed(
         expand(model, list(manifest["compressed_layers"]), resolve_dtype(manifest["dtype"]))
     else:
         prepare_decode(model)  # int4: siblings share a decode call; huge pages
+    if runtime != "dense":  # bf16 linears left plain: prefill in float32 where bf16 is emulated
+        bf16_prefill.install(model)
     transforms = manifest.get("transforms", [])  # e.g. an 8-bit softmax
     if transforms:
         with open_safetensors(out_dir / COMPRESSED_TENSORS, device) as packed:
