@@ -199,8 +199,11 @@ REMEDIES = {
 # kernels run their AVX2 loops and bf16 matmuls have no native arithmetic
 _BF16_PREFILL = (
     "Prefill: without bf16 arithmetic (AVX2 only) torch's bf16 matmuls run at about an "
-    "eighth of fp32's speed (dense bf16 against dense fp32 in the table above): every bf16 "
-    "row's prefill sits at dense bf16's; its fp32 export prefills at dense fp32's."
+    "eighth of fp32's speed (dense bf16 against dense fp32 in the table above), so the "
+    "compressed layers and the runtime's plain linears (the head) compute a bf16 prefill in "
+    "fp32 (`kernels/gemm_dtype.py`, `compressor/model/bf16_prefill.py`); what is left over "
+    "the fp32 rows is converting each block of weight, the activations and the products, "
+    "and the bf16 attention and norms."
 )
 _REST_OF_STEP = (
     "the rest of the step (attention, norms, the model's Python: the profile's other buckets) "

@@ -4,9 +4,10 @@ natively, float32 where torch would emulate it.
 On an x86 CPU without AVX-512 BF16 or AMX-BF16, torch's bf16 ``F.linear`` runs far below its
 fp32 one: AMD EPYC (Zen 3: avx2, fma, f16c; no AVX-512), 2 threads, 1024 tokens × 576 inputs ×
 1536 outputs (ad hoc, median of 5): bf16 147.5 ms, fp32 21.9 ms, and 10.8 ms for the bf16
-operands converted to fp32, multiplied, the product rounded back to bf16. That is why
-``benchmarks/results/speed_avx2/speed.md`` shows every bf16 row's prefill at 0.13-0.16× the fp32
-dense row on that host. With AVX-512 BF16 or AMX the bf16 matmul is the faster one (Intel Xeon
+operands converted to fp32, multiplied, the product rounded back to bf16. On that host every
+bf16 row of ``benchmarks.speed`` prefilled at 0.13-0.16× the fp32 dense row before this module
+(dense bf16 still does: 0.15× in ``benchmarks/results/speed_avx2/speed.md``; the compressed bf16
+rows 0.84-1.04× with it). With AVX-512 BF16 or AMX the bf16 matmul is the faster one (Intel Xeon
 with AMX: dense bf16 prefill 3.2× dense fp32, ``benchmarks/results/speed_xeon``).
 
 :func:`compute_dtype` is what the compressed layers' prefill (a weight dequantized or expanded

@@ -4,8 +4,9 @@ their bf16 prefill in float32 on a CPU that emulates bf16 matmuls.
 The compressed layers already do (:mod:`lmcompress.kernels.gemm_dtype`). What stays an
 ``nn.Linear`` in a bf16 export — SmolLM2's head, tied to the embeddings; every layer of the
 ``expanded`` runtime — would run torch's emulated bf16 matmul, 7-14× slower than float32 on an
-AVX2 CPU: with the decoder's int4 layers in float32, the bf16 head alone held the "int4 bf16"
-row's prefill to 0.46× the fp32 dense row (``benchmarks/results/speed_avx2_int4``).
+AVX2 CPU: with the decoder's int4 layers in float32 and the head still bf16, the "int4 bf16"
+row prefilled at 0.46× the fp32 dense row (one ad hoc ``benchmarks.speed`` run before this
+module; 0.84× with it, ``benchmarks/results/speed_avx2/speed.md``).
 
 :func:`install` turns each such layer into a :class:`Float32PrefillLinear` in place (its class
 changed, nothing else: the same parameters, so a tied head stays tied, and the same state-dict
