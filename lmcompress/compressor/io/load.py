@@ -125,8 +125,9 @@ def load_compressed(
             transformers models, including another compression run, expects);
             ``"expanded"`` unpacks packed layers once, for speed, at the memory that costs
             (:meth:`~lmcompress.compressor.formats.base.CompressedLinear.expanded`; logged).
-            In both, a bf16 model's plain linears compute prefill in float32 on a CPU that
-            emulates bf16 matmuls (:mod:`~lmcompress.compressor.model.bf16_prefill`).
+            In every runtime a bf16 model's plain linears compute prefill in float32 on a CPU
+            that emulates bf16 matmuls, as its compressed layers do
+            (:mod:`~lmcompress.compressor.model.bf16_prefill`).
         device: where the model lives; tensors are read from disk straight onto it.
 
     Works without the dense copy (``save_compressed(..., dense_copy=False)``). Raises
@@ -150,8 +151,7 @@ def load_compressed(
         expand(model, list(manifest["compressed_layers"]), resolve_dtype(manifest["dtype"]))
     else:
         prepare_decode(model)  # int4: siblings share a decode call; huge pages
-    if runtime != "dense":  # bf16 linears left plain: prefill in float32 where bf16 is emulated
-        bf16_prefill.install(model)
+    bf16_prefill.install(model)  # plain bf16 linears: prefill in float32 where bf16 is emulated
     transforms = manifest.get("transforms", [])  # e.g. an 8-bit softmax
     if transforms:
         with open_safetensors(out_dir / COMPRESSED_TENSORS, device) as packed:

@@ -55,10 +55,10 @@ def test_nothing_changes_where_bf16_is_native(monkeypatch):
 
 
 @pytest.mark.parametrize("runtime", ["packed", "expanded", "dense"])
-def test_load_installs_it_in_the_packed_and_expanded_runtimes(tmp_path, monkeypatch, runtime):
-    """A bf16 2:4 export of a tiny llama (tied head): packed and expanded runtimes' plain linears
-    become Float32PrefillLinear (the head still the embeddings' weight), the dense runtime's do
-    not."""
+def test_load_installs_it_in_every_runtime(tmp_path, monkeypatch, runtime):
+    """A bf16 2:4 export of a tiny llama (tied head): every runtime's plain linears become
+    Float32PrefillLinear (the head still the embeddings' weight): the packed layers stay
+    packed, the expanded and dense runtimes' decoder linears change too."""
     from conftest import make_tiny_model, make_tiny_tokenizer
 
     monkeypatch.setattr(gemm_dtype, "native_bf16", lambda: False)
@@ -68,10 +68,9 @@ def test_load_installs_it_in_the_packed_and_expanded_runtimes(tmp_path, monkeypa
         model, tmp_path / "out", report, tokenizer=make_tiny_tokenizer(), dtype=torch.bfloat16
     )
     loaded, _, _ = load_compressed(out, runtime=runtime)
-    heads = isinstance(loaded.lm_head, Float32PrefillLinear)
-    assert heads == (runtime != "dense")
+    assert isinstance(loaded.lm_head, Float32PrefillLinear)
     if loaded.config.tie_word_embeddings:
         assert loaded.lm_head.weight is loaded.get_input_embeddings().weight
     decoder = [m for n, m in loaded.named_modules() if n.startswith("model.layers.")]
     changed = sum(isinstance(m, Float32PrefillLinear) for m in decoder)
-    assert changed == (len(report.layers) if runtime == "expanded" else 0)
+    assert changed == (0 if runtime == "packed" else len(report.layers))
