@@ -224,6 +224,21 @@ def int4_weight(out, in_features, bits, group_size, symmetric=False, seed=0):
     return int4_reference.pack_codes(q, bits), scales, zeros
 
 
+def linear_dtypes(monkeypatch) -> list[set[torch.dtype]]:
+    """The dtypes of each ``F.linear`` call's tensors from now on (a list that fills as they
+    run): which dtype a matmul ran in, where its values alone may not tell (bf16's own
+    ``F.linear`` rounds once from float32 sums)."""
+    seen: list[set[torch.dtype]] = []
+    linear = torch.nn.functional.linear
+
+    def spy(*args):
+        seen.append({a.dtype for a in args if a is not None})
+        return linear(*args)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)
+    return seen
+
+
 # compiler flags of a build as on a CPU with AVX2 but not AVX-512 (the kernels' AVX2 loops)
 AVX2_ONLY = ["-O3", "-march=native", "-mno-avx512f", "-fopenmp"]
 

@@ -286,8 +286,7 @@ def prefill(
 ) -> torch.Tensor:
     """:func:`int4_reference.prefill_linear` with :func:`dequantize_rows`: (T, out) in ``x``'s
     dtype (float dtypes; other inputs are computed in float32)."""
-    out_dtype = x.dtype if x.dtype.is_floating_point else torch.float32
-    x, dtype, block, buffer = _prefill_setup(x, scales.shape[0], in_features)
+    x, dtype, out_dtype, block, buffer = _prefill_setup(x, scales.shape[0], in_features)
 
     def rows(start: int, end: int) -> torch.Tensor:
         return dequantize_rows(
@@ -310,8 +309,7 @@ def prefill_tiled(
     """:func:`prefill` of codes and grid in :mod:`~lmcompress.kernels.int4_tiles`' layout:
     ``lmc_int4_dequant_tiled`` reads them directly; where it does not apply, each block's rows
     are untiled first."""
-    out_dtype = x.dtype if x.dtype.is_floating_point else torch.float32
-    x, dtype, block, buffer = _prefill_setup(x, out_features, in_features)
+    x, dtype, out_dtype, block, buffer = _prefill_setup(x, out_features, in_features)
     scales16, zeros16 = grid16
     stored: list[torch.Tensor] = []  # the row-major grid, made only where the kernel is not used
 
@@ -348,8 +346,7 @@ def prefill_tiled24(
     (``buffers``: ``qweight`` its tiles, ``indices`` its patterns, ``scales16``, ``zeros16``,
     ``bias``): ``lmc_int4_dequant_tiled24`` reads them directly; where it does not apply
     (another dtype or device, tracing), each block's rows are untiled first."""
-    out_dtype = x.dtype if x.dtype.is_floating_point else torch.float32
-    x, dtype, block, buffer = _prefill_setup(x, out_features, in_features)
+    x, dtype, out_dtype, block, buffer = _prefill_setup(x, out_features, in_features)
     stored: list[torch.Tensor] = []  # the row-major grid, made only where the kernel is not used
 
     def rows(start: int, end: int) -> torch.Tensor:
@@ -372,12 +369,14 @@ def prefill_tiled24(
 
 def _prefill_setup(x: torch.Tensor, out_features: int, in_features: int):
     """``x`` in its computing dtype (:func:`gemm_dtype.compute_dtype`: float32 for bf16 on a CPU
-    that emulates bf16 matmuls), that dtype, the rows per block, and the block buffer (``None``
-    where autograd keeps each block's weight for the backward: a new one each)."""
+    that emulates bf16 matmuls), that dtype, the output's dtype (``x``'s; float32 for other
+    inputs), the rows per block, and the block buffer (``None`` where autograd keeps each
+    block's weight for the backward: a new one each)."""
     dtype = gemm_dtype.compute_dtype(x)
+    out_dtype = x.dtype if x.dtype.is_floating_point else torch.float32
     x = x.to(dtype)
     block = block_rows(in_features, dtype)
     buffer = None
     if _eager_cpu(x):
         buffer = _buffer(min(block, out_features) * in_features, dtype).view(-1, in_features)
-    return x, dtype, block, buffer
+    return x, dtype, out_dtype, block, buffer

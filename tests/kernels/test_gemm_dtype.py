@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import int4_weight
+from conftest import int4_weight, linear_dtypes
 
 from lmcompress.compressor.sparsity import nm_mask
 from lmcompress.kernels import gemm_dtype, int4_ops, int4_tiles, int4_tiles24, ops
@@ -114,14 +114,7 @@ def test_packed_nm_and_low_rank_prefill_compute_in_the_gemm_dtype(monkeypatch, n
     compute in the compute dtype and return bf16."""
     monkeypatch.setattr(gemm_dtype, "native_bf16", lambda: native)
     compute = torch.bfloat16 if native else torch.float32
-    seen, linear = [], F.linear  # the dtypes each matmul ran in (bf16's own F.linear rounds
-    # once from float32 sums: where the weight is bf16 the values alone may not tell)
-
-    def spy(*args):
-        seen.append({a.dtype for a in args if a is not None})
-        return linear(*args)
-
-    monkeypatch.setattr(F, "linear", spy)
+    seen = linear_dtypes(monkeypatch)  # a bf16 weight: the values alone may not tell
     g = torch.Generator().manual_seed(7)
     x = torch.randn(2, 10, 64, generator=g).bfloat16()
     bias = torch.randn(24, generator=g).bfloat16()

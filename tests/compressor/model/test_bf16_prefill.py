@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import linear_dtypes
 from torch import nn
 
 from lmcompress import compress, load_compressed, save_compressed
@@ -14,17 +15,6 @@ from lmcompress.compressor.model import bf16_prefill
 from lmcompress.compressor.model.bf16_prefill import MIN_TOKENS, Float32PrefillLinear
 from lmcompress.kernels import gemm_dtype
 from lmcompress.methods.magnitude import MagnitudeConfig
-
-
-def _spy(monkeypatch):
-    seen, linear = [], F.linear
-
-    def spy(*args):
-        seen.append({a.dtype for a in args if a is not None})
-        return linear(*args)
-
-    monkeypatch.setattr(F, "linear", spy)
-    return seen
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -37,7 +27,7 @@ def test_from_min_tokens_the_matmul_runs_in_float32(monkeypatch, bias):
     assert bf16_prefill.install(plain) == 2  # the two bf16 ones, not the fp32 one
     assert type(plain[1]) is nn.Linear and isinstance(layer, Float32PrefillLinear)
     assert layer.weight is weight and set(layer.state_dict()) == keys
-    seen = _spy(monkeypatch)
+    seen = linear_dtypes(monkeypatch)
     for tokens, compute in ((MIN_TOKENS, torch.float32), (MIN_TOKENS - 1, torch.bfloat16)):
         x = torch.randn(1, tokens, 48).bfloat16()
         got = layer(x)
