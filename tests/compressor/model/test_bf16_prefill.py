@@ -38,6 +38,29 @@ def test_from_min_tokens_the_matmul_runs_in_float32(monkeypatch, bias):
         seen.clear()
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_float32_prefill_by_blocks_of_rows_covers_every_output(monkeypatch, bias):
+    """Blocks of 16 rows over 40 outputs (16, 16, then 8): every column and its bias
+    computed once, as the whole float32 matmul rounded to bf16 (within one bf16 step: BLAS
+    may order a dot product differently by shape), for 3-d input too."""
+    monkeypatch.setattr(bf16_prefill, "MIN_BLOCK_ROWS", 16)
+    monkeypatch.setattr(bf16_prefill, "BLOCK_BYTES", 16 * 4 * 48)
+    assert bf16_prefill.block_rows(48) == 16
+    torch.manual_seed(0)
+    layer = nn.Linear(48, 40, bias=bias).bfloat16()
+    x = torch.randn(2, 24, 48).bfloat16()
+    part = None if layer.bias is None else layer.bias.float()
+    want = F.linear(x.float(), layer.weight.float(), part).bfloat16()
+    got = bf16_prefill.float32_linear(x, layer.weight, layer.bias)
+    assert got.shape == (2, 24, 40) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=0)
+
+
+def test_block_rows_hold_block_bytes_of_float32_weight():
+    assert bf16_prefill.block_rows(576) == bf16_prefill.BLOCK_BYTES // (4 * 576)
+    assert bf16_prefill.block_rows(1 << 20) == bf16_prefill.MIN_BLOCK_ROWS
+
+
 def test_nothing_changes_where_bf16_is_native(monkeypatch):
     monkeypatch.setattr(gemm_dtype, "native_bf16", lambda: True)
     model = nn.Sequential(nn.Linear(8, 8).bfloat16())
