@@ -134,19 +134,20 @@ def measure(args: argparse.Namespace, _names: list[str], _previous: dict) -> Any
         yield record
 
 
-def missed_goals(record: dict[str, Any]) -> list[str]:
-    """The rows (packed runtime, eager) below a goal of :data:`GOALS`, in their order."""
+def missed_goals(record: dict[str, Any]) -> dict[str, set[str]]:
+    """The rows (packed runtime, eager) below a goal of :data:`GOALS` or slower at decode than
+    the row of :data:`PAIRS` they must beat, in their order: row -> the measures missed
+    (``prefill``, ``decode``)."""
     rows = {row["name"]: row for row in record["rows"] if not row.get("compiled")}
-    missed = []
+    missed: dict[str, set[str]] = {}
     for name, what, target in GOALS:
         value = rows.get(name, {}).get(f"{what}_vs_best_dense")
-        if value is not None and value < target and name not in missed:
-            missed.append(name)
+        if value is not None and value < target:
+            missed.setdefault(name, set()).add(what)
     for name, base in PAIRS:
         row, other = rows.get(name), rows.get(base)
-        if row and other and name not in missed:
-            if row["decode_tokens_per_s"] < other["decode_tokens_per_s"]:
-                missed.append(name)
+        if row and other and row["decode_tokens_per_s"] < other["decode_tokens_per_s"]:
+            missed.setdefault(name, set()).add("decode")
     return missed
 
 
@@ -210,20 +211,33 @@ _REST_OF_STEP = (
     "is unchanged, about half of dense bf16's: even linears several times faster leave a "
     "model at about 1.5× dense"
 )
-REMEDIES_AVX2 = {
-    "int8, int8 head": "Prefill: the int8 products are the compiled kernel's (torch's "
-    "`_int_mm` has no fast path without VNNI), a few-token loop by blocks of 64 tokens, not "
-    "a blocked GEMM: well below fp32's BLAS. Decode: " + _REST_OF_STEP + ".",
-    "svd 0.8 bf16": _BF16_PREFILL + " Decode: 80 % of the parameters, and " + _REST_OF_STEP + ".",
-    "2:4 bf16": _BF16_PREFILL + " Decode: the AVX2 2:4 loop (8 kept values a step, two "
-    "vpermps and a blend a token) needs about twice dense's instructions per input for 0.56× "
-    "its bytes: the 210 linears at one token run at about dense bf16's speed "
-    "(`benchmarks/results/layer_speed_avx2`).",
-    "int4": "Decode: the int4 layers run 1.5-4.6× the best dense row at one token by shape, "
-    "1.4× over SmolLM2's 210 small linears, where each call's fixed cost shows "
-    "(`benchmarks/results/int4_speed_avx2`); " + _REST_OF_STEP + ".",
-    "int4 bf16": _BF16_PREFILL + " Decode: as `int4`.",
-    "int4 bf16, int4 head": _BF16_PREFILL + " Decode: as `int4`.",
+_INT4_DECODE = (
+    "Decode: the int4 layers run 1.5-4.6× the best dense row at one token by shape, 1.4× over "
+    "SmolLM2's 210 small linears, where each call's fixed cost shows "
+    "(`benchmarks/results/int4_speed_avx2`); " + _REST_OF_STEP + "."
+)
+REMEDIES_AVX2: dict[str, str | dict[str, str]] = {
+    "int8, int8 head": {
+        "prefill": "Prefill: the int8 products are the compiled kernel's (torch's `_int_mm` "
+        "has no fast path without VNNI), a few-token loop by blocks of 64 tokens, not a "
+        "blocked GEMM: well below fp32's BLAS.",
+        "decode": "Decode: " + _REST_OF_STEP + ".",
+    },
+    "svd 0.8 bf16": {
+        "prefill": _BF16_PREFILL,
+        "decode": "Decode: 80 % of the parameters, and " + _REST_OF_STEP + ".",
+    },
+    "2:4 bf16": {
+        "prefill": _BF16_PREFILL,
+        "decode": "Decode: the AVX2 2:4 loop (8 kept values a step, two vpermps and a blend "
+        "a token) needs about twice dense's instructions per input for 0.56× its bytes: the "
+        "210 linears at one token run at about dense bf16's speed "
+        "(`benchmarks/results/layer_speed_avx2`).",
+    },
+    "int4": {"decode": _INT4_DECODE},  # (an fp32 prefill here runs at dense fp32's speed)
+    "int4, int4 head": {"decode": _INT4_DECODE},
+    "int4 bf16": {"prefill": _BF16_PREFILL, "decode": _INT4_DECODE},
+    "int4 bf16, int4 head": {"prefill": _BF16_PREFILL, "decode": _INT4_DECODE},
     "2:4 + int4 bf16": "Decode: in the stored layout the AVX2 loop (16 kept values a step, "
     "their activations gathered by two vpshufb, a horizontal sum per group) took 2.4-3.3× the "
     "int4 tiled loop's time per layer; held tiled (`kernels/int4_tiles24.py`: one vpermd and "
@@ -297,9 +311,19 @@ def _isa(record: dict[str, Any]) -> list[str]:
     return (record.get("machine") or {}).get("isa") or []
 
 
-def where_the_time_goes(profile: dict[str, Any], missed: list[str], isa: list[str]) -> str:
-    """Milliseconds by module for dense bf16 and each row that misses a goal; the remedies
-    of a host without AVX-512 where ``isa`` (its flags) says so."""
+def remedy(text: str | dict[str, str], measures: set[str]) -> str:
+    """A remedy: the whole text, or of one given by measure the parts of ``measures``."""
+    if isinstance(text, str):
+        return text
+    return " ".join(text[m] for m in ("prefill", "decode") if m in measures and m in text)
+
+
+def where_the_time_goes(
+    profile: dict[str, Any], missed: dict[str, set[str]], isa: list[str]
+) -> str:
+    """Milliseconds by module for dense bf16 and each row that misses a goal (``missed``: row
+    -> measures); the remedies of a host without AVX-512 where ``isa`` (its flags) says so,
+    of the measures each row misses."""
     remedies = REMEDIES
     if isa and not any(flag.startswith("avx512") for flag in isa):
         remedies = {**REMEDIES, **REMEDIES_AVX2}
@@ -321,7 +345,8 @@ def where_the_time_goes(profile: dict[str, Any], missed: list[str], isa: list[st
         totals = [f"{sum(profile['models'][n][key].values()):.1f}" for n in names]
         lines.append("| total | " + " | ".join(totals) + " |")
     lines.append("\nWhat would close each miss:\n")
-    lines += [f"- **{n}**: {remedies[n]}" for n in missed if n in remedies]
+    texts = {n: remedy(remedies[n], measures) for n, measures in missed.items() if n in remedies}
+    lines += [f"- **{n}**: {text}" for n, text in texts.items() if text]
     return "\n".join(lines) + "\n"
 
 
