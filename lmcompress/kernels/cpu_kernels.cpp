@@ -130,7 +130,7 @@ static int64_t row_24_float(const float* x, int64_t in, const void* values, int 
     for (int u = 0; u < U; u++) sum[t][u] = _mm512_setzero_ps();
   const int64_t blocks = in / 32;
   for (int64_t b0 = 0; b0 < blocks; b0 += U) {
-    for (int u = 0; u < U && b0 + u < blocks; u++) {
+    for (int u = 0; u < U && b0 + u < blocks; u++) {  // the last step may hold fewer than U blocks
       const int64_t b = b0 + u;
       __m512i pos = positions_24(row_idx + 4 * b);
       __m512 v = load16(values, kind, 16 * b);
@@ -359,7 +359,7 @@ static int64_t row_24_float_avx2(const float* x, int64_t in, const void* values,
     for (int u = 0; u < U; u++) sum[t][u] = _mm256_setzero_ps();
   const int64_t blocks = in / 16;
   for (int64_t b0 = 0; b0 < blocks; b0 += U) {
-    for (int u = 0; u < U && b0 + u < blocks; u++) {
+    for (int u = 0; u < U && b0 + u < blocks; u++) {  // (as row_24_float: fewer at the end)
       const int64_t b = b0 + u;
       uint16_t bits16;
       memcpy(&bits16, row_idx + 2 * b, 2);
@@ -390,7 +390,7 @@ static int64_t row_dense_float_avx2(const float* x, int64_t in, const void* row,
     for (int u = 0; u < U; u++) sum[t][u] = _mm256_setzero_ps();
   const int64_t blocks = in / 8;
   for (int64_t b0 = 0; b0 < blocks; b0 += U) {
-    for (int u = 0; u < U && b0 + u < blocks; u++) {
+    for (int u = 0; u < U && b0 + u < blocks; u++) {  // (fewer than U at the end)
       __m256 v = load8(row, kind, 8 * (b0 + u));
       for (int t = 0; t < T; t++)
         sum[t][u] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + t * in + 8 * (b0 + u)), sum[t][u]);
