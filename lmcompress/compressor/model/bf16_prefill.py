@@ -15,10 +15,10 @@ keys). From ``MIN_TOKENS`` tokens its matmul runs in float32 — the weight conv
 its product rounded to bf16 straight into the output's columns — and below, at decode, the bf16
 matmul reads half the bytes and stays. By blocks of 1,024-2,048 rows, SmolLM2's head (49152 x
 576) at 1,024 tokens took 410-439 ms against 555-563 converting the whole weight and rounding
-the whole product after (the float32 matmul alone: 435-475; AVX2 EPYC, 2 threads, ad hoc): the converted weight
-and the float32 product never go through memory; the int4 bf16 export's 4 x 256 prefill, 400
-against 374 tokens/s (one process, 5 interleaved rounds). The ``dense`` runtime gets it
-too, so that the runtimes of one export score the same (its layers stay ``nn.Linear``
+the whole product after (the float32 matmul alone: 435-475; AVX2 EPYC, 2 threads, ad hoc): the
+converted weight and the float32 product never go through memory; the int4 bf16 export's 4 x 256
+prefill, 400 against 374 tokens/s (one process, 5 interleaved rounds). The ``dense`` runtime gets
+it too, so that the runtimes of one export score the same (its layers stay ``nn.Linear``
 instances, what code written for plain transformers expects): a packed 2:4 bf16 SmolLM2 scored
 1203.65 against the dense runtime's plain bf16 1201.32 (4096 tokens of wiki-test; the test
 ``test_smollm2_2_4_packed_runtime_matches_dense…``), where torch's emulated bf16 matmul and the
