@@ -293,7 +293,7 @@ def prefill(
             qweight, scales, zeros, bits, group_size, in_features, start, end, dtype, nm, buffer
         )
 
-    return int4_reference.prefill_linear(x, scales.shape[0], block, rows, bias).to(out_dtype)
+    return int4_reference.prefill_linear(x, scales.shape[0], block, rows, bias, out_dtype)
 
 
 def prefill_tiled(
@@ -331,7 +331,7 @@ def prefill_tiled(
             end - start, dtype, None, buffer,
         )  # fmt: skip
 
-    return int4_reference.prefill_linear(x, out_features, block, rows, bias).to(out_dtype)
+    return int4_reference.prefill_linear(x, out_features, block, rows, bias, out_dtype)
 
 
 def prefill_tiled24(
@@ -363,8 +363,7 @@ def prefill_tiled24(
             (indices[part], 2, 4),
         ).to(dtype)  # fmt: skip
 
-    y = int4_reference.prefill_linear(x, out_features, block, rows, buffers["bias"])
-    return y.to(out_dtype)
+    return int4_reference.prefill_linear(x, out_features, block, rows, buffers["bias"], out_dtype)
 
 
 def _prefill_setup(x: torch.Tensor, out_features: int, in_features: int):

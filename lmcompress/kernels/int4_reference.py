@@ -228,28 +228,34 @@ def prefill_linear(
     block_rows: int,
     dequantize_rows,
     bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``x`` (T, in) times the weight ``dequantize_rows(start, end)`` gives a block of rows of
     (in ``x``'s dtype), one block of ``block_rows`` output rows at a time (``F.linear`` on each,
-    with its part of the bias): (T, out) in ``x``'s dtype. Each block's product is written into
-    its columns of the output (what ``F.linear`` computes: ``addmm`` with the bias, ``mm``
-    without), not concatenated afterwards: at a 49152-word head over 1024 tokens that copy was
-    100 MB a forward."""
+    with its part of the bias): (T, out) in ``out_dtype`` (default ``x``'s dtype: each block's
+    product rounded once). Each block's product is written into its columns of the output
+    (what ``F.linear`` computes: ``addmm`` with the bias, ``mm`` without), not concatenated
+    afterwards: at a 49152-word head over 1024 tokens that copy was 100 MB a forward."""
+    out_dtype = out_dtype or x.dtype
     if out_features <= block_rows:
         part = None if bias is None else bias.to(x.dtype)
-        return torch.nn.functional.linear(x, dequantize_rows(0, out_features), part)
+        return torch.nn.functional.linear(x, dequantize_rows(0, out_features), part).to(out_dtype)
+    starts = range(0, out_features, block_rows)
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
         parts = []  # autograd: out= is not differentiable
-        for start in range(0, out_features, block_rows):
+        for start in starts:
             end = min(start + block_rows, out_features)
             part = None if bias is None else bias[start:end].to(x.dtype)
             parts.append(torch.nn.functional.linear(x, dequantize_rows(start, end), part))
-        return torch.cat(parts, dim=1)
-    y = torch.empty((x.shape[0], out_features), dtype=x.dtype, device=x.device)
-    for start in range(0, out_features, block_rows):
+        return torch.cat(parts, dim=1).to(out_dtype)
+    y = torch.empty((x.shape[0], out_features), dtype=out_dtype, device=x.device)
+    for start in starts:
         end = min(start + block_rows, out_features)
         W = dequantize_rows(start, end)
-        if bias is None:
+        if out_dtype != x.dtype:  # the block's product rounded into its columns
+            b = None if bias is None else bias[start:end].to(x.dtype)
+            y[:, start:end] = torch.nn.functional.linear(x, W, b)
+        elif bias is None:
             torch.mm(x, W.t(), out=y[:, start:end])
         else:
             torch.addmm(bias[start:end].to(x.dtype), x, W.t(), out=y[:, start:end])

@@ -10,19 +10,19 @@ module; 0.84× with it, ``benchmarks/results/speed_avx2/speed.md``).
 
 :func:`install` turns each such layer into a :class:`Float32PrefillLinear` in place (its class
 changed, nothing else: the same parameters, so a tied head stays tied, and the same state-dict
-keys). From ``MIN_TOKENS`` tokens its matmul runs in float32 — the weight converted on each call,
-``BLOCK_BYTES`` of float32 output rows at a time, each block multiplied while it is in cache and
-its product rounded to bf16 straight into the output's columns — and below, at decode, the bf16
-matmul reads half the bytes and stays. By blocks of 1,024-2,048 rows, SmolLM2's head (49152 x
-576) at 1,024 tokens took 410-439 ms against 555-563 converting the whole weight and rounding
-the whole product after (the float32 matmul alone: 435-475; AVX2 EPYC, 2 threads, ad hoc): the
-converted weight and the float32 product never go through memory; the int4 bf16 export's 4 x 256
-prefill, 400 against 374 tokens/s (one process, 5 interleaved rounds). The ``dense`` runtime gets
-it too, so that the runtimes of one export score the same (its layers stay ``nn.Linear``
-instances, what code written for plain transformers expects): a packed 2:4 bf16 SmolLM2 scored
-1203.65 against the dense runtime's plain bf16 1201.32 (4096 tokens of wiki-test; the test
-``test_smollm2_2_4_packed_runtime_matches_dense…``), where torch's emulated bf16 matmul and the
-float32 one round differently over 576-1536 inputs.
+keys). From ``MIN_TOKENS`` tokens its matmul runs in float32 — the weight converted on each
+call, 4 MiB of float32 output rows at a time (the int4 prefill's blocks), each block multiplied
+while it is in cache and its product rounded to bf16 straight into the output's columns — and
+below, at decode, the bf16 matmul reads half the bytes and stays. By blocks of 1,024-2,048 rows,
+SmolLM2's head (49152 x 576) at 1,024 tokens took 410-439 ms against 555-563 converting the
+whole weight and rounding the whole product after (the float32 matmul alone: 435-475; AVX2 EPYC,
+2 threads, ad hoc): the converted weight and the float32 product never go through memory; the
+int4 bf16 export's 4 x 256 prefill, 400 against 374 tokens/s (one process, 5 interleaved
+rounds). The ``dense`` runtime gets it too, so that the runtimes of one export score the same
+(its layers stay ``nn.Linear`` instances, what code written for plain transformers expects): a
+packed 2:4 bf16 SmolLM2 scored 1203.65 against the dense runtime's plain bf16 1201.32 (4096
+tokens of wiki-test; the test ``test_smollm2_2_4_packed_runtime_matches_dense…``), where torch's
+emulated bf16 matmul and the float32 one round differently over 576-1536 inputs.
 """
 
 from __future__ import annotations
@@ -30,10 +30,9 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from lmcompress.kernels import gemm_dtype
+from lmcompress.kernels import gemm_dtype, int4_ops, int4_reference
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +40,6 @@ logger = logging.getLogger(__name__)
 # EPYC, 2 threads, 576x1536 and 1536x576 (ad hoc, µs): 8 tokens 1033 against 880, 16 tokens
 # 977 against 1802, 32 tokens 1389 against 7923.
 MIN_TOKENS = 16
-# float32 weight rows converted and multiplied at a time (and never fewer than MIN_BLOCK_ROWS):
-# SmolLM2's head at 1,024 tokens (ad hoc, as above): 1,024 rows 417-428 ms, 2,048 rows
-# 410-439, 4,096 rows 432-467, 8,192 rows 499-551, the whole weight 555-563
-BLOCK_BYTES = 4 << 20
-MIN_BLOCK_ROWS = 256
 
 
 class Float32PrefillLinear(nn.Linear):
@@ -62,26 +56,20 @@ class Float32PrefillLinear(nn.Linear):
         return super().forward(x)
 
 
-def block_rows(in_features: int) -> int:
-    """Output rows of a float32 block (:data:`BLOCK_BYTES` of converted weight)."""
-    return max(MIN_BLOCK_ROWS, BLOCK_BYTES // (4 * in_features))
-
-
 def float32_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``F.linear`` of bf16 ``x`` (..., in) and ``weight`` (out, in) computed in float32, the
-    weight converted by blocks of :func:`block_rows` rows, each block's product rounded into
-    the bf16 output (..., out): equal to ``F.linear(x.float(), weight.float(), bias.float())
-    .bfloat16()`` (each output element the same float32 dot product, rounded once)."""
+    weight converted by the int4 prefill's blocks of rows (``int4_ops.block_rows``), each
+    block's product rounded into the bf16 output (..., out) by ``int4_reference.prefill_linear``:
+    equal to ``F.linear(x.float(), weight.float(), bias.float()).bfloat16()`` (each output
+    element the same float32 dot product, rounded once)."""
     out_features, in_features = weight.shape
     xf = x.reshape(-1, in_features).float()
-    y = torch.empty((xf.shape[0], out_features), dtype=x.dtype, device=x.device)
-    rows = block_rows(in_features)
-    for start in range(0, out_features, rows):
-        end = min(start + rows, out_features)
-        part = None if bias is None else bias[start:end].float()
-        y[:, start:end] = F.linear(xf, weight[start:end].float(), part)
+    block = int4_ops.block_rows(in_features, torch.float32)
+    y = int4_reference.prefill_linear(
+        xf, out_features, block, lambda start, end: weight[start:end].float(), bias, x.dtype
+    )
     return y.reshape(*x.shape[:-1], out_features)
 
 

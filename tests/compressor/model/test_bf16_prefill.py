@@ -13,7 +13,7 @@ from torch import nn
 from lmcompress import compress, load_compressed, save_compressed
 from lmcompress.compressor.model import bf16_prefill
 from lmcompress.compressor.model.bf16_prefill import MIN_TOKENS, Float32PrefillLinear
-from lmcompress.kernels import gemm_dtype
+from lmcompress.kernels import gemm_dtype, int4_ops
 from lmcompress.methods.magnitude import MagnitudeConfig
 
 
@@ -43,22 +43,19 @@ def test_float32_prefill_by_blocks_of_rows_covers_every_output(monkeypatch, bias
     """Blocks of 16 rows over 40 outputs (16, 16, then 8): every column and its bias
     computed once, as the whole float32 matmul rounded to bf16 (within one bf16 step: BLAS
     may order a dot product differently by shape), for 3-d input too."""
-    monkeypatch.setattr(bf16_prefill, "MIN_BLOCK_ROWS", 16)
-    monkeypatch.setattr(bf16_prefill, "BLOCK_BYTES", 16 * 4 * 48)
-    assert bf16_prefill.block_rows(48) == 16
+    monkeypatch.setattr(int4_ops, "MIN_BLOCK_ROWS", 16)
+    monkeypatch.setattr(int4_ops, "BLOCK_BYTES", 16 * 4 * 48)
+    assert int4_ops.block_rows(48, torch.float32) == 16
     torch.manual_seed(0)
     layer = nn.Linear(48, 40, bias=bias).bfloat16()
     x = torch.randn(2, 24, 48).bfloat16()
     part = None if layer.bias is None else layer.bias.float()
     want = F.linear(x.float(), layer.weight.float(), part).bfloat16()
-    got = bf16_prefill.float32_linear(x, layer.weight, layer.bias)
-    assert got.shape == (2, 24, 40) and got.dtype == torch.bfloat16
-    torch.testing.assert_close(got, want, rtol=2**-7, atol=0)
-
-
-def test_block_rows_hold_block_bytes_of_float32_weight():
-    assert bf16_prefill.block_rows(576) == bf16_prefill.BLOCK_BYTES // (4 * 576)
-    assert bf16_prefill.block_rows(1 << 20) == bf16_prefill.MIN_BLOCK_ROWS
+    for grad in (False, True):  # inference writes each block into the output; autograd cats
+        with torch.set_grad_enabled(grad):
+            got = bf16_prefill.float32_linear(x, layer.weight, layer.bias)
+        assert got.shape == (2, 24, 40) and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.detach(), want, rtol=2**-7, atol=0)
 
 
 def test_nothing_changes_where_bf16_is_native(monkeypatch):
