@@ -6,7 +6,8 @@ packed N:M layer without a kernel unpacks its whole weight on every call. These 
 each compressed weight once per call for up to four tokens at a time:
 
 - packed N:M (float values, or int8 codes): the packed values and positions directly (2:4 in
-  bf16: 56 % of the dense bytes); and the unpacking itself, for more tokens;
+  bf16: 56 % of the dense bytes; float 2:4 also on :mod:`~lmcompress.kernels.nm24_tiles`'
+  tiles, one row a vector lane); and the unpacking itself, for more tokens;
 - int8 W8A8: activation quantization, the integer products and the rescale in one pass,
   bit-identical to the torch computation;
 - low rank: both factors' products in one call;
@@ -99,6 +100,8 @@ SIGNATURES = {
     + [_I64, _VOID, _INT, _VOID, _INT, _INT, _INT],
     "lmc_int4_dequant_tiled24": [_VOID, _VOID, _VOID, _VOID, _I64, _I64, _I64, _I64, _I64, _VOID]
     + [_INT, _INT],
+    "lmc_nm24_tiled_float": [_VOID, _INT, _I64, _I64, _VOID, _INT, _VOID, _I64, _VOID, _INT]
+    + [_VOID, _INT, _INT, _INT],
 }
 _RETURNS_INT = ("lmc_nm_simd", "lmc_nm_first_bad_byte", "lmc_all_finite", "lmc_int4_vector")
 
@@ -131,8 +134,7 @@ def library() -> ctypes.CDLL | None:
 
 @torch.compiler.assume_constant_result  # called while torch.compile traces, not traced
 def built() -> bool:
-    """Whether :func:`library` is there: what a traced layer checks before it puts a kernel's
-    op in the graph."""
+    """Whether :func:`library` is there (a traced layer's check before it adds a kernel op)."""
     return library() is not None
 
 
@@ -392,8 +394,7 @@ def first_bad_byte(
 def all_finite(values: torch.Tensor) -> bool:
     """Whether no value of ``values`` (fp32, bf16 or fp16, on CPU) is a NaN or an infinity: one
     parallel pass of integer tests (a load-time check)."""
-    lib = library()
-    values = values.contiguous()
-    kind = FLOAT_KINDS[values.dtype]
-    threads = torch.get_num_threads()
-    return bool(lib.lmc_all_finite(values.data_ptr(), kind, values.numel(), threads))
+    lib, values, threads = library(), values.contiguous(), torch.get_num_threads()
+    return bool(
+        lib.lmc_all_finite(values.data_ptr(), FLOAT_KINDS[values.dtype], values.numel(), threads)
+    )

@@ -13,7 +13,9 @@ so a compiled graph computes what eager does, bit for bit:
   tokens: the fused few-token kernel, else the one-pass activation quantization, the integer
   products and the rescale by column blocks (:func:`int8_ops.linear`);
 - ``low_rank_layer``: ``(x Aᵀ) Bᵀ + b`` by the low-rank kernel for a few tokens
-  (:func:`ops.low_rank_linear`).
+  (:func:`ops.low_rank_linear`);
+- ``nm24_decode``: a packed 2:4 float layer held as :mod:`nm24_tiles`' tiles, by the tiled
+  kernel for a few tokens (else untiled, :func:`ops.nm_linear_cpu`).
 
 They are ``torch.library.Library`` ops, not ``custom_op`` (whose Python wrappers cost ~7 µs a
 call against ~1.5 here; a SmolLM2 step makes 121 to 211 layer calls, each 5-25 µs of
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from lmcompress.kernels import cpu_kernels, int4_ops, int4_tiles, int8_ops, ops
+from lmcompress.kernels import cpu_kernels, int4_ops, int4_tiles, int8_ops, nm24_tiles, ops
 
 _LIB = torch.library.Library("lmcompress", "FRAGMENT")
 _LIB.define(
@@ -37,6 +39,7 @@ _LIB.define(
     "Tensor? indices, int n, int m, int in_features) -> Tensor"
 )
 _LIB.define("low_rank_layer(Tensor x, Tensor A, Tensor B, Tensor? bias) -> Tensor")
+_LIB.define("nm24_decode(Tensor x, Tensor values, Tensor indices, Tensor? bias) -> Tensor")
 
 
 def traced_cpu(x: torch.Tensor, in_features: int, max_tokens: int | None = None) -> bool:
@@ -112,7 +115,20 @@ def _low_rank_layer_impl(x, A, B, bias):
     return ops.low_rank_linear(x, A, B, bias)
 
 
+def nm24_decode(x, values, indices, bias):
+    """A tiled 2:4 float layer (``values``, ``indices``: :func:`nm24_tiles.tile`'s) as one op."""
+    return torch.ops.lmcompress.nm24_decode.default(x, values, indices, bias)
+
+
+def _nm24_decode_impl(x, values, indices, bias):
+    if nm24_tiles.applies(x, values.shape[1] * 2):
+        return nm24_tiles.linear(x, values, indices, bias)
+    stored = nm24_tiles.untile(values, indices)
+    return ops.nm_linear_cpu(x, *stored, 2, 4, values.shape[1] * 2, bias)
+
+
 _LIB.impl("int4_decode", _int4_decode_impl, "CompositeExplicitAutograd")
+_LIB.impl("nm24_decode", _nm24_decode_impl, "CompositeExplicitAutograd")
 _LIB.impl("int8_layer", _int8_layer_impl, "CompositeExplicitAutograd")
 _LIB.impl("low_rank_layer", _low_rank_layer_impl, "CompositeExplicitAutograd")
 
@@ -130,3 +146,8 @@ def _int8_layer_fake(x, codes, weight_scale, input_scale, bias, indices, n, m, i
 @torch.library.register_fake("lmcompress::low_rank_layer")
 def _low_rank_layer_fake(x, A, B, bias):  # noqa: ARG001
     return x.new_empty((*x.shape[:-1], B.shape[0]))
+
+
+@torch.library.register_fake("lmcompress::nm24_decode")
+def _nm24_decode_fake(x, values, indices, bias):  # noqa: ARG001
+    return x.new_empty((*x.shape[:-1], values.shape[0]))

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from lmcompress.compressor.formats.int4 import Int4CodedLinear, Int4Linear, PackedNMInt4Linear
+from lmcompress.compressor.formats.nm_packed import PackedNMLinear
 from lmcompress.compressor.model.families import decoder_blocks, family_of
 from lmcompress.errors import ModelLoadError
 from lmcompress.kernels import int4_tiles, int4_tiles24
@@ -187,8 +188,12 @@ def place_in_huge_pages(model: nn.Module) -> int:
 
 
 def prepare_decode(model: nn.Module) -> None:
-    """The int4 decode layout of a loaded model: :func:`share_inputs`, then
+    """The decode layouts of a loaded model: 2:4 float layers on tiles
+    (:meth:`PackedNMLinear.tile`), then for int4 :func:`share_inputs` and
     :func:`place_in_huge_pages`."""
+    for module in model.modules():
+        if isinstance(module, PackedNMLinear):
+            module.tile()
     share_inputs(model)
     placed = place_in_huge_pages(model)
     if placed:

@@ -8,6 +8,12 @@ bytes for 2:4. It never materialises the dense weight as a buffer; its forward c
 with a compiled kernel for a few tokens and unpacks once per call for more, and whose CUDA
 implementation is a Triton kernel reading the packed form directly
 (:mod:`lmcompress.kernels.nm_linear_triton`).
+
+Loaded for inference on CPU (:func:`~lmcompress.compressor.formats.int4_shared.prepare_decode`),
+a 2:4 float layer holds its values and positions as the tiles of
+:mod:`~lmcompress.kernels.nm24_tiles` instead (:meth:`PackedNMLinear.tile`: the same bytes,
+permuted): its few-token forward then runs the tiled kernel, 1.5-2x the row kernel's speed on an
+AVX2 EPYC; ``values`` and ``indices`` still read (and write) the stored layout.
 """
 
 from __future__ import annotations
@@ -32,7 +38,12 @@ from lmcompress.compressor.formats.schema import (
 )
 from lmcompress.compressor.model.surgery import weight_matrix
 from lmcompress.errors import ModelLoadError
-from lmcompress.kernels import ops  # registers torch.ops.lmcompress.nm_linear
+from lmcompress.kernels import (
+    cpu_kernels,
+    lean_ops,
+    nm24_tiles,
+    ops,  # registers torch.ops.lmcompress.nm_linear
+)
 from lmcompress.kernels.reference import index_bits, pack_nm
 
 
@@ -71,6 +82,8 @@ class PackedNMLinear(CompressedLinear):
 
     format = "nm_packed"
     schema = NM_PACKED
+    tiled = False  # values and positions held as nm24_tiles' tiles (tiled_values, tiled_indices)
+    _STORED = ("values", "indices")
 
     def __init__(
         self,
@@ -121,6 +134,51 @@ class PackedNMLinear(CompressedLinear):
             values, indices, n, m, in_features, bias=bias, conv1d=bool(meta.get("conv1d", False))
         )
 
+    def tile(self) -> None:
+        """Hold the values and positions as :mod:`~lmcompress.kernels.nm24_tiles`' tiles where
+        they fit (2:4, float, CPU, shapes); otherwise nothing changes."""
+        held = self._buffers
+        if self.tiled or not nm24_tiles.tileable(held["values"], self.n, self.m, self.in_features):
+            return
+        tiled_values, tiled_indices = nm24_tiles.tile(held.pop("values"), held.pop("indices"))
+        self.register_buffer("tiled_values", tiled_values)
+        self.register_buffer("tiled_indices", tiled_indices)
+        self.tiled = True
+
+    def untile(self) -> None:
+        """Back to the stored layout (a no-op for a layer that is not tiled)."""
+        if self.tiled:
+            held = self._buffers
+            values, indices = nm24_tiles.untile(held.pop("tiled_values"), held.pop("tiled_indices"))
+            self.tiled = False
+            self.register_buffer("values", values)
+            self.register_buffer("indices", indices)
+
+    def __getattr__(self, name: str) -> Any:
+        """A tiled layer's ``values`` and ``indices``: the stored layout, untiled on reading."""
+        if name in self._STORED and self.__dict__.get("tiled"):
+            held = self._buffers
+            return nm24_tiles.untile(held["tiled_values"], held["tiled_indices"])[
+                self._STORED.index(name)
+            ]
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Setting a tiled layer's ``values`` or ``indices`` untiles it first."""
+        if name in self._STORED and self.__dict__.get("tiled"):
+            self.untile()
+        super().__setattr__(name, value)
+
+    def _apply(self, fn, recurse=True):
+        """Moves and casts run on the stored layout; a tiled layer is tiled again after (where
+        it still fits: not on a GPU)."""
+        tiled = self.tiled
+        self.untile()
+        result = super()._apply(fn, recurse)
+        if tiled:
+            self.tile()
+        return result
+
     def dense_weight(self) -> torch.Tensor:
         return ops.unpack_nm(self.values, self.indices, self.n, self.m, self.in_features)
 
@@ -129,6 +187,14 @@ class PackedNMLinear(CompressedLinear):
         return self.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiled:
+            held = self._buffers
+            if nm24_tiles.applies(x, self.in_features):
+                return nm24_tiles.linear(x, held["tiled_values"], held["tiled_indices"], self.bias)
+            if lean_ops.traced_cpu(x, self.in_features, cpu_kernels.MAX_TOKENS):
+                return lean_ops.nm24_decode(
+                    x, held["tiled_values"], held["tiled_indices"], self.bias
+                )
         if ops.eager_cpu(x):  # the op's CPU computation, without the dispatch
             return ops.nm_linear_cpu(
                 x, self.values, self.indices, self.n, self.m, self.in_features, self.bias
