@@ -127,3 +127,15 @@ def test_setting_values_untiles_the_layer():
     x = torch.randn(1, 64)
     dense = R.unpack_nm(doubled, layer.indices, 2, 4, 64)
     torch.testing.assert_close(layer(x), x @ dense.T + layer.bias)
+
+
+def test_prepare_decode_tiles_the_layers_that_fit():
+    from lmcompress.compressor.formats.int4_shared import prepare_decode
+
+    W = torch.randn(32, 64)
+    fits = PackedNMLinear.from_linear(_linear(W * nm_mask(W.abs(), 2, 4)), 2, 4)
+    W = torch.randn(40, 64)
+    ragged = PackedNMLinear.from_linear(_linear(W * nm_mask(W.abs(), 2, 4)), 2, 4)
+    model = torch.nn.Sequential(fits, ragged)
+    prepare_decode(model)
+    assert fits.tiled and not ragged.tiled
