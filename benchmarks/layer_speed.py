@@ -13,7 +13,8 @@ per timing, the implementations interleaved in each round, median of the rounds:
   ``F.linear``; int8 W8A8 as torch computes it (quantize, ``_int_mm``, rescale) and as the
   fused kernel does, and 2:4 + int8 (packed codes) through it; low rank at ratio 0.8 in bf16
   as two torch linears and as the kernel; packed 2:4 in bf16 through its kernel and unpacked
-  then ``F.linear``.
+  then ``F.linear``, and on :mod:`~lmcompress.kernels.nm24_tiles`' tiles through the tiled
+  kernel.
 - ``ranks``: low rank at ratio 0.8 in bf16, prefill (4 × 256 tokens), at each layer's rank and
   rounded down to multiples of 16, 32 and 64, against dense bf16.
 """
@@ -34,7 +35,7 @@ from benchmarks.harness import Table, add_harness_args, run_table
 from lmcompress.compressor.formats import quant
 from lmcompress.compressor.formats.int8 import quantize_activations
 from lmcompress.compressor.sparsity import nm_mask
-from lmcompress.kernels import cpu_kernels, int8_ops, ops
+from lmcompress.kernels import cpu_kernels, int8_ops, nm24_tiles, ops
 from lmcompress.kernels import reference as R
 
 NAME = "layer_speed"
@@ -75,6 +76,7 @@ def layers(seed: int = 0) -> list[dict[str, Any]]:
             "bf16": W.bfloat16(), "fp32": W, "codes": codes, "scale": scale,
             "A": W[:rank].bfloat16(), "B": W[:, :rank].contiguous().bfloat16(),
             "values": values, "indices": indices, "in": in_features,
+            "tiles24": nm24_tiles.tile(values, indices),
             "codes24": codes24, "indices24": indices24, "scale24": sparse_scale,
         })  # fmt: skip
     return built
@@ -111,6 +113,9 @@ def decode_fns() -> dict[str, Callable[[dict, torch.Tensor], Any]]:
             x.bfloat16(), layer["values"], layer["indices"], 2, 4, 2
         ),
         "2:4 bf16 unpack + linear": lambda layer, x: nm_unpacked(layer, x.bfloat16()),
+        "2:4 bf16 tiled kernel": lambda layer, x: nm24_tiles.linear(
+            x.bfloat16(), *layer["tiles24"]
+        ),
     }
 
 

@@ -139,3 +139,20 @@ def test_prepare_decode_tiles_the_layers_that_fit():
     model = torch.nn.Sequential(fits, ragged)
     prepare_decode(model)
     assert fits.tiled and not ragged.tiled
+
+
+@pytest.mark.parametrize("tokens", [3, cpu_kernels.MAX_TOKENS + 4])
+def test_a_compiled_tiled_layer_runs_the_eager_computation_bit_for_bit(tokens):
+    """The graph holds ``lmcompress::nm24_decode``: the tiled kernel at few tokens (the stored
+    layout's row kernel rounds differently), the stored path at more."""
+    W = torch.randn(48, 96)
+    layer = PackedNMLinear.from_linear(_linear(W * nm_mask(W.abs(), 2, 4)), 2, 4)  # fp32:
+    stored = PackedNMLinear.from_linear(_linear(W * nm_mask(W.abs(), 2, 4)), 2, 4)  # roundings
+    stored.bias.data = layer.bias.data.clone()  # differ (bf16 outputs would hide it)
+    layer.tile()
+    x = torch.randn(tokens, 96)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        assert torch.equal(torch.compile(layer, dynamic=False)(x), layer(x))
+        if tokens <= cpu_kernels.MAX_TOKENS:  # the test can tell the two kernels apart
+            assert not torch.equal(layer(x), stored(x))
