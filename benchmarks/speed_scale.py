@@ -86,10 +86,18 @@ def measure(args: argparse.Namespace, _names: list[str], previous: dict) -> Iter
             subprocess.run(command, check=True)
         record["models"][model] = {
             "config": json.loads((ckpt / "config.json").read_text()),
-            "bench_dir": f"{NAME}/{model}",
+            "bench_dir": _shown(target),
             "bench": json.loads((target / "speed.json").read_text()),
         }
     yield record
+
+
+def _shown(path: Path) -> str:
+    """``path`` as the md names it: under ``benchmarks/results`` from there (``results/...``)."""
+    try:
+        return "results/" + str(path.resolve().relative_to(RESULTS_DIR.resolve()))
+    except ValueError:
+        return str(path)
 
 
 GOALS_1B = (  # issue 41 on the 1B shape: (row, column, at least)
@@ -120,7 +128,7 @@ def render(record: dict[str, Any]) -> str:
         lines += [
             f"## {model}: hidden {c['hidden_size']}, MLP {c['intermediate_size']}, "
             f"{c['num_hidden_layers']} blocks, {c['num_attention_heads']}/"
-            f"{c['num_key_value_heads']} heads (`results/{entry['bench_dir']}/speed.md`; bandwidth "
+            f"{c['num_key_value_heads']} heads (`{_bench_md(entry['bench_dir'])}`; bandwidth "
             f"{bench['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s)",
             "",
             "| row | dtype | prefill tok/s | × best dense | decode tok/s | × best dense | "
@@ -138,6 +146,11 @@ def render(record: dict[str, Any]) -> str:
         if model == "1b":
             lines += _goals(bench["rows"])
     return "\n".join(lines)
+
+
+def _bench_md(bench_dir: str) -> str:
+    """The bench table's md (records before ``_shown`` held ``speed_scale/MODEL``)."""
+    return f"{bench_dir if bench_dir.startswith('results/') else 'results/' + bench_dir}/speed.md"
 
 
 def _goals(rows: list[dict]) -> list[str]:
