@@ -93,11 +93,11 @@ def measure(args: argparse.Namespace, _names: list[str], previous: dict) -> Iter
 
 
 def _shown(path: Path) -> str:
-    """``path`` as the md names it: under ``benchmarks/results`` from there (``results/...``)."""
+    """``path`` from ``benchmarks/results`` (the md joins it to ``results/``), else absolute."""
     try:
-        return "results/" + str(path.resolve().relative_to(RESULTS_DIR.resolve()))
+        return str(path.resolve().relative_to(RESULTS_DIR.resolve()))
     except ValueError:
-        return str(path)
+        return str(path.resolve())
 
 
 GOALS_1B = (  # issue 41 on the 1B shape: (row, column, at least)
@@ -125,10 +125,11 @@ def render(record: dict[str, Any]) -> str:
                 "tokens/s over the machine's read bandwidth divided by the bytes a token reads.",
                 "",
             ]
+        table_md = Path("results", entry["bench_dir"], "speed.md")  # absolute: as it is
         lines += [
             f"## {model}: hidden {c['hidden_size']}, MLP {c['intermediate_size']}, "
             f"{c['num_hidden_layers']} blocks, {c['num_attention_heads']}/"
-            f"{c['num_key_value_heads']} heads (`{_bench_md(entry['bench_dir'])}`; bandwidth "
+            f"{c['num_key_value_heads']} heads (`{table_md}`; bandwidth "
             f"{bench['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s)",
             "",
             "| row | dtype | prefill tok/s | × best dense | decode tok/s | × best dense | "
@@ -146,11 +147,6 @@ def render(record: dict[str, Any]) -> str:
         if model == "1b":
             lines += _goals(bench["rows"])
     return "\n".join(lines)
-
-
-def _bench_md(bench_dir: str) -> str:
-    """The bench table's md (records before ``_shown`` held ``speed_scale/MODEL``)."""
-    return f"{bench_dir if bench_dir.startswith('results/') else 'results/' + bench_dir}/speed.md"
 
 
 def _goals(rows: list[dict]) -> list[str]:

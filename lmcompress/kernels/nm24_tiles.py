@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from lmcompress.kernels import cpu_kernels
+from lmcompress.kernels import cpu_kernels, ops
 
 ROWS = 16  # rows a tile: one AVX-512 vector of fp32 lanes (AVX2: two)
 
@@ -64,18 +64,9 @@ def untile(
 
 
 def applies(x: torch.Tensor, in_features: int) -> bool:
-    """Whether the tiled kernel runs on ``x`` (..., in) eagerly: at most
-    ``cpu_kernels.MAX_TOKENS`` tokens of fp32 or bf16 on CPU, no gradient needed, not tracing,
-    the kernels built."""
-    return not (
-        x.dtype not in (torch.float32, torch.bfloat16)
-        or x.shape[-1] != in_features
-        or x.numel() > cpu_kernels.MAX_TOKENS * in_features
-        or not x.is_cpu
-        or (x.requires_grad and torch.is_grad_enabled())
-        or torch.compiler.is_compiling()
-        or cpu_kernels.library() is None
-    )
+    """Whether the tiled kernel runs on ``x`` (..., in) eagerly: ``x``'s width is the layer's,
+    and :func:`~lmcompress.kernels.ops.few_tokens_cpu` at ``cpu_kernels.MAX_TOKENS``."""
+    return x.shape[-1] == in_features and ops.few_tokens_cpu(x, in_features, cpu_kernels.MAX_TOKENS)
 
 
 def linear(

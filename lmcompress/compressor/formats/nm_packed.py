@@ -154,13 +154,17 @@ class PackedNMLinear(CompressedLinear):
             self.register_buffer("values", values)
             self.register_buffer("indices", indices)
 
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(values, indices)`` in the stored layout (a tiled layer's untiled: one pass)."""
+        held = self._buffers
+        if self.tiled:
+            return nm24_tiles.untile(held["tiled_values"], held["tiled_indices"])
+        return held["values"], held["indices"]
+
     def __getattr__(self, name: str) -> Any:
         """A tiled layer's ``values`` and ``indices``: the stored layout, untiled on reading."""
         if name in self._STORED and self.__dict__.get("tiled"):
-            held = self._buffers
-            return nm24_tiles.untile(held["tiled_values"], held["tiled_indices"])[
-                self._STORED.index(name)
-            ]
+            return self.stored()[self._STORED.index(name)]
         return super().__getattr__(name)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -180,7 +184,7 @@ class PackedNMLinear(CompressedLinear):
         return result
 
     def dense_weight(self) -> torch.Tensor:
-        return ops.unpack_nm(self.values, self.indices, self.n, self.m, self.in_features)
+        return ops.unpack_nm(*self.stored(), self.n, self.m, self.in_features)
 
     def expanded(self) -> nn.Module:
         """Unpacked once: a dense linear in the values' dtype (2:4: 1/0.5625 the bytes)."""
@@ -195,13 +199,15 @@ class PackedNMLinear(CompressedLinear):
                 return lean_ops.nm24_decode(
                     x, held["tiled_values"], held["tiled_indices"], self.bias
                 )
+        values, indices = self.stored()
         if ops.eager_cpu(x):  # the op's CPU computation, without the dispatch
             return ops.nm_linear_cpu(
-                x, self.values, self.indices, self.n, self.m, self.in_features, self.bias
+                x, values, indices, self.n, self.m, self.in_features, self.bias
             )
         return torch.ops.lmcompress.nm_linear(
-            x, self.values, self.indices, self.n, self.m, self.in_features, self.bias
+            x, values, indices, self.n, self.m, self.in_features, self.bias
         )
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, n={self.n}, m={self.m}, dtype={self.values.dtype}"
+        dtype = self._buffers["tiled_values" if self.tiled else "values"].dtype
+        return f"{super().extra_repr()}, n={self.n}, m={self.m}, dtype={dtype}"
