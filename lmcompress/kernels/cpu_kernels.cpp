@@ -2528,3 +2528,154 @@ extern "C" void lmc_nm24_tiled_float(const void* x_in, int x_kind, int64_t T, in
   }
   if (x != x_in) free(x);
 }
+
+// ---- the lean decode step's helpers (lmcompress/kernels/lean_step.py) ------------------------
+//
+// One token of a Llama-family decoder, between the layers' own linears, in a few calls instead
+// of transformers' ~50 small ops a layer. Each rounds to the model dtype (`kind`: fp32 or bf16)
+// where transformers' eager code does, and computes in fp32 between:
+//
+//   lmc_lean_rmsnorm  rows of D: x = x + add (rounded; in place, the residual stream) where add
+//                     is given, then y = w * (x * rsqrt(mean(x^2) + eps)), the normalised value
+//                     rounded before the product (LlamaRMSNorm). The mean in double.
+//   lmc_lean_rope     q (heads_q, hd) and k (heads_k, hd) in place: x cos + rotate_half(x) sin,
+//                     each product rounded, then their sum (apply_rotary_pos_emb): bit-identical
+//                     to transformers' for one token.
+//   lmc_lean_attend   out (H, hd) = softmax(q K^T scale) V for one query over L cached keys,
+//                     query head h reading key/value head h / (H / KVH) (GQA); K, V strided
+//                     (head, position, dim), fp32 or bf16; scores, softmax and sums in fp32.
+//   lmc_lean_silu_mul y = silu(g) u, silu rounded before the product (LlamaMLP's act_fn * up).
+
+static inline float lean_round(float v, int kind) {
+  return kind == BF16 ? bf16_to_f32(f32_to_bf16(v)) : v;
+}
+
+extern "C" void lmc_lean_rmsnorm(void* x, const void* add, int kind, int64_t rows, int64_t D,
+                                 const void* w, int w_kind, float eps, void* y) {
+  for (int64_t r = 0; r < rows; r++) {
+    double sq = 0.0;
+    for (int64_t i = 0; i < D; i++) {
+      float v = load_value(x, kind, r * D + i);
+      if (add) {
+        v = v + load_value(add, kind, r * D + i);
+        store_value(x, kind, r * D + i, v);
+        v = lean_round(v, kind);
+      }
+      sq += (double)v * v;
+    }
+    const float inv = 1.0f / sqrtf((float)(sq / (double)D) + eps);
+    for (int64_t i = 0; i < D; i++) {
+      float h = lean_round(load_value(x, kind, r * D + i) * inv, kind);
+      float p = load_value(w, w_kind, i) * h;
+      LMC_OPAQUE(p);
+      store_value(y, kind, r * D + i, p);
+    }
+  }
+}
+
+static void lean_rope_heads(void* x, int kind, int64_t heads, int64_t hd, const float* c,
+                            const float* s) {
+  const int64_t half = hd / 2;
+  float row[1024];
+  for (int64_t h = 0; h < heads; h++) {
+    for (int64_t i = 0; i < hd; i++) row[i] = load_value(x, kind, h * hd + i);
+    for (int64_t i = 0; i < hd; i++) {
+      const float rot = i < half ? -row[i + half] : row[i - half];
+      float a = lean_round(row[i] * c[i], kind), b = lean_round(rot * s[i], kind);
+      LMC_OPAQUE(a);
+      LMC_OPAQUE(b);
+      store_value(x, kind, h * hd + i, a + b);
+    }
+  }
+}
+
+extern "C" void lmc_lean_rope(void* q, int64_t heads_q, void* k, int64_t heads_k, int kind,
+                              int64_t hd, const void* cos_in, const void* sin_in) {
+  float c[1024], s[1024];  // hd <= 1024 (lean_step.applies)
+  for (int64_t i = 0; i < hd; i++) {
+    c[i] = load_value(cos_in, kind, i);
+    s[i] = load_value(sin_in, kind, i);
+  }
+  lean_rope_heads(q, kind, heads_q, hd, c, s);
+  lean_rope_heads(k, kind, heads_k, hd, c, s);
+}
+
+// One head's row of K or V (hd values of kind T) as fp32.
+template <typename T>
+static inline void lean_widen(const T* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; i++) {
+    if (sizeof(T) == 4) {
+      dst[i] = (float)src[i];
+    } else {
+      uint32_t u = (uint32_t)src[i] << 16;
+      memcpy(dst + i, &u, 4);
+    }
+  }
+}
+
+// sum_d a[d] * b[d] over 8 partial sums (vectorised by the compiler), then their sum
+static inline float lean_dot(const float* a, const float* b, int64_t n) {
+  float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; l++) part[l] += a[i + l] * b[i + l];
+  float total = 0.0f;
+  for (int l = 0; l < 8; l++) total += part[l];
+  for (; i < n; i++) total += a[i] * b[i];
+  return total;
+}
+
+template <typename T>
+static void lean_attend_head(const float* qh, const T* K, const T* V, int64_t L, int64_t hd,
+                             int64_t pos_stride, float scale, float* buf, float* acc) {
+  float *row = buf, *p = buf + hd;
+  float top = -INFINITY;
+  for (int64_t j = 0; j < L; j++) {
+    lean_widen(K + j * pos_stride, hd, row);
+    p[j] = lean_dot(qh, row, hd) * scale;
+    top = p[j] > top ? p[j] : top;
+  }
+  float total = 0.0f;
+  for (int64_t j = 0; j < L; j++) {
+    p[j] = expf(p[j] - top);
+    total += p[j];
+  }
+  for (int64_t i = 0; i < hd; i++) acc[i] = 0.0f;
+  for (int64_t j = 0; j < L; j++) {
+    lean_widen(V + j * pos_stride, hd, row);
+    for (int64_t i = 0; i < hd; i++) acc[i] += p[j] * row[i];
+  }
+  for (int64_t i = 0; i < hd; i++) acc[i] = acc[i] / total;
+}
+
+extern "C" void lmc_lean_attend(const void* q, int kind, int64_t H, int64_t KVH, int64_t hd,
+                                const void* K, const void* V, int cache_kind, int64_t L,
+                                int64_t head_stride, int64_t pos_stride, float scale, void* out,
+                                int threads) {
+  const int64_t group = H / KVH;
+#pragma omp parallel for num_threads(threads) schedule(static) if (H * L * hd > (1 << 18))
+  for (int64_t h = 0; h < H; h++) {
+    float* buf = (float*)malloc(sizeof(float) * (3 * hd + L));
+    float *qh = buf, *acc = buf + hd;
+    for (int64_t i = 0; i < hd; i++) qh[i] = load_value(q, kind, h * hd + i);
+    const int64_t base = (h / group) * head_stride;
+    if (cache_kind == F32)
+      lean_attend_head(qh, (const float*)K + base, (const float*)V + base, L, hd, pos_stride, scale,
+                       acc + hd, acc);
+    else
+      lean_attend_head(qh, (const uint16_t*)K + base, (const uint16_t*)V + base, L, hd, pos_stride,
+                       scale, acc + hd, acc);
+    for (int64_t i = 0; i < hd; i++) store_value(out, kind, h * hd + i, acc[i]);
+    free(buf);
+  }
+}
+
+extern "C" void lmc_lean_silu_mul(const void* g, const void* u, int kind, int64_t n, void* y) {
+  for (int64_t i = 0; i < n; i++) {
+    const float a = load_value(g, kind, i);
+    const float act = lean_round(a / (1.0f + expf(-a)), kind);
+    float p = act * load_value(u, kind, i);
+    LMC_OPAQUE(p);
+    store_value(y, kind, i, p);
+  }
+}
