@@ -90,6 +90,13 @@ def _add_row_arguments(parser: Parser, defaults: SpeedOptions) -> None:
         "(default: off)",
     )
     parser.add_argument(
+        "--lean",
+        action="store_true",
+        help="also time each row's decoding through lmcompress's lean step (Llama family, CPU: "
+        "the layers' own linears, norms, rotary and attention in a few kernels); a lean row is "
+        "compared with the best lean dense row (default: off)",
+    )
+    parser.add_argument(
         "--runtime",
         nargs="+",
         choices=RUNTIMES,
@@ -120,6 +127,7 @@ def bench_command(argv: Sequence[str]) -> int:
         compile=args.compile,
         runtimes=tuple(args.runtime),
         plain=args.plain,
+        lean=args.lean,
     )
     record = bench_job(
         args.checkpoint, args.exports, options, args.output, args.threads, args.overwrite

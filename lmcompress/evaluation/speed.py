@@ -14,6 +14,7 @@ decode tokens/s is also given as a fraction of ``bandwidth / bytes read per toke
 from __future__ import annotations
 
 import dataclasses
+import logging
 import statistics
 import time
 from collections.abc import Sequence
@@ -31,11 +32,14 @@ from lmcompress.compressor.formats.base import CompressedLinear
 from lmcompress.compressor.formats.catalog import format_class
 from lmcompress.compressor.io.load import RUNTIMES, load_compressed, read_manifest
 from lmcompress.compressor.model.families import family_of
+from lmcompress.compressor.model.lean_decode import LeanDecoder
 from lmcompress.compressor.model.loading import load_model
 from lmcompress.compressor.util.memory import current_rss_mib, peak_rss_mib
 from lmcompress.compressor.util.progress import bar_disabled
 from lmcompress.errors import ConfigError, LmcompressError
 from lmcompress.evaluation.host import machine
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,8 @@ class SpeedOptions:
     # each export loaded by plain transformers in each of dense_dtypes instead (a smaller dense
     # model, from structured extraction: what any engine runs)
     plain: bool = False
+    # also time every row's decoding through the lean step (compressor/model/lean_decode.py)
+    lean: bool = False
 
     def __post_init__(self) -> None:
         for name in ("decode", "prompt", "repeats"):
@@ -90,7 +96,8 @@ class Row:
     bytes_per_token: int
     load_rss_mib: float
     compiled: bool = False
-    forward: Any = field(default=None, repr=False)  # model.forward, or its compiled graph
+    lean: bool = False  # decoding through the lean step (LeanDecoder)
+    forward: Any = field(default=None, repr=False)  # model.forward, its graph, a LeanDecoder
     compile_s: float | None = None  # the first (compiling) prefill and decode
     prefill_s: list[float] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)
@@ -226,7 +233,20 @@ def load_rows(checkpoint: str, exports: Sequence[str | Path], options: SpeedOpti
             compiled = {"name": f"{name} compiled", "compiled": True, "forward": forward}
             fresh = {"prefill_s": [], "ttft_s": [], "decode_s": []}  # not the eager row's lists
             rows.append(dataclasses.replace(row, **compiled, **fresh))
+        if options.lean:
+            rows.extend(_lean_row(row))
     return rows
+
+
+def _lean_row(row: Row) -> list[Row]:
+    """The row decoding through :class:`LeanDecoder`, or none (logged) where its model has
+    no lean step."""
+    decoder = LeanDecoder(row.model)
+    if decoder.unsupported:
+        logger.warning("%s: no lean row (%s)", row.name, decoder.unsupported)
+        return []
+    fresh = {"prefill_s": [], "ttft_s": [], "decode_s": []}
+    return [dataclasses.replace(row, name=f"{row.name} lean", lean=True, forward=decoder, **fresh)]
 
 
 def _expands(export: str | Path) -> bool:
@@ -327,6 +347,7 @@ def _record(rows: list[Row], options: SpeedOptions, bandwidth: float | None) -> 
                 "decode_fraction_of_limit": decode / limit if limit else None,
                 "load_rss_mib": row.load_rss_mib,
                 "compiled": row.compiled,
+                "lean": row.lean,
                 "compile_s": row.compile_s,
                 "rounds": {
                     "prefill_s": row.prefill_s,
@@ -336,14 +357,12 @@ def _record(rows: list[Row], options: SpeedOptions, bandwidth: float | None) -> 
             }
         )
     for key in ("prefill_tokens_per_s", "decode_tokens_per_s"):
-        for compiled in (False, True):  # a compiled row against the best compiled dense one
-            dense = [r for r in out if r["name"].startswith("dense ") and r["compiled"] == compiled]
-            best = max((r[key] for r in dense), default=None)
-            for r in out:
-                if r["compiled"] == compiled:
-                    r[key.replace("tokens_per_s", "vs_best_dense")] = (
-                        r[key] / best if best else None
-                    )
+        # a compiled row against the best compiled dense one, a lean row the best lean one
+        for mode in ((False, False), (True, False), (False, True)):
+            same = [r for r in out if (r["compiled"], r["lean"]) == mode]
+            best = max((r[key] for r in same if r["name"].startswith("dense ")), default=None)
+            for r in same:
+                r[key.replace("tokens_per_s", "vs_best_dense")] = r[key] / best if best else None
     return {
         "host": machine(),
         "options": asdict(options),

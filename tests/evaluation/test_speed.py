@@ -11,6 +11,7 @@ from conftest import make_tiny_model
 
 from lmcompress import MagnitudeConfig, compress, save_compressed
 from lmcompress.cli.main import main
+from lmcompress.compressor.model.lean_decode import LeanDecoder
 from lmcompress.compressor.io.speed_report import SPEED_JSON, SPEED_MD, SPEED_PNG
 from lmcompress.errors import ConfigError
 from lmcompress.evaluation.speed import (
@@ -63,6 +64,32 @@ def test_bench_records_every_row_against_the_best_dense_one(tiny_checkpoint, exp
         assert row["decode_fraction_of_limit"] == pytest.approx(row["decode_tokens_per_s"] / limit)
     assert record["rows"][2]["weight_bytes"] < record["rows"][0]["weight_bytes"]  # packed 2:4
     assert record["rows"][1]["dtype"] == "bfloat16" and record["host"]["torch"] == torch.__version__
+
+
+def test_lean_rows_decode_through_the_lean_step_against_the_best_lean_dense_row(
+    tiny_checkpoint, export, monkeypatch
+):
+    steps = {"n": 0}
+    step = LeanDecoder.step
+
+    def counted(self, *args):
+        steps["n"] += 1
+        return step(self, *args)
+
+    monkeypatch.setattr(LeanDecoder, "step", counted)
+    options = dataclasses.replace(FAST, dense_dtypes=("float32",), lean=True)
+    record = bench(str(tiny_checkpoint), [export], options)
+    names = [row["name"] for row in record["rows"]]
+    assert names == ["dense float32", "dense float32 lean", "out24", "out24 lean"]
+    rows = {row["name"]: row for row in record["rows"]}
+    assert [rows[n]["lean"] for n in names] == [False, True, False, True]
+    for name in ("dense float32", "dense float32 lean"):  # each the best of its own kind
+        assert rows[name]["decode_vs_best_dense"] == pytest.approx(1.0)
+    lean_dense = rows["dense float32 lean"]["decode_tokens_per_s"]
+    ratio = rows["out24 lean"]["decode_tokens_per_s"] / lean_dense
+    assert rows["out24 lean"]["decode_vs_best_dense"] == pytest.approx(ratio)
+    rounds = options.warmup + options.repeats
+    assert steps["n"] == 2 * rounds * options.decode  # every decode step of both lean rows
 
 
 def test_plain_rows_load_a_smaller_dense_model_in_each_dtype(tiny_checkpoint, tmp_path):

@@ -1,0 +1,219 @@
+"""The lean decode step (``compressor/model/lean_decode.py``, ``kernels/lean_step.py``): each
+kernel against the transformers code it replaces, whole steps against transformers' eager step
+(dense and int4 layers, fp32 and bf16, GQA), and the calls it must leave to the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_tiny_model
+from transformers import DynamicCache
+from transformers.models.llama import modeling_llama
+
+from lmcompress import compress
+from lmcompress.compressor.formats.int4_shared import prepare_decode
+from lmcompress.compressor.model import lean_decode
+from lmcompress.compressor.model.lean_decode import LeanDecoder
+from lmcompress.kernels import lean_step
+from lmcompress.methods.gptq import RTNConfig
+
+pytestmark = pytest.mark.skipif(lean_step.library() is None, reason="no C++ compiler here")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_is_transformers_rotary_bit_for_bit(dtype):
+    config = make_tiny_model("llama").config
+    rotary = modeling_llama.LlamaRotaryEmbedding(config)
+    q = torch.randn(1, 4, 1, 8, generator=_gen()).to(dtype)
+    k = torch.randn(1, 2, 1, 8, generator=_gen(1)).to(dtype)
+    cos, sin = rotary(q, torch.tensor([[37]]))
+    want_q, want_k = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
+    got_q, got_k = q.clone().reshape(-1), k.clone().reshape(-1)
+    lean_step.rope_(got_q, got_k, cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous())
+    assert torch.equal(got_q, want_q.reshape(-1)) and torch.equal(got_k, want_k.reshape(-1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rmsnorm_adds_the_residual_in_place_then_normalises(dtype):
+    norm = modeling_llama.LlamaRMSNorm(24, eps=1e-5)
+    norm.weight.data = torch.rand(24, generator=_gen()) + 0.5
+    norm = norm.to(dtype)
+    x = (torch.randn(1, 1, 24, generator=_gen(1)) * 3).to(dtype)
+    add = torch.randn(1, 1, 24, generator=_gen(2)).to(dtype)
+    residual = x + add
+    y = lean_step.rmsnorm(x, norm.weight, norm.variance_epsilon, add)
+    assert torch.equal(x, residual)  # the residual stream, rounded as transformers rounds it
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # the mean's summation order
+    torch.testing.assert_close(y, norm(residual), rtol=tol, atol=tol)
+    y_plain = lean_step.rmsnorm(residual.clone(), norm.weight, norm.variance_epsilon)
+    assert torch.equal(y_plain, y)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("length", [1, 7, 40])
+@pytest.mark.parametrize("strided", [False, True])
+def test_attend_is_sdpa_for_one_query_with_gqa(dtype, length, strided):
+    heads, kv_heads, hd = 6, 2, 16
+    q = torch.randn(1, 1, heads * hd, generator=_gen()).to(dtype)
+    keys = torch.randn(1, kv_heads, length, hd, generator=_gen(1)).to(dtype)
+    values = torch.randn(1, kv_heads, length, hd, generator=_gen(2)).to(dtype)
+    if strided:  # a cache's first update keeps the (1, 1, heads, hd) projection's view
+        keys = keys.transpose(1, 2).contiguous().transpose(1, 2)
+        values = values.transpose(1, 2).contiguous().transpose(1, 2)
+    scale = hd**-0.5
+    want = F.scaled_dot_product_attention(
+        q.view(1, 1, heads, hd).transpose(1, 2).float(), keys.float(), values.float(),
+        scale=scale, enable_gqa=True,
+    )  # fmt: skip
+    got = lean_step.attend(q, keys, values, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(
+        got.float(), want.transpose(1, 2).reshape(1, 1, -1), rtol=tol, atol=tol
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_is_the_mlp_activation(dtype):
+    gate = (torch.randn(1, 1, 40, generator=_gen()) * 4).to(dtype)
+    up = torch.randn(1, 1, 40, generator=_gen(1)).to(dtype)
+    want = F.silu(gate) * up
+    got = lean_step.silu_mul(gate, up)
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def _model(kind, dtype):
+    model = make_tiny_model("llama")
+    if kind == "int4":
+        compress(model, RTNConfig(bits=4, group_size=16))
+    model = model.to(dtype).eval()
+    if kind == "int4":
+        prepare_decode(model)
+    return model
+
+
+def _steps(forward, model, prompt, tokens):
+    """Logits of each of ``tokens`` fed one at a time after ``prompt`` (teacher forcing)."""
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(input_ids=prompt, cache=cache, use_cache=True)
+        out = [forward(input_ids=t.view(1, 1), cache=cache, use_cache=True).logits for t in tokens]
+    return torch.cat(out, 1), cache
+
+
+@pytest.mark.parametrize("kind", ["dense", "int4"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lean_steps_compute_what_transformers_steps_do(monkeypatch, kind, dtype):
+    model = _model(kind, dtype)
+    lean = LeanDecoder(model)
+    assert lean.unsupported is None
+    prompt = torch.randint(3, 250, (1, 5), generator=_gen())
+    tokens = torch.randint(3, 250, (9,), generator=_gen(1))
+    calls = {"n": 0}
+    step = LeanDecoder.step
+
+    def counted(self, *args):
+        calls["n"] += 1
+        return step(self, *args)
+
+    monkeypatch.setattr(LeanDecoder, "step", counted)
+    want, want_cache = _steps(model, model, prompt, tokens)
+    got, got_cache = _steps(lean, model, prompt, tokens)
+    assert calls["n"] == len(tokens)
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert got_cache.get_seq_length() == want_cache.get_seq_length() == 5 + len(tokens)
+    for layer_got, layer_want in zip(got_cache.layers, want_cache.layers, strict=True):
+        torch.testing.assert_close(layer_got.keys, layer_want.keys, rtol=tol, atol=tol)
+        torch.testing.assert_close(layer_got.values, layer_want.values, rtol=tol, atol=tol)
+
+
+def test_lean_steps_and_transformers_steps_share_one_cache():
+    model = _model("int4", torch.float32)
+    lean = LeanDecoder(model)
+    prompt = torch.randint(3, 250, (1, 4), generator=_gen())
+    tokens = torch.randint(3, 250, (6,), generator=_gen(1))
+    want, _ = _steps(model, model, prompt, tokens)
+    turns = iter([lean, model, model, lean, lean, model])
+    got, _ = _steps(lambda **kw: next(turns)(**kw), model, prompt, tokens)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_decoding_picks_the_same_tokens():
+    model = _model("dense", torch.float32)
+    lean = LeanDecoder(model)
+    picked = {}
+    for name, forward in (("hf", model), ("lean", lean)):
+        cache, token, out = DynamicCache(), torch.tensor([[5, 9, 11]]), []
+        with torch.inference_mode():
+            for _ in range(12):
+                logits = forward(input_ids=token, cache=cache, use_cache=True).logits
+                token = logits[:, -1:].argmax(-1)
+                out.append(token.item())
+        picked[name] = out
+    assert picked["lean"] == picked["hf"]
+
+
+def _refuse(*_args):
+    pytest.fail("lean step taken")
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        {"input_ids": torch.tensor([[3, 4]])},  # two tokens
+        {"input_ids": torch.tensor([[3], [4]])},  # a batch
+        {"input_ids": torch.tensor([[3]]), "attention_mask": torch.tensor([[0, 1, 1, 1]])},
+        {"input_ids": torch.tensor([[3]]), "output_hidden_states": True},
+        {"input_ids": torch.tensor([[3]]), "position_ids": torch.tensor([[7]])},
+        {"input_ids": torch.tensor([[3]]), "use_cache": False},
+    ],
+)
+def test_other_calls_run_the_models_own_forward(monkeypatch, call):
+    model = _model("dense", torch.float32)
+    lean = LeanDecoder(model)
+    monkeypatch.setattr(LeanDecoder, "step", _refuse)
+    cache = DynamicCache()
+    batch = call["input_ids"].shape[0]
+    with torch.inference_mode():
+        model(input_ids=torch.full((batch, 3), 7), cache=cache, use_cache=True)
+        lean(cache=cache, **call)
+
+
+def test_a_step_with_gradients_on_runs_the_models_forward(monkeypatch):
+    model = _model("dense", torch.float32)
+    monkeypatch.setattr(LeanDecoder, "step", _refuse)
+    cache = DynamicCache()
+    model(input_ids=torch.tensor([[3, 4]]), cache=cache, use_cache=True)
+    LeanDecoder(model)(input_ids=torch.tensor([[5]]), cache=cache, use_cache=True)
+
+
+def test_an_all_ones_mask_keeps_the_lean_step():
+    model = _model("dense", torch.float32)
+    lean = LeanDecoder(model)
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([[3, 4]]), cache=cache, use_cache=True)
+        kwargs = {"input_ids": torch.tensor([[5]]), "cache": cache}
+        assert lean.applies({**kwargs, "attention_mask": torch.ones(1, 3, dtype=torch.long)})
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", "gpt2"])
+def test_other_families_are_left_to_transformers(model_type):
+    model = make_tiny_model(model_type)
+    assert "model type" in LeanDecoder(model).unsupported
+
+
+def test_another_activation_is_refused():
+    model = make_tiny_model("llama")
+    model.config.hidden_act = "gelu"
+    assert "activation" in lean_decode.supports(model)
