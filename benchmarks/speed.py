@@ -111,8 +111,7 @@ def measure(args: argparse.Namespace, _names: list[str], _previous: dict) -> Any
     command = [*CLI, "bench", args.checkpoint, *(str(out) for _, out in exports)]
     command += ["--prefill", args.prefill, "--decode", str(args.decode)]
     command += ["--repeats", str(args.repeats), "--runtime", *RUNTIMES, "--json", "-q"]
-    if args.compile:
-        command.append("--compile")
+    command += ["--compile"] * args.compile + ["--lean"] * args.lean
     run = run_job(Job("bench", command, STDOUT), args.work)
     record = run.result
     names = {str(out): name for name, out in exports}
@@ -138,7 +137,7 @@ def missed_goals(record: dict[str, Any]) -> dict[str, set[str]]:
     """The rows (packed runtime, eager) below a goal of :data:`GOALS` or slower at decode than
     the row of :data:`PAIRS` they must beat, in their order: row -> the measures missed
     (``prefill``, ``decode``)."""
-    rows = {row["name"]: row for row in record["rows"] if not row.get("compiled")}
+    rows = {r["name"]: r for r in record["rows"] if not (r.get("compiled") or r.get("lean"))}
     missed: dict[str, set[str]] = {}
     for name, what, target in GOALS:
         value = rows.get(name, {}).get(f"{what}_vs_best_dense")
@@ -248,21 +247,23 @@ REMEDIES_AVX2: dict[str, str | dict[str, str]] = {
 
 
 def export_name(row: str, names: dict[str, str]) -> str:
-    """A bench row's name (``DIR``, ``DIR (runtime)``, ``... compiled``) with the export's job
-    name for its directory (``names``: directory -> job name)."""
-    row, compiled, _ = row.partition(" compiled")
-    directory, paren, runtime = row.partition(" (")
+    """A bench row's name (``DIR``, ``DIR (runtime)``, ``... compiled``, ``... lean``) with the
+    export's job name for its directory (``names``: directory -> job name)."""
+    mode = next((m for m in (" compiled", " lean") if row.endswith(m)), "")
+    directory, paren, runtime = row.removesuffix(mode).partition(" (")
     name = next((n for p, n in names.items() if p.endswith("/" + directory)), directory)
-    return name + paren + runtime + compiled
+    return name + paren + runtime + mode
 
 
 def goals(record: dict[str, Any], suffix: str = "") -> str:
     """The goals table of the rows named ``NAME + suffix`` (``" compiled"``: compiled rows,
-    each against the best compiled dense row)."""
+    each against the best compiled dense row; ``" lean"``: the lean step's rows)."""
     rows = {
         row["name"].removesuffix(suffix): row
         for row in record["rows"]
-        if row["name"].endswith(suffix) and row.get("compiled", False) == bool(suffix)
+        if row["name"].endswith(suffix)
+        and (row.get("compiled", False), row.get("lean", False))
+        == (suffix == " compiled", suffix == " lean")
     }
     lines = ["| goal | measured | met |", "|---|---|---|"]
     for name, what, target in GOALS:
@@ -297,6 +298,13 @@ def render(record: dict[str, Any]) -> str:
             "\nCompiled (`torch.compile`, static KV cache), each against the best compiled "
             "dense row:\n\n" + goals(record, " compiled")
             if any(row.get("compiled") for row in record["rows"])
+            else ""
+        )
+        + (
+            "\nThrough the lean decode step (`--lean`: the layers' own linears, the rest of the "
+            "step in a few kernels), each against the best lean dense row:\n\n"
+            + goals(record, " lean")
+            if any(row.get("lean") for row in record["rows"])
             else ""
         )
         + (
@@ -362,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--compile", action="store_true", help="also time every row under torch.compile"
+    )
+    parser.add_argument(
+        "--lean", action="store_true", help="also time every row through the lean decode step"
     )
     parser.add_argument(
         "--exports", nargs="+", choices=[name for name, _ in EXPORTS], metavar="NAME",
