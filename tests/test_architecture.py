@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("lmcompress.compressor.sparsity",),
     ("lmcompress.compressor.model.*",),
     ("lmcompress.compressor.formats.*",),
+    ("lmcompress.compressor.lean_decode",),  # a decode step over any format's layers
     ("lmcompress.compressor.io.*",),  # the output directory, save, load, model card
     ("lmcompress.compressor.calibration.*",),
     ("lmcompress.compressor.method",),

@@ -31,8 +31,8 @@ from transformers import DynamicCache, StaticCache
 from lmcompress.compressor.formats.base import CompressedLinear
 from lmcompress.compressor.formats.catalog import format_class
 from lmcompress.compressor.io.load import RUNTIMES, load_compressed, read_manifest
+from lmcompress.compressor.lean_decode import LeanDecoder
 from lmcompress.compressor.model.families import family_of
-from lmcompress.compressor.model.lean_decode import LeanDecoder
 from lmcompress.compressor.model.loading import load_model
 from lmcompress.compressor.util.memory import current_rss_mib, peak_rss_mib
 from lmcompress.compressor.util.progress import bar_disabled
@@ -60,7 +60,7 @@ class SpeedOptions:
     # each export loaded by plain transformers in each of dense_dtypes instead (a smaller dense
     # model, from structured extraction: what any engine runs)
     plain: bool = False
-    # also time every row's decoding through the lean step (compressor/model/lean_decode.py)
+    # also time every row's decoding through the lean step (compressor/lean_decode.py)
     lean: bool = False
 
     def __post_init__(self) -> None:

@@ -2679,3 +2679,48 @@ extern "C" void lmc_lean_silu_mul(const void* g, const void* u, int kind, int64_
     store_value(y, kind, i, p);
   }
 }
+
+// The lean step's decoder block of tiled int4 layers in two calls (lmcompress/compressor/formats/
+// int4_lean.py): the same kernels, in the same order, on the same tensors as the lean step's
+// separate calls (bit for bit). `desc`: int64 words,
+//   [0] input norm weight, [1] post-attention norm weight, [2] their kind, [3] D (hidden),
+//   [4] H, [5] KVH, [6] hd, [7] I (MLP width), then 4 linears (q|k|v, o, gate|up, down) of 9
+//   words each: tiles, scales16, zeros16, bias (0: none), bias kind, in, out, groups, G.
+//   lmc_lean_int4_pre   x += add (where given), h = norm(x), qkv = [q|k|v](h), rope on q and k.
+//   lmc_lean_int4_post  a = attend(q, K, V), x += o(a), h = norm(x), down = down(silu(g) u) for
+//                       [g|u] = gate_up(h): `down` the block's last residual update.
+
+static void lean_int4_linear(const int64_t* l, const void* x, int kind, void* y, int threads) {
+  lmc_int4_linear_tiled(x, kind, 1, l[5], (const uint32_t*)l[0], (const float*)l[1],
+                        (const uint8_t*)l[2], l[7], l[8], l[6], (const void*)l[3], (int)l[4], y,
+                        kind, 1, threads);
+}
+
+extern "C" void lmc_lean_int4_pre(const int64_t* desc, void* x, const void* add, int kind,
+                                  float eps, const void* cos_in, const void* sin_in, void* qkv,
+                                  int threads) {
+  const int64_t D = desc[3], hd = desc[6], elem = kind == F32 ? 4 : 2;
+  void* h = malloc(D * elem);
+  lmc_lean_rmsnorm(x, add, kind, 1, D, (const void*)desc[0], (int)desc[2], eps, h);
+  lean_int4_linear(desc + 8, h, kind, qkv, threads);
+  lmc_lean_rope(qkv, desc[4], (char*)qkv + desc[4] * hd * elem, desc[5], kind, hd, cos_in, sin_in);
+  free(h);
+}
+
+extern "C" void lmc_lean_int4_post(const int64_t* desc, void* x, const void* qkv, const void* K,
+                                   const void* V, int cache_kind, int64_t L, int64_t head_stride,
+                                   int64_t pos_stride, float scale, int kind, float eps,
+                                   void* down, int threads) {
+  const int64_t D = desc[3], H = desc[4], hd = desc[6], I = desc[7], elem = kind == F32 ? 4 : 2;
+  char* buf = (char*)malloc((H * hd + 2 * D + 3 * I) * elem);
+  char *a = buf, *o = a + H * hd * elem, *h = o + D * elem, *gu = h + D * elem;
+  char* act = gu + 2 * I * elem;
+  lmc_lean_attend(qkv, kind, H, desc[5], hd, K, V, cache_kind, L, head_stride, pos_stride, scale,
+                  a, threads);
+  lean_int4_linear(desc + 17, a, kind, o, threads);
+  lmc_lean_rmsnorm(x, o, kind, 1, D, (const void*)desc[1], (int)desc[2], eps, h);
+  lean_int4_linear(desc + 26, h, kind, gu, threads);
+  lmc_lean_silu_mul(gu, gu + I * elem, kind, I, act);
+  lean_int4_linear(desc + 35, act, kind, down, threads);
+  free(buf);
+}

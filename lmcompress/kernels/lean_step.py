@@ -11,7 +11,7 @@ the same work for one token, rounding to the model dtype where transformers' eag
   ``scaled_dot_product_attention`` accumulates; sums in another order);
 - :func:`silu_mul`: ``act_fn(gate) * up``.
 
-:mod:`lmcompress.compressor.model.lean_decode` strings them into a step. The functions trust
+:mod:`lmcompress.compressor.lean_decode` strings them into a step. The functions trust
 their arguments (contiguous CPU tensors of one float dtype, fp32 or bf16, one token) and
 return new tensors or write in place where named with ``_``.
 """

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from lmcompress.compressor.formats import int4_lean
 from lmcompress.kernels import lean_step
 
 FAMILIES = ("llama",)  # model types whose decoder block is exactly the step above
@@ -73,6 +74,7 @@ class LeanDecoder:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.unsupported = supports(model)
+        self.blocks: dict[int, tuple] = {}  # block index -> (layer, its int4 plan or None)
 
     def __call__(self, **kwargs: Any) -> Any:
         if not self.applies(kwargs):
@@ -109,19 +111,48 @@ class LeanDecoder:
         cos, sin = body.rotary_emb(x, position)
         cos, sin = cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous()
         residual = None  # the last update of the residual stream, added by the next norm
-        for layer in body.layers[: self.model.config.num_hidden_layers]:
+        for index, layer in enumerate(body.layers[: self.model.config.num_hidden_layers]):
+            block = self._int4_block(index, layer)
+            if block is not None:
+                residual = self._fused_block(layer, block, x, residual, cos, sin, cache)
+                continue
             attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
             h = lean_step.rmsnorm(x, norm.weight, norm.variance_epsilon, residual)
             q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
             lean_step.rope_(q, k, cos, sin)
-            hd = attn.head_dim
-            keys, values = cache.update(
-                k.view(1, 1, -1, hd).transpose(1, 2), v.view(1, 1, -1, hd).transpose(1, 2),
-                attn.layer_idx,
-            )  # fmt: skip
+            keys, values = _update(cache, attn, k, v)
             x_att = attn.o_proj(lean_step.attend(q, keys, values, attn.scaling))
             norm = layer.post_attention_layernorm
             h = lean_step.rmsnorm(x, norm.weight, norm.variance_epsilon, x_att)
             residual = mlp.down_proj(lean_step.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
         h = lean_step.rmsnorm(x, body.norm.weight, body.norm.variance_epsilon, residual)
         return self.model.lm_head(h)
+
+    def _int4_block(self, index: int, layer: nn.Module) -> int4_lean.Int4Block | None:
+        """Block ``index``'s two-call int4 plan (:mod:`int4_lean`), made once for each layer
+        object and again where the layers no longer hold what it points to; ``None`` where the
+        block has none."""
+        held, block = self.blocks.get(index, (None, None))
+        if held is not layer or (block is not None and not block.valid()):
+            block = int4_lean.plan(layer)
+            self.blocks[index] = (layer, block)
+        return block
+
+    @staticmethod
+    def _fused_block(layer, block, x, residual, cos, sin, cache) -> torch.Tensor:
+        attn, post = layer.self_attn, layer.post_attention_layernorm
+        qkv = block.pre(x, residual, layer.input_layernorm.variance_epsilon, cos, sin)
+        q_width, kv_width = block.heads * block.head_dim, block.kv_heads * block.head_dim
+        k = qkv.narrow(-1, q_width, kv_width)
+        v = qkv.narrow(-1, q_width + kv_width, kv_width)
+        keys, values = _update(cache, attn, k, v)
+        return block.post(x, qkv, keys, values, attn.scaling, post.variance_epsilon)
+
+
+def _update(cache: Any, attn: nn.Module, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """``cache.update`` with one token's k and v (1, 1, KVH * hd): all keys and values."""
+    hd = attn.head_dim
+    return cache.update(
+        k.view(1, 1, -1, hd).transpose(1, 2), v.view(1, 1, -1, hd).transpose(1, 2),
+        attn.layer_idx,
+    )  # fmt: skip

@@ -1,4 +1,4 @@
-"""The lean decode step (``compressor/model/lean_decode.py``, ``kernels/lean_step.py``): each
+"""The lean decode step (``compressor/lean_decode.py``, ``kernels/lean_step.py``): each
 kernel against the transformers code it replaces, whole steps against transformers' eager step
 (dense and int4 layers, fp32 and bf16, GQA), and the calls it must leave to the model."""
 
@@ -13,8 +13,8 @@ from transformers.models.llama import modeling_llama
 
 from lmcompress import compress
 from lmcompress.compressor.formats.int4_shared import prepare_decode
-from lmcompress.compressor.model import lean_decode
-from lmcompress.compressor.model.lean_decode import LeanDecoder
+from lmcompress.compressor import lean_decode
+from lmcompress.compressor.lean_decode import LeanDecoder
 from lmcompress.kernels import lean_step
 from lmcompress.methods.gptq import RTNConfig
 

@@ -1,0 +1,138 @@
+"""A decoder block of tiled int4 layers in the lean decode step's two calls
+(``lmc_lean_int4_pre`` / ``lmc_lean_int4_post``, :file:`cpu_kernels.cpp`).
+
+Through :mod:`lmcompress.compressor.lean_decode` a block makes seven linear calls and four
+kernel calls; at SmolLM2's size on a 2-core CPU each int4 layer's Python path (module call, the
+shared-input bookkeeping, the checks, ctypes) costs ~15 µs beside its ~15 µs of arithmetic.
+Where q, k and v are one :class:`~lmcompress.compressor.formats.int4_shared.SharedInput`
+group, gate and up another, and o and down tiled :class:`Int4Linear` layers, :class:`Int4Block`
+hands the whole block to two compiled calls around the cache update: the same kernels, on the
+same tensors, in the same order as the separate calls, so the outputs are theirs bit for bit.
+Its descriptor holds the tensors' addresses: :meth:`Int4Block.valid` checks before each step
+that the layers still hold those tensors (not moved, cast or replaced since).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+from torch import nn
+
+from lmcompress.compressor.formats.int4 import Int4Linear
+from lmcompress.kernels import cpu_kernels, lean_step
+
+_KEYS = ("qweight", "scales16", "zeros16", "bias")
+_V, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+SIGNATURES = {
+    "lmc_lean_int4_pre": [_V, _V, _V, _INT, _F32, _V, _V, _V, _INT],
+    "lmc_lean_int4_post": [_V, _V, _V, _V, _V, _INT, _I64, _I64, _I64, _F32, _INT, _F32, _V]
+    + [_INT],
+}
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    lib = lean_step.library()
+    if lib is None:
+        return None
+    for name, args in SIGNATURES.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = None
+    return lib
+
+
+def _group(members: list[nn.Module]) -> object | None:
+    """The shared-input group that is exactly ``members``, in order, still holding its views."""
+    shared = members[0].__dict__.get("shared_input")
+    if shared is None or any(type(m) is not Int4Linear or not m.tiled for m in members):
+        return None
+    group = shared[0]
+    if list(group.layers) != members:
+        return None
+    return group if all(group.holds(m, i) for i, m in enumerate(members)) else None
+
+
+class Int4Block:
+    """One decoder block's descriptor for the two calls (module doc)."""
+
+    def __init__(self, layer: nn.Module, qkv: object, gate_up: object) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        self.layer, self.groups, self.norms = layer, (qkv, gate_up), norms
+        self.singles = [
+            (m, {k: m._buffers[k] for k in _KEYS}) for m in (attn.o_proj, mlp.down_proj)
+        ]
+        self.heads = attn.q_proj.out_features // attn.head_dim
+        self.kv_heads = attn.k_proj.out_features // attn.head_dim
+        self.head_dim = attn.head_dim
+        self.qkv_out = qkv.out_features
+        words = [norms[0].data_ptr(), norms[1].data_ptr(), lean_step.KINDS[norms[0].dtype]]
+        words += [attn.q_proj.in_features, self.heads, self.kv_heads, self.head_dim]
+        words += [mlp.down_proj.in_features]
+        for held, shape in (
+            (qkv.buffers, (qkv.in_features, qkv.out_features)),
+            (self.singles[0][1], (attn.o_proj.in_features, attn.o_proj.out_features)),
+            (gate_up.buffers, (gate_up.in_features, gate_up.out_features)),
+            (self.singles[1][1], (mlp.down_proj.in_features, mlp.down_proj.out_features)),
+        ):
+            bias, groups = held["bias"], held["scales16"].shape[1]
+            words += [held[k].data_ptr() for k in _KEYS[:3]]
+            words += (
+                [0, 0] if bias is None else [bias.data_ptr(), cpu_kernels.FLOAT_KINDS[bias.dtype]]
+            )
+            words += [shape[0], shape[1], groups, shape[0] // groups]
+        self.desc = torch.tensor(words, dtype=torch.int64)
+
+    def valid(self) -> bool:
+        """Whether the block's layers still hold the tensors the descriptor points to."""
+        layer = self.layer
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        return (
+            all(a is b for a, b in zip(norms, self.norms, strict=True))
+            and all(all(g.holds(m, i) for i, m in enumerate(g.layers)) for g in self.groups)
+            and all(all(m._buffers[k] is t for k, t in held.items()) for m, held in self.singles)
+        )
+
+    def pre(self, x, add, eps, cos, sin) -> torch.Tensor:
+        """``x += add``; the roped q | k | v of ``norm(x)``, (1, 1, qkv width)."""
+        qkv = x.new_empty((1, 1, self.qkv_out))
+        library().lmc_lean_int4_pre(
+            self.desc.data_ptr(), x.data_ptr(), None if add is None else add.data_ptr(),
+            lean_step.KINDS[x.dtype], eps, cos.data_ptr(), sin.data_ptr(), qkv.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return qkv
+
+    def post(self, x, qkv, keys, values, scale, eps) -> torch.Tensor:
+        """``x += o(attend(q))``; the MLP's output on ``norm(x)`` (the next residual update)."""
+        if keys.stride() != values.stride():
+            keys, values = keys.contiguous(), values.contiguous()
+        down = torch.empty_like(x)
+        library().lmc_lean_int4_post(
+            self.desc.data_ptr(), x.data_ptr(), qkv.data_ptr(), keys.data_ptr(),
+            values.data_ptr(), lean_step.KINDS[keys.dtype], keys.shape[2], keys.stride(1),
+            keys.stride(2), scale, lean_step.KINDS[x.dtype], eps, down.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return down
+
+
+def plan(layer: nn.Module) -> Int4Block | None:
+    """An :class:`Int4Block` for ``layer`` (a Llama decoder block), or ``None`` where its
+    linears are not laid out for it (module doc) or the kernels are not built."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = _group([attn.q_proj, attn.k_proj, attn.v_proj])
+    gate_up = _group([mlp.gate_proj, mlp.up_proj])
+    singles = (attn.o_proj, mlp.down_proj)
+    if qkv is None or gate_up is None or library() is None:
+        return None
+    if any(
+        type(m) is not Int4Linear or not m.tiled or "shared_input" in m.__dict__ for m in singles
+    ):
+        return None
+    weights = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    if any(not w.is_contiguous() or not w.is_cpu for w in weights):
+        return None
+    return Int4Block(layer, qkv, gate_up)
