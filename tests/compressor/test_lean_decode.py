@@ -12,8 +12,9 @@ from transformers import DynamicCache
 from transformers.models.llama import modeling_llama
 
 from lmcompress import compress
-from lmcompress.compressor.formats.int4_shared import prepare_decode
 from lmcompress.compressor import lean_decode
+from lmcompress.compressor.formats import int4_lean
+from lmcompress.compressor.formats.int4_shared import prepare_decode
 from lmcompress.compressor.lean_decode import LeanDecoder
 from lmcompress.kernels import lean_step
 from lmcompress.methods.gptq import RTNConfig
@@ -217,3 +218,57 @@ def test_another_activation_is_refused():
     model = make_tiny_model("llama")
     model.config.hidden_act = "gelu"
     assert "activation" in lean_decode.supports(model)
+
+
+def _unfused(decoder):
+    decoder._int4_block = lambda *_args: None
+    return decoder
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int4_blocks_in_two_calls_compute_the_separate_calls_bit_for_bit(monkeypatch, dtype):
+    model = _model("int4", dtype)
+    calls = {"pre": 0, "post": 0}
+    for name in calls:
+        original = getattr(int4_lean.Int4Block, name)
+
+        def counted(self, *args, _name=name, _original=original):
+            calls[_name] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(int4_lean.Int4Block, name, counted)
+    prompt = torch.randint(3, 250, (1, 5), generator=_gen())
+    tokens = torch.randint(3, 250, (7,), generator=_gen(1))
+    fused, fused_cache = _steps(LeanDecoder(model), model, prompt, tokens)
+    assert calls == {"pre": 2 * len(tokens), "post": 2 * len(tokens)}  # 2 blocks a step
+    separate, separate_cache = _steps(_unfused(LeanDecoder(model)), model, prompt, tokens)
+    assert torch.equal(fused, separate)
+    for a, b in zip(fused_cache.layers, separate_cache.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_an_int4_plan_follows_the_layers_it_points_to():
+    model = _model("int4", torch.float32)
+    lean = LeanDecoder(model)
+    prompt, tokens = torch.tensor([[5, 9, 11]]), torch.tensor([4, 8, 15])
+    _steps(lean, model, prompt, tokens)
+    first = lean.blocks[0][1]
+    assert first is not None and first.valid()
+    o_proj = model.model.layers[0].self_attn.o_proj
+    o_proj.qweight = o_proj.qweight ^ 0x11  # other codes in a new tensor
+    assert not first.valid()
+    got, _ = _steps(lean, model, prompt, tokens)
+    assert lean.blocks[0][1] is not first  # planned again, on the new codes
+    want, _ = _steps(_unfused(LeanDecoder(model)), model, prompt, tokens)
+    assert torch.equal(got, want)
+
+
+def test_blocks_without_shared_int4_siblings_have_no_plan():
+    dense = _model("dense", torch.float32)
+    assert all(int4_lean.plan(layer) is None for layer in dense.model.layers)
+    model = _model("int4", torch.float32)
+    layer = model.model.layers[0]
+    k_proj = layer.self_attn.k_proj
+    k_proj.qweight = k_proj.qweight.clone()  # its own tensor: no longer the group's view
+    assert int4_lean.plan(layer) is None
+    assert int4_lean.plan(model.model.layers[1]) is not None
