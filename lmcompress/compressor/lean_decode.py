@@ -73,12 +73,13 @@ class LeanDecoder:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self.forward = model.forward  # the fallback: ``model.forward = LeanDecoder(model)`` works
         self.unsupported = supports(model)
         self.blocks: dict[int, tuple] = {}  # block index -> (layer, its int4 plan or None)
 
     def __call__(self, **kwargs: Any) -> Any:
         if not self.applies(kwargs):
-            return self.model(**kwargs)
+            return self.forward(**kwargs)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         logits = self.step(kwargs["input_ids"], cache)
         return CausalLMOutputWithPast(logits=logits, cache=cache)
