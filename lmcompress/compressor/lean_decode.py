@@ -21,6 +21,8 @@ float tolerance, the same greedy tokens).
 
 Anything else — more than one token, a batch, an attention mask with padding, gradients, another
 family or device, a static cache, outputs other than logits — runs the model's own forward.
+``model.forward = LeanDecoder(model)`` puts it under ``model.generate``: greedy or sampled
+decoding at batch 1 then takes the lean step after the prompt.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ FAMILIES = ("llama",)  # model types whose decoder block is exactly the step abo
 _BLOCK = ("LlamaDecoderLayer", "LlamaAttention", "LlamaMLP", "LlamaRMSNorm")
 # forward keywords the lean step honours by what it does (anything else: the model's forward)
 _KNOWN = {"input_ids", "cache", "past_key_values", "use_cache", "cache_position", "position_ids"}
+_KNOWN |= {"attention_mask", "return_dict"}
 
 
 def supports(model: nn.Module) -> str | None:
@@ -86,7 +89,7 @@ class LeanDecoder:
 
     def applies(self, kwargs: dict[str, Any]) -> bool:
         """Whether a call with ``kwargs`` runs the lean step."""
-        if self.unsupported or not set(kwargs) <= _KNOWN | {"attention_mask"}:
+        if self.unsupported or not set(kwargs) <= _KNOWN:
             return False
         ids, cache = kwargs.get("input_ids"), kwargs.get("cache", kwargs.get("past_key_values"))
         mask = kwargs.get("attention_mask")
@@ -96,6 +99,7 @@ class LeanDecoder:
             and ids.device.type == "cpu"
             and type(cache).__name__ == "DynamicCache"
             and kwargs.get("use_cache", True) is not False
+            and kwargs.get("return_dict", True) is not False
             and kwargs.get("position_ids") is None
             and (mask is None or bool(mask.all()))
             and not torch.is_grad_enabled()

@@ -272,3 +272,32 @@ def test_blocks_without_shared_int4_siblings_have_no_plan():
     k_proj.qweight = k_proj.qweight.clone()  # its own tensor: no longer the group's view
     assert int4_lean.plan(layer) is None
     assert int4_lean.plan(model.model.layers[1]) is not None
+
+
+@pytest.mark.parametrize("kind", ["dense", "int4"])
+def test_generate_takes_the_lean_step_when_it_is_the_models_forward(monkeypatch, kind):
+    model = _model(kind, torch.float32)
+    ids = torch.tensor([[5, 9, 11, 3]])
+    want = model.generate(ids, max_new_tokens=8, do_sample=False)
+    steps = {"n": 0}
+    step = LeanDecoder.step
+
+    def counted(self, *args):
+        steps["n"] += 1
+        return step(self, *args)
+
+    monkeypatch.setattr(LeanDecoder, "step", counted)
+    model.forward = LeanDecoder(model)
+    got = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, want)
+    assert steps["n"] == 7  # every step after the prompt's (the last token is not fed back)
+
+
+def test_return_dict_false_runs_the_models_forward(monkeypatch):
+    model = _model("dense", torch.float32)
+    monkeypatch.setattr(LeanDecoder, "step", _refuse)
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([[3, 4]]), cache=cache, use_cache=True)
+        out = LeanDecoder(model)(input_ids=torch.tensor([[5]]), cache=cache, return_dict=False)
+    assert isinstance(out, tuple)

@@ -11,8 +11,8 @@ from conftest import make_tiny_model
 
 from lmcompress import MagnitudeConfig, compress, save_compressed
 from lmcompress.cli.main import main
-from lmcompress.compressor.lean_decode import LeanDecoder
 from lmcompress.compressor.io.speed_report import SPEED_JSON, SPEED_MD, SPEED_PNG
+from lmcompress.compressor.lean_decode import LeanDecoder
 from lmcompress.errors import ConfigError
 from lmcompress.evaluation.speed import (
     SpeedOptions,
