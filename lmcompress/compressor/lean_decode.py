@@ -1,5 +1,5 @@
-"""A lean decode step for Llama-family models on CPU: one token, the layers' own linears, the rest
-in a few compiled calls (:mod:`lmcompress.kernels.lean_step`).
+"""A lean decode step for Llama-family models (Llama, Mistral, Qwen2) on CPU: one token, the
+layers' own linears, the rest in a few compiled calls (:mod:`lmcompress.kernels.lean_step`).
 
 At batch-1 decoding on a small CPU, transformers' step is mostly not its linears: on a 2-core
 AMD EPYC, SmolLM2-135M with int4 weights spent ~27 of a ~37 ms step outside its kernels (the
@@ -17,7 +17,9 @@ the comparison between formats stays fair), and everything else through four ker
 to the model dtype where transformers does. The KV cache is the caller's ``DynamicCache``,
 updated as transformers updates it, so a step may follow or precede transformers' own forward.
 Outputs match transformers' eager step to the attention's summation order (tests: logits within
-float tolerance, the same greedy tokens).
+float tolerance, the same greedy tokens). Llama, Mistral and Qwen2 share that block (Qwen2's
+q, k and v biases are in its linears; a sliding window is full attention while the cache is
+shorter than the window: beyond it the model's forward runs).
 
 Anything else — more than one token, a batch, an attention mask with padding, gradients, another
 family or device, a static cache, outputs other than logits — runs the model's own forward.
@@ -36,8 +38,11 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from lmcompress.compressor.formats import int4_lean
 from lmcompress.kernels import lean_step
 
-FAMILIES = ("llama",)  # model types whose decoder block is exactly the step above
-_BLOCK = ("LlamaDecoderLayer", "LlamaAttention", "LlamaMLP", "LlamaRMSNorm")
+# model types whose decoder block is exactly the step above: their block's classes
+FAMILIES = {
+    name: tuple(f"{prefix}{part}" for part in ("DecoderLayer", "Attention", "MLP", "RMSNorm"))
+    for name, prefix in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"))
+}
 # forward keywords the lean step honours by what it does (anything else: the model's forward)
 _KNOWN = {"input_ids", "cache", "past_key_values", "use_cache", "cache_position", "position_ids"}
 _KNOWN |= {"attention_mask", "return_dict"}
@@ -46,8 +51,9 @@ _KNOWN |= {"attention_mask", "return_dict"}
 def supports(model: nn.Module) -> str | None:
     """``None`` where :class:`LeanDecoder` can run ``model``'s one-token steps, else why not."""
     config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) not in FAMILIES:
-        return f"model type {getattr(config, 'model_type', None)!r} (lean step: {FAMILIES})"
+    block = FAMILIES.get(getattr(config, "model_type", None))
+    if block is None:
+        return f"model type {getattr(config, 'model_type', None)!r} (lean step: {list(FAMILIES)})"
     if getattr(config, "hidden_act", None) != "silu":
         return f"activation {config.hidden_act!r} (lean step: silu)"
     body = getattr(model, "model", None)
@@ -62,8 +68,8 @@ def supports(model: nn.Module) -> str | None:
             type(layer.mlp).__name__,
             type(layer.input_layernorm).__name__,
         )
-        if names != _BLOCK:
-            return f"block {names} (lean step: {_BLOCK})"
+        if names != block:
+            return f"block {names} (lean step: {block})"
         if layer.self_attn.head_dim > lean_step.MAX_HEAD_DIM:
             return f"head_dim {layer.self_attn.head_dim} > {lean_step.MAX_HEAD_DIM}"
     return None
@@ -78,6 +84,7 @@ class LeanDecoder:
         self.model = model
         self.forward = model.forward  # the fallback: ``model.forward = LeanDecoder(model)`` works
         self.unsupported = supports(model)
+        self.window = None if self.unsupported else _window(model)
         self.blocks: dict[int, tuple] = {}  # block index -> (layer, its int4 plan or None)
 
     def __call__(self, **kwargs: Any) -> Any:
@@ -101,6 +108,7 @@ class LeanDecoder:
             and kwargs.get("use_cache", True) is not False
             and kwargs.get("return_dict", True) is not False
             and kwargs.get("position_ids") is None
+            and (self.window is None or cache.get_seq_length() < self.window)
             and (mask is None or bool(mask.all()))
             and not torch.is_grad_enabled()
             and self.model.dtype in lean_step.KINDS
@@ -152,6 +160,17 @@ class LeanDecoder:
         v = qkv.narrow(-1, q_width + kv_width, kv_width)
         keys, values = _update(cache, attn, k, v)
         return block.post(x, qkv, keys, values, attn.scaling, post.variance_epsilon)
+
+
+def _window(model: nn.Module) -> int | None:
+    """The narrowest sliding attention window of ``model``'s blocks (Mistral's config, Qwen2's
+    sliding layers), ``None`` for none: while the cache holds fewer tokens than it, a sliding
+    window sees every cached token and the lean step's full attention is the same."""
+    config_window = getattr(model.config, "sliding_window", None)
+    windows = [
+        getattr(layer.self_attn, "sliding_window", config_window) for layer in model.model.layers
+    ]
+    return min((w for w in windows if w), default=None)
 
 
 def _update(cache: Any, attn: nn.Module, k: torch.Tensor, v: torch.Tensor) -> tuple:

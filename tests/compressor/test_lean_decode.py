@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from conftest import make_tiny_model
 from transformers import DynamicCache
 from transformers.models.llama import modeling_llama
@@ -92,8 +93,8 @@ def test_silu_mul_is_the_mlp_activation(dtype):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-def _model(kind, dtype):
-    model = make_tiny_model("llama")
+def _model(kind, dtype, family="llama"):
+    model = make_tiny_model(family)
     if kind == "int4":
         compress(model, RTNConfig(bits=4, group_size=16))
     model = model.to(dtype).eval()
@@ -111,10 +112,11 @@ def _steps(forward, model, prompt, tokens):
     return torch.cat(out, 1), cache
 
 
+@pytest.mark.parametrize("family", list(lean_decode.FAMILIES))
 @pytest.mark.parametrize("kind", ["dense", "int4"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_lean_steps_compute_what_transformers_steps_do(monkeypatch, kind, dtype):
-    model = _model(kind, dtype)
+def test_lean_steps_compute_what_transformers_steps_do(monkeypatch, family, kind, dtype):
+    model = _model(kind, dtype, family)
     lean = LeanDecoder(model)
     assert lean.unsupported is None
     prompt = torch.randint(3, 250, (1, 5), generator=_gen())
@@ -208,10 +210,43 @@ def test_an_all_ones_mask_keeps_the_lean_step():
         assert lean.applies({**kwargs, "attention_mask": torch.ones(1, 3, dtype=torch.long)})
 
 
-@pytest.mark.parametrize("model_type", ["mistral", "qwen2", "gpt2"])
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gpt2", "opt"])
 def test_other_families_are_left_to_transformers(model_type):
     model = make_tiny_model(model_type)
     assert "model type" in LeanDecoder(model).unsupported
+
+
+def test_qwen3s_block_is_refused():
+    from conftest import make_qwen3
+
+    assert "model type" in LeanDecoder(make_qwen3()).unsupported
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_a_sliding_window_takes_the_lean_step_only_while_it_sees_every_token(family, monkeypatch):
+    config = make_tiny_model(family).config
+    config.sliding_window = 6
+    if family == "qwen2":  # sliding layers from the start: Qwen2 derives them at init
+        config = type(config)(**{**config.to_dict(), "use_sliding_window": True})
+        config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    lean = LeanDecoder(model)
+    assert lean.window == 6
+    steps = {"n": 0}
+    step = LeanDecoder.step
+
+    def counted(self, *args):
+        steps["n"] += 1
+        return step(self, *args)
+
+    monkeypatch.setattr(LeanDecoder, "step", counted)
+    prompt = torch.randint(3, 250, (1, 3), generator=_gen())
+    tokens = torch.randint(3, 250, (6,), generator=_gen(1))
+    got, _ = _steps(lean, model, prompt, tokens)
+    want, _ = _steps(model, model, prompt, tokens)
+    assert steps["n"] == 3  # caches of 3, 4, 5 tokens: the window of 6 sees them all
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_another_activation_is_refused():
@@ -225,9 +260,12 @@ def _unfused(decoder):
     return decoder
 
 
+@pytest.mark.parametrize("family", list(lean_decode.FAMILIES))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_int4_blocks_in_two_calls_compute_the_separate_calls_bit_for_bit(monkeypatch, dtype):
-    model = _model("int4", dtype)
+def test_int4_blocks_in_two_calls_compute_the_separate_calls_bit_for_bit(
+    monkeypatch, family, dtype
+):
+    model = _model("int4", dtype, family)
     calls = {"pre": 0, "post": 0}
     for name in calls:
         original = getattr(int4_lean.Int4Block, name)
