@@ -2684,16 +2684,22 @@ extern "C" void lmc_lean_silu_mul(const void* g, const void* u, int kind, int64_
 // int4_lean.py): the same kernels, in the same order, on the same tensors as the lean step's
 // separate calls (bit for bit). `desc`: int64 words,
 //   [0] input norm weight, [1] post-attention norm weight, [2] their kind, [3] D (hidden),
-//   [4] H, [5] KVH, [6] hd, [7] I (MLP width), then 4 linears (q|k|v, o, gate|up, down) of 9
-//   words each: tiles, scales16, zeros16, bias (0: none), bias kind, in, out, groups, G.
+//   [4] H, [5] KVH, [6] hd, [7] I (MLP width), then 4 linears (q|k|v, o, gate|up, down) of 10
+//   words each: tiles, 2:4 patterns (0: dense int4 tiles; else lmc_int4_linear_tiled24's),
+//   scales16, zeros16, bias (0: none), bias kind, in, out, groups, G.
 //   lmc_lean_int4_pre   x += add (where given), h = norm(x), qkv = [q|k|v](h), rope on q and k.
 //   lmc_lean_int4_post  a = attend(q, K, V), x += o(a), h = norm(x), down = down(silu(g) u) for
 //                       [g|u] = gate_up(h): `down` the block's last residual update.
 
 static void lean_int4_linear(const int64_t* l, const void* x, int kind, void* y, int threads) {
-  lmc_int4_linear_tiled(x, kind, 1, l[5], (const uint32_t*)l[0], (const float*)l[1],
-                        (const uint8_t*)l[2], l[7], l[8], l[6], (const void*)l[3], (int)l[4], y,
-                        kind, 1, threads);
+  if (l[1])
+    lmc_int4_linear_tiled24(x, kind, 1, l[6], (const uint32_t*)l[0], (const uint16_t*)l[1],
+                            (const float*)l[2], (const uint8_t*)l[3], l[8], l[9], l[7],
+                            (const void*)l[4], (int)l[5], y, kind, 1, threads);
+  else
+    lmc_int4_linear_tiled(x, kind, 1, l[6], (const uint32_t*)l[0], (const float*)l[2],
+                          (const uint8_t*)l[3], l[8], l[9], l[7], (const void*)l[4], (int)l[5], y,
+                          kind, 1, threads);
 }
 
 extern "C" void lmc_lean_int4_pre(const int64_t* desc, void* x, const void* add, int kind,
@@ -2717,10 +2723,10 @@ extern "C" void lmc_lean_int4_post(const int64_t* desc, void* x, const void* qkv
   char* act = gu + 2 * I * elem;
   lmc_lean_attend(qkv, kind, H, desc[5], hd, K, V, cache_kind, L, head_stride, pos_stride, scale,
                   a, threads);
-  lean_int4_linear(desc + 17, a, kind, o, threads);
+  lean_int4_linear(desc + 18, a, kind, o, threads);
   lmc_lean_rmsnorm(x, o, kind, 1, D, (const void*)desc[1], (int)desc[2], eps, h);
-  lean_int4_linear(desc + 26, h, kind, gu, threads);
+  lean_int4_linear(desc + 28, h, kind, gu, threads);
   lmc_lean_silu_mul(gu, gu + I * elem, kind, I, act);
-  lean_int4_linear(desc + 35, act, kind, down, threads);
+  lean_int4_linear(desc + 38, act, kind, down, threads);
   free(buf);
 }

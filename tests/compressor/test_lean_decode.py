@@ -339,3 +339,33 @@ def test_return_dict_false_runs_the_models_forward(monkeypatch):
         model(input_ids=torch.tensor([[3, 4]]), cache=cache, use_cache=True)
         out = LeanDecoder(model)(input_ids=torch.tensor([[5]]), cache=cache, return_dict=False)
     assert isinstance(out, tuple)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_24_int4_blocks_in_two_calls_compute_the_separate_calls(monkeypatch, dtype):
+    from lmcompress.compressor.formats.int4 import PackedNMInt4Linear
+    from lmcompress.compressor.formats.int4_shared import share_inputs
+    from lmcompress.compressor.sparsity import nm_mask
+    from lmcompress.kernels import int4_tiles24
+
+    monkeypatch.setattr(int4_tiles24, "hold", lambda: True)
+    model = make_tiny_model("llama")
+    for block in model.model.layers:
+        for parent in (block.self_attn, block.mlp):
+            for name, child in list(parent.named_children()):
+                if not isinstance(child, torch.nn.Linear):
+                    continue
+                with torch.no_grad():
+                    child.weight *= nm_mask(child.weight.abs(), 2, 4)
+                setattr(parent, name, PackedNMInt4Linear.from_linear(child, 2, 4, group_size=16))
+    model = model.to(dtype).eval()
+    assert share_inputs(model) == 2 * model.config.num_hidden_layers
+    lean = LeanDecoder(model)
+    prompt, tokens = torch.tensor([[5, 9, 11]]), torch.randint(3, 250, (6,), generator=_gen())
+    fused, _ = _steps(lean, model, prompt, tokens)
+    assert all(block is not None for _, block in lean.blocks.values())
+    separate, _ = _steps(_unfused(LeanDecoder(model)), model, prompt, tokens)
+    assert torch.equal(fused, separate)
+    want, _ = _steps(model, model, prompt, tokens)
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(fused, want, rtol=tol, atol=tol)

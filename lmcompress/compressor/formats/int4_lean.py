@@ -5,7 +5,8 @@ Through :mod:`lmcompress.compressor.lean_decode` a block makes seven linear call
 kernel calls; at SmolLM2's size on a 2-core CPU each int4 layer's Python path (module call, the
 shared-input bookkeeping, the checks, ctypes) costs ~15 µs beside its ~15 µs of arithmetic.
 Where q, k and v are one :class:`~lmcompress.compressor.formats.int4_shared.SharedInput`
-group, gate and up another, and o and down tiled :class:`Int4Linear` layers, :class:`Int4Block`
+group, gate and up another, and o and down tiled layers (:class:`Int4Linear`, or packed 2:4
+:class:`PackedNMInt4Linear` on :mod:`~lmcompress.kernels.int4_tiles24`' tiles), :class:`Int4Block`
 hands the whole block to two compiled calls around the cache update: the same kernels, on the
 same tensors, in the same order as the separate calls, so the outputs are theirs bit for bit.
 Its descriptor holds the tensors' addresses: :meth:`Int4Block.valid` checks before each step
@@ -20,10 +21,12 @@ import functools
 import torch
 from torch import nn
 
-from lmcompress.compressor.formats.int4 import Int4Linear
+from lmcompress.compressor.formats.int4 import Int4Linear, PackedNMInt4Linear
 from lmcompress.kernels import cpu_kernels, lean_step
 
 _KEYS = ("qweight", "scales16", "zeros16", "bias")
+_KEYS24 = (*_KEYS, "indices")  # a tiled packed 2:4 layer's patterns too
+_TILED = (Int4Linear, PackedNMInt4Linear)  # tiled int4, or packed 2:4 int4 (int4_tiles24)
 _V, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "lmc_lean_int4_pre": [_V, _V, _V, _INT, _F32, _V, _V, _V, _INT],
@@ -46,12 +49,20 @@ def library() -> ctypes.CDLL | None:
 def _group(members: list[nn.Module]) -> object | None:
     """The shared-input group that is exactly ``members``, in order, still holding its views."""
     shared = members[0].__dict__.get("shared_input")
-    if shared is None or any(type(m) is not Int4Linear or not m.tiled for m in members):
+    if shared is None or not all(_tiled(m) for m in members):
         return None
     group = shared[0]
     if list(group.layers) != members:
         return None
     return group if all(group.holds(m, i) for i, m in enumerate(members)) else None
+
+
+def _tiled(module: nn.Module) -> bool:
+    return type(module) in _TILED and module.tiled
+
+
+def _keys(module: nn.Module) -> tuple[str, ...]:
+    return _KEYS24 if type(module) is PackedNMInt4Linear else _KEYS
 
 
 class Int4Block:
@@ -62,7 +73,7 @@ class Int4Block:
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         self.layer, self.groups, self.norms = layer, (qkv, gate_up), norms
         self.singles = [
-            (m, {k: m._buffers[k] for k in _KEYS}) for m in (attn.o_proj, mlp.down_proj)
+            (m, {k: m._buffers[k] for k in _keys(m)}) for m in (attn.o_proj, mlp.down_proj)
         ]
         self.heads = attn.q_proj.out_features // attn.head_dim
         self.kv_heads = attn.k_proj.out_features // attn.head_dim
@@ -77,8 +88,9 @@ class Int4Block:
             (gate_up.buffers, (gate_up.in_features, gate_up.out_features)),
             (self.singles[1][1], (mlp.down_proj.in_features, mlp.down_proj.out_features)),
         ):
-            bias, groups = held["bias"], held["scales16"].shape[1]
-            words += [held[k].data_ptr() for k in _KEYS[:3]]
+            bias, groups, patterns = held["bias"], held["scales16"].shape[1], held.get("indices")
+            words += [held["qweight"].data_ptr(), 0 if patterns is None else patterns.data_ptr()]
+            words += [held["scales16"].data_ptr(), held["zeros16"].data_ptr()]
             words += (
                 [0, 0] if bias is None else [bias.data_ptr(), cpu_kernels.FLOAT_KINDS[bias.dtype]]
             )
@@ -128,9 +140,7 @@ def plan(layer: nn.Module) -> Int4Block | None:
     singles = (attn.o_proj, mlp.down_proj)
     if qkv is None or gate_up is None or library() is None:
         return None
-    if any(
-        type(m) is not Int4Linear or not m.tiled or "shared_input" in m.__dict__ for m in singles
-    ):
+    if any(not _tiled(m) or "shared_input" in m.__dict__ for m in singles):
         return None
     weights = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     if any(not w.is_contiguous() or not w.is_cpu for w in weights):
