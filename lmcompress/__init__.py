@@ -24,6 +24,8 @@ The names (``__all__``; ``dir(lmcompress)`` lists them too):
 - load, compress, save, reload: ``load_model``, ``compress``, ``save_compressed``,
   ``load_compressed`` (``runtime="dense"`` by default; ``compress-model eval`` loads
   ``packed``), ``CompressionReport`` and ``Stats`` (what ``compress`` returns);
+- decoding: ``LeanDecoder`` (``model.forward = LeanDecoder(model)``: one-token CPU steps of a
+  Llama, Mistral or Qwen2 model through the lean step, for ``generate`` and ``bench --lean``);
 - text and scores: ``tokenize``, ``calibration_windows``, ``perplexity``, ``run_lm_eval``;
 - whole jobs: ``run``, ``RunOptions``;
 - methods: ``METHODS`` (the registry: name -> method class, each with its ``config_class``),
@@ -47,6 +49,7 @@ _EXPORTS = {
     "MethodConfig": "lmcompress.compressor.config",
     "parse_sparsity": "lmcompress.compressor.config",
     "load_compressed": "lmcompress.compressor.io.load",
+    "LeanDecoder": "lmcompress.compressor.lean_decode",
     "save_compressed": "lmcompress.compressor.io.save",
     "load_model": "lmcompress.compressor.model.loading",
     "perplexity": "lmcompress.evaluation.perplexity",

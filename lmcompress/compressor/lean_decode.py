@@ -76,9 +76,13 @@ def supports(model: nn.Module) -> str | None:
 
 
 class LeanDecoder:
-    """``model.forward``'s stand-in for decoding: one-token steps on the lean path where
-    :meth:`applies`, every other call the model's own forward. Returns an object with
-    ``.logits`` (transformers' output class)."""
+    """``model.forward``'s stand-in for decoding on CPU: one-token steps of a Llama, Mistral or
+    Qwen2 model (dense or compressed layers) through the lean step where :meth:`applies`,
+    every other call the model's own forward. Returns transformers' output (``.logits``).
+
+    ``model.forward = LeanDecoder(model)`` makes ``model.generate`` take it after the prompt
+    (batch 1); ``compress-model bench --lean`` times it beside every row.
+    ``unsupported``: why a model has no lean step (``None`` where it has one)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
