@@ -12,9 +12,11 @@ call for one query). :class:`LeanDecoder` runs the same computation for a one-to
                     h = norm(x); x = x + down_proj(silu(gate_proj(h)) * up_proj(h))
     logits = lm_head(norm(x))
 
-calling each linear module as the model holds it (dense ``nn.Linear`` or any compressed layer:
-the comparison between formats stays fair), and everything else through four kernels that round
-to the model dtype where transformers does. The KV cache is the caller's ``DynamicCache``,
+calling each linear module as the model holds it (dense ``nn.Linear`` or any compressed layer,
+so that every format, dense included, runs on the same step), and everything else through four
+kernels that round to the model dtype where transformers does. A block of tiled int4 layers
+goes in two compiled calls instead (:mod:`~lmcompress.compressor.formats.int4_lean`: the same
+kernels, bit for bit). The KV cache is the caller's ``DynamicCache``,
 updated as transformers updates it, so a step may follow or precede transformers' own forward.
 Outputs match transformers' eager step to the attention's summation order (tests: logits within
 float tolerance, the same greedy tokens). Llama, Mistral and Qwen2 share that block (Qwen2's
