@@ -272,3 +272,17 @@ def kernels_built_with(tmp_path, monkeypatch):
 
     yield build
     cpu_kernels.library.cache_clear()
+
+
+def count_calls(monkeypatch, owner, name: str) -> dict[str, int]:
+    """Wrap ``owner.name`` (a function or method) so that each call adds one to the returned
+    ``{"n": ...}``; the original still runs."""
+    calls = {"n": 0}
+    original = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls

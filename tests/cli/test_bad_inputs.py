@@ -244,17 +244,8 @@ def _cases(tmp_path, good, corpus):  # noqa: PLR0915 - one table
             "--keep-mask keeps the existing zeros",
         ),
         "rtn quantized head streamed": (
-            [
-                g,
-                "--method",
-                "rtn",
-                "--group-size",
-                "16",
-                "--head",
-                "quantized",
-                "--streaming",
-                "--eval",
-            ],
+            [g, "--method", "rtn", "--group-size", "16", "--head", "quantized", "--streaming",
+             "--eval"],
             "--streaming never holds the output head",
         ),  # fmt: skip
         "gptq scale dtype bfloat16": (

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import make_tiny_model
+from conftest import count_calls, make_tiny_model
 from transformers import DynamicCache
 from transformers.models.llama import modeling_llama
 
@@ -121,14 +121,7 @@ def test_lean_steps_compute_what_transformers_steps_do(monkeypatch, family, kind
     assert lean.unsupported is None
     prompt = torch.randint(3, 250, (1, 5), generator=_gen())
     tokens = torch.randint(3, 250, (9,), generator=_gen(1))
-    calls = {"n": 0}
-    step = LeanDecoder.step
-
-    def counted(self, *args):
-        calls["n"] += 1
-        return step(self, *args)
-
-    monkeypatch.setattr(LeanDecoder, "step", counted)
+    calls = count_calls(monkeypatch, LeanDecoder, "step")
     want, want_cache = _steps(model, model, prompt, tokens)
     got, got_cache = _steps(lean, model, prompt, tokens)
     assert calls["n"] == len(tokens)
@@ -233,14 +226,7 @@ def test_a_sliding_window_takes_the_lean_step_only_while_it_sees_every_token(fam
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     lean = LeanDecoder(model)
     assert lean.window == 6
-    steps = {"n": 0}
-    step = LeanDecoder.step
-
-    def counted(self, *args):
-        steps["n"] += 1
-        return step(self, *args)
-
-    monkeypatch.setattr(LeanDecoder, "step", counted)
+    steps = count_calls(monkeypatch, LeanDecoder, "step")
     prompt = torch.randint(3, 250, (1, 3), generator=_gen())
     tokens = torch.randint(3, 250, (6,), generator=_gen(1))
     got, _ = _steps(lean, model, prompt, tokens)
@@ -266,19 +252,11 @@ def test_int4_blocks_in_two_calls_compute_the_separate_calls_bit_for_bit(
     monkeypatch, family, dtype
 ):
     model = _model("int4", dtype, family)
-    calls = {"pre": 0, "post": 0}
-    for name in calls:
-        original = getattr(int4_lean.Int4Block, name)
-
-        def counted(self, *args, _name=name, _original=original):
-            calls[_name] += 1
-            return _original(self, *args)
-
-        monkeypatch.setattr(int4_lean.Int4Block, name, counted)
+    calls = {name: count_calls(monkeypatch, int4_lean.Int4Block, name) for name in ("pre", "post")}
     prompt = torch.randint(3, 250, (1, 5), generator=_gen())
     tokens = torch.randint(3, 250, (7,), generator=_gen(1))
     fused, fused_cache = _steps(LeanDecoder(model), model, prompt, tokens)
-    assert calls == {"pre": 2 * len(tokens), "post": 2 * len(tokens)}  # 2 blocks a step
+    assert calls == {"pre": {"n": 2 * len(tokens)}, "post": {"n": 2 * len(tokens)}}  # 2 blocks
     separate, separate_cache = _steps(_unfused(LeanDecoder(model)), model, prompt, tokens)
     assert torch.equal(fused, separate)
     for a, b in zip(fused_cache.layers, separate_cache.layers, strict=True):
@@ -317,14 +295,7 @@ def test_generate_takes_the_lean_step_when_it_is_the_models_forward(monkeypatch,
     model = _model(kind, torch.float32)
     ids = torch.tensor([[5, 9, 11, 3]])
     want = model.generate(ids, max_new_tokens=8, do_sample=False)
-    steps = {"n": 0}
-    step = LeanDecoder.step
-
-    def counted(self, *args):
-        steps["n"] += 1
-        return step(self, *args)
-
-    monkeypatch.setattr(LeanDecoder, "step", counted)
+    steps = count_calls(monkeypatch, LeanDecoder, "step")
     model.forward = LeanDecoder(model)
     got = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert torch.equal(got, want)

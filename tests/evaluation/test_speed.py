@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import count_calls, make_tiny_model
 
 from lmcompress import MagnitudeConfig, compress, save_compressed
 from lmcompress.cli.main import main
@@ -69,14 +69,7 @@ def test_bench_records_every_row_against_the_best_dense_one(tiny_checkpoint, exp
 def test_lean_rows_decode_through_the_lean_step_against_the_best_lean_dense_row(
     tiny_checkpoint, export, monkeypatch
 ):
-    steps = {"n": 0}
-    step = LeanDecoder.step
-
-    def counted(self, *args):
-        steps["n"] += 1
-        return step(self, *args)
-
-    monkeypatch.setattr(LeanDecoder, "step", counted)
+    steps = count_calls(monkeypatch, LeanDecoder, "step")
     options = dataclasses.replace(FAST, dense_dtypes=("float32",), lean=True)
     record = bench(str(tiny_checkpoint), [export], options)
     names = [row["name"] for row in record["rows"]]

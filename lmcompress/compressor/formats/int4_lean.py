@@ -15,9 +15,6 @@ that the layers still hold those tensors (not moved, cast or replaced since).
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 from torch import nn
 
@@ -27,23 +24,6 @@ from lmcompress.kernels import cpu_kernels, lean_step
 _KEYS = ("qweight", "scales16", "zeros16", "bias")
 _KEYS24 = (*_KEYS, "indices")  # a tiled packed 2:4 layer's patterns too
 _TILED = (Int4Linear, PackedNMInt4Linear)  # tiled int4, or packed 2:4 int4 (int4_tiles24)
-_V, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-SIGNATURES = {
-    "lmc_lean_int4_pre": [_V, _V, _V, _INT, _F32, _V, _V, _V, _INT],
-    "lmc_lean_int4_post": [_V, _V, _V, _V, _V, _INT, _I64, _I64, _I64, _F32, _INT, _F32, _V]
-    + [_INT],
-}
-
-
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    lib = lean_step.library()
-    if lib is None:
-        return None
-    for name, args in SIGNATURES.items():
-        getattr(lib, name).argtypes = args
-        getattr(lib, name).restype = None
-    return lib
 
 
 def _group(members: list[nn.Module]) -> object | None:
@@ -110,7 +90,7 @@ class Int4Block:
     def pre(self, x, add, eps, cos, sin) -> torch.Tensor:
         """``x += add``; the roped q | k | v of ``norm(x)``, (1, 1, qkv width)."""
         qkv = x.new_empty((1, 1, self.qkv_out))
-        library().lmc_lean_int4_pre(
+        lean_step.library().lmc_lean_int4_pre(
             self.desc.data_ptr(), x.data_ptr(), None if add is None else add.data_ptr(),
             lean_step.KINDS[x.dtype], eps, cos.data_ptr(), sin.data_ptr(), qkv.data_ptr(),
             torch.get_num_threads(),
@@ -122,7 +102,7 @@ class Int4Block:
         if keys.stride() != values.stride():
             keys, values = keys.contiguous(), values.contiguous()
         down = torch.empty_like(x)
-        library().lmc_lean_int4_post(
+        lean_step.library().lmc_lean_int4_post(
             self.desc.data_ptr(), x.data_ptr(), qkv.data_ptr(), keys.data_ptr(),
             values.data_ptr(), lean_step.KINDS[keys.dtype], keys.shape[2], keys.stride(1),
             keys.stride(2), scale, lean_step.KINDS[x.dtype], eps, down.data_ptr(),
@@ -138,7 +118,7 @@ def plan(layer: nn.Module) -> Int4Block | None:
     qkv = _group([attn.q_proj, attn.k_proj, attn.v_proj])
     gate_up = _group([mlp.gate_proj, mlp.up_proj])
     singles = (attn.o_proj, mlp.down_proj)
-    if qkv is None or gate_up is None or library() is None:
+    if qkv is None or gate_up is None or lean_step.library() is None:
         return None
     if any(not _tiled(m) or "shared_input" in m.__dict__ for m in singles):
         return None
