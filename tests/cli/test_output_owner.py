@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -100,12 +101,17 @@ def test_nested_outputs_of_running_jobs_are_refused(tmp_path, tiny_checkpoint, c
     job = _waiting(_job(tiny_checkpoint, corpus, inner, "-q"))
     try:
         assert lock_path(inner).exists()
-        for out, says in [
+        refusals = [
             (tmp_path / "a", "contains the output of another running job"),
             (inner / "c", f"is inside {inner}, which another run is writing"),
             (inner, "is being written by another run"),
-        ]:
-            done = _cli(*_job(tiny_checkpoint, corpus, out, "--overwrite"))
+        ]
+        with ThreadPoolExecutor(len(refusals)) as pool:  # the three at once: the lock is held
+            runs = pool.map(
+                lambda out: _cli(*_job(tiny_checkpoint, corpus, out, "--overwrite")),
+                [out for out, _ in refusals],
+            )
+        for done, (_, says) in zip(runs, refusals, strict=True):
             lines = done.stderr.strip().splitlines()
             assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
             assert says in lines[0] and f"pid {job.pid} on" in lines[0], lines[0]

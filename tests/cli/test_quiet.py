@@ -4,9 +4,11 @@ handles both)."""
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import matplotlib
 import pytest
+from conftest import make_tiny_model, make_tiny_tokenizer
 
 from lmcompress.compressor.util.progress import bar_disabled
 from lmcompress.methods import METHODS
@@ -43,36 +45,41 @@ def test_every_method_is_in_the_quiet_test():
     assert sorted(METHOD_FLAGS) == sorted(METHODS)
 
 
-@pytest.mark.parametrize("method", list(METHOD_FLAGS))
-def test_quiet_job_prints_nothing_on_stderr(method, tiny_checkpoint, tmp_path):
-    corpus = tmp_path / "corpus.txt"
+@pytest.fixture(scope="module")
+def quiet_runs(tmp_path_factory):
+    """``{method: CompletedProcess}`` of one ``-q`` job per method, two at a time (one thread
+    each), all in one empty HOME: the first job that needs the CPU kernels builds them there (a
+    build that must be silent too), the others load that build."""
+    root = tmp_path_factory.mktemp("quiet")
+    checkpoint, home = root / "tiny-llama", root / "home"
+    make_tiny_model("llama").save_pretrained(checkpoint)
+    make_tiny_tokenizer().save_pretrained(checkpoint)
+    home.mkdir()
+    corpus = root / "corpus.txt"
     corpus.write_text("\n\n".join(f"Document {i}. The quick brown fox." for i in range(40)))
-    argv = [str(tiny_checkpoint), "--method", method, *METHOD_FLAGS[method]]
-    argv += ["--calib", str(corpus), "--nsamples", "4"]
-    argv += [
-        "--eval",
-        str(corpus),
-        "--seq-len",
-        "32",
-        "--eval-tokens",
-        "0",
-        "-o",
-        str(tmp_path / "out"),
-    ]
-    done = subprocess.run(
-        [sys.executable, "-m", "lmcompress.cli.main", *argv, "-q"],
-        capture_output=True,
-        text=True,
-        check=False,
-        env={
-            "PATH": "/usr/bin:/bin",
-            "HOME": str(tmp_path),
-            "OMP_NUM_THREADS": "1",
-            # report.png: matplotlib's font cache from this user's (in an empty HOME, building
-            # it takes seconds and, past 5 s, warns on stderr)
-            "MPLCONFIGDIR": matplotlib.get_cachedir(),
-        },
-    )
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(home),
+        "OMP_NUM_THREADS": "1",
+        # report.png: matplotlib's font cache from this user's (in an empty HOME, building it
+        # takes seconds and, past 5 s, warns on stderr)
+        "MPLCONFIGDIR": matplotlib.get_cachedir(),
+    }
+
+    def run(method: str) -> subprocess.CompletedProcess:
+        argv = [str(checkpoint), "--method", method, *METHOD_FLAGS[method]]
+        argv += ["--calib", str(corpus), "--nsamples", "4", "--eval", str(corpus)]
+        argv += ["--seq-len", "32", "--eval-tokens", "0", "-o", str(root / "out" / method)]
+        command = [sys.executable, "-m", "lmcompress.cli.main", *argv, "-q"]
+        return subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(METHOD_FLAGS, pool.map(run, METHOD_FLAGS), strict=True))
+
+
+@pytest.mark.parametrize("method", list(METHOD_FLAGS))
+def test_quiet_job_prints_nothing_on_stderr(method, quiet_runs):
+    done = quiet_runs[method]
     assert done.returncode == 0, done.stderr
     assert done.stderr == "", done.stderr  # no bars (blocks, perplexity, saving), no INFO logs
     assert "compressed ppl" in done.stdout
