@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("lmcompress.compressor.config",),
     ("lmcompress.compressor.sparsity",),
     ("lmcompress.compressor.model.*",),
+    ("lmcompress.compressor.lean_cache",),  # KV buffers that grow in place (the lean step's)
     ("lmcompress.compressor.formats.*",),
     ("lmcompress.compressor.lean_decode",),  # a decode step over any format's layers
     ("lmcompress.compressor.io.*",),  # the output directory, save, load, model card

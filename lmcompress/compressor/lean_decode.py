@@ -31,12 +31,14 @@ decoding at batch 1 then takes the lean step after the prompt.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from lmcompress.compressor import lean_cache
 from lmcompress.compressor.formats import int4_lean
 from lmcompress.kernels import lean_step
 
@@ -92,6 +94,7 @@ class LeanDecoder:
         self.unsupported = supports(model)
         self.window = None if self.unsupported else _window(model)
         self.blocks: dict[int, tuple] = {}  # block index -> (layer, its int4 plan or None)
+        self.grown = weakref.WeakKeyDictionary()  # cache -> its GrowingKV (one-call stacks)
 
     def __call__(self, **kwargs: Any) -> Any:
         if not self.applies(kwargs):
@@ -129,9 +132,19 @@ class LeanDecoder:
         position = torch.tensor([[cache.get_seq_length()]], device=x.device)
         cos, sin = body.rotary_emb(x, position)
         cos, sin = cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous()
+        layers = body.layers[: self.model.config.num_hidden_layers]
+        blocks = [self._int4_block(index, layer) for index, layer in enumerate(layers)]
+        residual = self._stack(blocks, x, cos, sin, cache)
+        if residual is None:  # block by block
+            residual = self._blocks(layers, blocks, x, cos, sin, cache)
+        h = lean_step.rmsnorm(x, body.norm.weight, body.norm.variance_epsilon, residual)
+        return self.model.lm_head(h)
+
+    def _blocks(self, layers, blocks, x, cos, sin, cache) -> torch.Tensor:
+        """The step's blocks one by one on ``x`` (updated in place): the last block's MLP
+        output, the residual update the final norm adds."""
         residual = None  # the last update of the residual stream, added by the next norm
-        for index, layer in enumerate(body.layers[: self.model.config.num_hidden_layers]):
-            block = self._int4_block(index, layer)
+        for layer, block in zip(layers, blocks, strict=True):
             if block is not None:
                 residual = self._fused_block(layer, block, x, residual, cos, sin, cache)
                 continue
@@ -144,8 +157,28 @@ class LeanDecoder:
             norm = layer.post_attention_layernorm
             h = lean_step.rmsnorm(x, norm.weight, norm.variance_epsilon, x_att)
             residual = mlp.down_proj(lean_step.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
-        h = lean_step.rmsnorm(x, body.norm.weight, body.norm.variance_epsilon, residual)
-        return self.model.lm_head(h)
+        return residual
+
+    def _stack(self, blocks, x, cos, sin, cache) -> torch.Tensor | None:
+        """Every block in one call (:func:`int4_lean.run_stack`) where each is a two-call
+        int4 block and ``cache`` can hold its keys and values in :class:`GrowingKV` buffers;
+        else ``None``. The same kernels in the same order as :meth:`_blocks`, bit for bit."""
+        if any(block is None for block in blocks):
+            return None
+        kv = self.grown.get(cache)
+        length = None if kv is None else kv.length(cache)
+        if length is None:
+            length = lean_cache.usable(cache, self.model.dtype)
+            if length is None:
+                return None
+            kv = self.grown[cache] = lean_cache.GrowingKV()
+            kv.adopt(cache, length)
+        key = (tuple(blocks), tuple(k.data_ptr() for k, _ in kv.buffers))  # blocks by identity
+        if kv.table is None or kv.table[0] != key:
+            kv.table = (key, int4_lean.stack_table(blocks, kv))
+        down = int4_lean.run_stack(kv.table[1], x, cos, sin, length)
+        kv.advance(cache, length + 1)
+        return down
 
     def _int4_block(self, index: int, layer: nn.Module) -> int4_lean.Int4Block | None:
         """Block ``index``'s two-call int4 plan (:mod:`int4_lean`), made once for each layer

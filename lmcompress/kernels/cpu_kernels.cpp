@@ -2730,3 +2730,43 @@ extern "C" void lmc_lean_int4_post(const int64_t* desc, void* x, const void* qkv
   lean_int4_linear(desc + 38, act, kind, down, threads);
   free(buf);
 }
+
+// Every decoder block of a model in one call (int4_lean.Int4Stack): for each block in turn,
+// lmc_lean_int4_pre, the token's k and v written at position L of the block's KV buffers
+// (lmcompress/compressor/lean_cache.py: the cache's keys and values are views of them), then
+// lmc_lean_int4_post over L + 1 positions: the same calls, bit for bit, as block by block.
+// `table`: n rows of 9 words: block descriptor, K buffer, V buffer, the buffers' kind,
+// head stride, position stride (elements), then three floats' bits (input norm eps,
+// post-attention norm eps, attention scale). `down` (hidden): the last block's MLP output, the
+// residual update that the final norm adds. The buffers hold the model's dtype (`kind`).
+extern "C" void lmc_lean_int4_stack(const int64_t* table, int64_t n, int64_t L, void* x, int kind,
+                                    const void* cos_in, const void* sin_in, void* down,
+                                    int threads) {
+  const int64_t elem = kind == F32 ? 4 : 2;
+  int64_t widest = 0;
+  for (int64_t b = 0; b < n; b++) {
+    const int64_t* d = (const int64_t*)table[b * 9];
+    const int64_t width = (d[4] + 2 * d[5]) * d[6];
+    widest = width > widest ? width : widest;
+  }
+  char* qkv = (char*)malloc(widest * elem);
+  for (int64_t b = 0; b < n; b++) {
+    const int64_t* row = table + b * 9;
+    const int64_t* d = (const int64_t*)row[0];
+    const int64_t H = d[4], KVH = d[5], hd = d[6];
+    float eps_in, eps_post, scale;
+    uint32_t bits[3] = {(uint32_t)row[6], (uint32_t)row[7], (uint32_t)row[8]};
+    memcpy(&eps_in, bits, 4);
+    memcpy(&eps_post, bits + 1, 4);
+    memcpy(&scale, bits + 2, 4);
+    lmc_lean_int4_pre(d, x, b == 0 ? nullptr : down, kind, eps_in, cos_in, sin_in, qkv, threads);
+    char* cache[2] = {(char*)row[1], (char*)row[2]};
+    for (int which = 0; which < 2; which++)
+      for (int64_t h = 0; h < KVH; h++)
+        memcpy(cache[which] + (h * row[4] + L * row[5]) * elem,
+               qkv + ((H + which * KVH + h) * hd) * elem, hd * elem);
+    lmc_lean_int4_post(d, x, qkv, cache[0], cache[1], (int)row[3], L + 1, row[4], row[5], scale,
+                       kind, eps_post, down, threads);
+  }
+  free(qkv);
+}

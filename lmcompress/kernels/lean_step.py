@@ -36,6 +36,7 @@ SIGNATURES = {
     "lmc_lean_int4_pre": [_V, _V, _V, _INT, _F32, _V, _V, _V, _INT],
     "lmc_lean_int4_post": [_V, _V, _V, _V, _V, _INT, _I64, _I64, _I64, _F32, _INT, _F32, _V]
     + [_INT],
+    "lmc_lean_int4_stack": [_V, _I64, _I64, _V, _INT, _V, _V, _V, _INT],
 }
 KINDS = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEAD_DIM = 1024  # the rotary helpers' stack rows

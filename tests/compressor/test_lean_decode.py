@@ -246,21 +246,76 @@ def _unfused(decoder):
     return decoder
 
 
+def _blockwise(decoder):
+    decoder._stack = lambda *_args: None
+    return decoder
+
+
 @pytest.mark.parametrize("family", list(lean_decode.FAMILIES))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_int4_blocks_in_two_calls_compute_the_separate_calls_bit_for_bit(
+def test_the_int4_stack_in_one_call_computes_the_blocks_and_the_separate_calls_bit_for_bit(
     monkeypatch, family, dtype
 ):
     model = _model("int4", dtype, family)
+    stack = count_calls(monkeypatch, int4_lean, "run_stack")
     calls = {name: count_calls(monkeypatch, int4_lean.Int4Block, name) for name in ("pre", "post")}
     prompt = torch.randint(3, 250, (1, 5), generator=_gen())
     tokens = torch.randint(3, 250, (7,), generator=_gen(1))
-    fused, fused_cache = _steps(LeanDecoder(model), model, prompt, tokens)
+    runs = {"stack": _steps(LeanDecoder(model), model, prompt, tokens)}
+    assert stack["n"] == len(tokens) and calls == {"pre": {"n": 0}, "post": {"n": 0}}
+    runs["blocks"] = _steps(_blockwise(LeanDecoder(model)), model, prompt, tokens)
     assert calls == {"pre": {"n": 2 * len(tokens)}, "post": {"n": 2 * len(tokens)}}  # 2 blocks
-    separate, separate_cache = _steps(_unfused(LeanDecoder(model)), model, prompt, tokens)
-    assert torch.equal(fused, separate)
-    for a, b in zip(fused_cache.layers, separate_cache.layers, strict=True):
+    runs["separate"] = _steps(_unfused(LeanDecoder(model)), model, prompt, tokens)
+    assert stack["n"] == len(tokens)
+    separate, separate_cache = runs["separate"]
+    for logits, cache in (runs["stack"], runs["blocks"]):
+        assert torch.equal(logits, separate)
+        for a, b in zip(cache.layers, separate_cache.layers, strict=True):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_the_stack_grows_its_buffers_and_follows_whatever_else_changed_the_cache(monkeypatch):
+    """Buffers of ~2 positions to spare: the stack fills them to the last position, moves into
+    larger ones, and takes the cache back after transformers' forward appended to it, after a
+    crop and after a cache that the caller replaced the tensors of; the same logits as the
+    blocks' path throughout."""
+    from lmcompress.compressor import lean_cache
+
+    monkeypatch.setattr(lean_cache, "STEP", 2)
+    model = _model("int4", torch.float32)
+    adopt = count_calls(monkeypatch, lean_cache.GrowingKV, "adopt")
+    prompt = torch.randint(3, 250, (1, 4), generator=_gen())
+    tokens = torch.randint(3, 250, (16,), generator=_gen(1))
+    got = {}
+    for name, lean in (("stack", LeanDecoder(model)), ("blocks", _blockwise(LeanDecoder(model)))):
+        cache, out = DynamicCache(), []
+        with torch.inference_mode():
+            model(input_ids=prompt, cache=cache, use_cache=True)
+            for i, token in enumerate(tokens):
+                forward = model if i in (6, 7) else lean  # transformers appends by torch.cat
+                if i == 11:
+                    cache.crop(-2)
+                if i == 13:
+                    for layer in cache.layers:  # new tensors, same contents
+                        layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+                out.append(forward(input_ids=token.view(1, 1), cache=cache, use_cache=True).logits)
+        got[name] = (torch.cat(out, 1), cache)
+    # 4 positions: room to 8 (4 + 1 + 1 + 2, rounded up to STEP), filled at step 4; then
+    # after transformers' two steps, the crop and the replaced tensors
+    assert adopt["n"] == 5
+    assert torch.equal(got["stack"][0], got["blocks"][0])
+    for a, b in zip(got["stack"][1].layers, got["blocks"][1].layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_the_stack_keeps_nothing_of_a_finished_cache():
+    import gc
+
+    model = _model("int4", torch.float32)
+    lean = LeanDecoder(model)
+    _steps(lean, model, torch.tensor([[5, 9, 11]]), torch.tensor([4, 8]))
+    gc.collect()
+    assert len(lean.grown) == 0  # the buffers went with the cache
 
 
 def test_an_int4_plan_follows_the_layers_it_points_to():
@@ -277,6 +332,23 @@ def test_an_int4_plan_follows_the_layers_it_points_to():
     assert lean.blocks[0][1] is not first  # planned again, on the new codes
     want, _ = _steps(_unfused(LeanDecoder(model)), model, prompt, tokens)
     assert torch.equal(got, want)
+
+
+def test_a_replaced_linear_is_seen_though_the_old_one_holds_its_tensors():
+    model = _model("int4", torch.float32)
+    lean = LeanDecoder(model)
+    prompt, tokens = torch.tensor([[5, 9, 11]]), torch.tensor([4, 8, 15])
+    _steps(lean, model, prompt, tokens)
+    first = lean.blocks[0][1]
+    attn = model.model.layers[0].self_attn
+    dense = torch.nn.Linear(attn.o_proj.in_features, attn.o_proj.out_features, bias=False)
+    dense.weight.data = torch.randn(dense.weight.shape, generator=_gen(3))
+    attn.o_proj = dense  # the old int4 module still holds every tensor the plan points to
+    assert not first.valid()
+    got, _ = _steps(lean, model, prompt, tokens)
+    assert lean.blocks[0][1] is None  # no int4 plan for a block with a dense o_proj
+    want, _ = _steps(model, model, prompt, tokens)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_blocks_without_shared_int4_siblings_have_no_plan():

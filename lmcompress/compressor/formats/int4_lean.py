@@ -15,14 +15,19 @@ that the layers still hold those tensors (not moved, cast or replaced since).
 
 from __future__ import annotations
 
+import struct
+
 import torch
 from torch import nn
 
 from lmcompress.compressor.formats.int4 import Int4Linear, PackedNMInt4Linear
+from lmcompress.compressor.lean_cache import GrowingKV
 from lmcompress.kernels import cpu_kernels, lean_step
 
 _KEYS = ("qweight", "scales16", "zeros16", "bias")
 _KEYS24 = (*_KEYS, "indices")  # a tiled packed 2:4 layer's patterns too
+_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+_ATTN, _MLP = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
 _TILED = (Int4Linear, PackedNMInt4Linear)  # tiled int4, or packed 2:4 int4 (int4_tiles24)
 
 
@@ -76,16 +81,11 @@ class Int4Block:
             )
             words += [shape[0], shape[1], groups, shape[0] // groups]
         self.desc = torch.tensor(words, dtype=torch.int64)
+        self.held = _held(layer, (qkv, gate_up), self.singles)
 
     def valid(self) -> bool:
-        """Whether the block's layers still hold the tensors the descriptor points to."""
-        layer = self.layer
-        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        return (
-            all(a is b for a, b in zip(norms, self.norms, strict=True))
-            and all(all(g.holds(m, i) for i, m in enumerate(g.layers)) for g in self.groups)
-            and all(all(m._buffers[k] is t for k, t in held.items()) for m, held in self.singles)
-        )
+        """Whether the block still holds the modules and tensors the descriptor points to."""
+        return all(owner.get(key) is held for owner, key, held in self.held)
 
     def pre(self, x, add, eps, cos, sin) -> torch.Tensor:
         """``x += add``; the roped q | k | v of ``norm(x)``, (1, 1, qkv width)."""
@@ -109,6 +109,56 @@ class Int4Block:
             torch.get_num_threads(),
         )  # fmt: skip
         return down
+
+
+def _held(layer: nn.Module, groups: tuple, singles: list) -> list[tuple[dict, str, object]]:
+    """(owner dict, key, object) for every module and tensor a block's descriptor relies on:
+    the block's attention, MLP, norms and linears where the layer holds them, the norms'
+    weights, the groups' shared views and the single layers' buffers."""
+    attn, mlp = layer.self_attn, layer.mlp
+    held = [(layer._modules, name, getattr(layer, name)) for name in _PARTS]
+    held += [(attn._modules, name, getattr(attn, name)) for name in _ATTN]
+    held += [(mlp._modules, name, getattr(mlp, name)) for name in _MLP]
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        norm = getattr(layer, name)
+        held.append((norm._parameters, "weight", norm.weight))
+    for group in groups:
+        for member, views in zip(group.layers, group.views, strict=True):
+            held += [(member._buffers, k, v) for k, v in zip(group.keys, views, strict=True)]
+    for module, buffers in singles:
+        held += [(module._buffers, key, tensor) for key, tensor in buffers.items()]
+    return held
+
+
+def stack_table(blocks: list[Int4Block], kv: GrowingKV) -> torch.Tensor:
+    """``lmc_lean_int4_stack``'s table (:file:`cpu_kernels.cpp`): for each block its
+    descriptor, its layer's KV buffers and strides, its norms' eps and attention scale."""
+    rows = []
+    for block, (keys, values) in zip(blocks, kv.buffers, strict=True):
+        layer = block.layer
+        floats = (
+            layer.input_layernorm.variance_epsilon,
+            layer.post_attention_layernorm.variance_epsilon,
+            layer.self_attn.scaling,
+        )
+        rows.append(
+            [block.desc.data_ptr(), keys.data_ptr(), values.data_ptr(), lean_step.KINDS[keys.dtype]]
+            + [keys.stride(1), keys.stride(2)]
+            + [struct.unpack("<I", struct.pack("<f", f))[0] for f in floats]
+        )
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def run_stack(table: torch.Tensor, x, cos, sin, length: int) -> torch.Tensor:
+    """Every block of ``table`` on ``x`` (1, 1, hidden; updated in place), the token at
+    position ``length``: its k and v written into the KV buffers at ``length``. Returns the
+    last block's MLP output (the residual update the final norm adds)."""
+    down = torch.empty_like(x)
+    lean_step.library().lmc_lean_int4_stack(
+        table.data_ptr(), table.shape[0], length, x.data_ptr(), lean_step.KINDS[x.dtype],
+        cos.data_ptr(), sin.data_ptr(), down.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return down
 
 
 def plan(layer: nn.Module) -> Int4Block | None:
