@@ -132,7 +132,7 @@ class LeanDecoder:
         position = torch.tensor([[cache.get_seq_length()]], device=x.device)
         cos, sin = body.rotary_emb(x, position)
         cos, sin = cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous()
-        layers = body.layers[: self.model.config.num_hidden_layers]
+        layers = list(body.layers)[: self.model.config.num_hidden_layers]  # not a ModuleList
         blocks = [self._int4_block(index, layer) for index, layer in enumerate(layers)]
         residual = self._stack(blocks, x, cos, sin, cache)
         if residual is None:  # block by block
@@ -163,7 +163,7 @@ class LeanDecoder:
         """Every block in one call (:func:`int4_lean.run_stack`) where each is a two-call
         int4 block and ``cache`` can hold its keys and values in :class:`GrowingKV` buffers;
         else ``None``. The same kernels in the same order as :meth:`_blocks`, bit for bit."""
-        if any(block is None for block in blocks):
+        if any(block is None for block in blocks) or len(cache.layers) != len(blocks):
             return None
         kv = self.grown.get(cache)
         length = None if kv is None else kv.length(cache)

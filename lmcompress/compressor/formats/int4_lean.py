@@ -15,6 +15,7 @@ that the layers still hold those tensors (not moved, cast or replaced since).
 
 from __future__ import annotations
 
+import operator
 import struct
 
 import torch
@@ -81,11 +82,12 @@ class Int4Block:
             )
             words += [shape[0], shape[1], groups, shape[0] // groups]
         self.desc = torch.tensor(words, dtype=torch.int64)
-        self.held = _held(layer, (qkv, gate_up), self.singles)
+        self.held = tuple(zip(*_held(layer, (qkv, gate_up), self.singles), strict=True))
 
     def valid(self) -> bool:
         """Whether the block still holds the modules and tensors the descriptor points to."""
-        return all(owner.get(key) is held for owner, key, held in self.held)
+        owners, keys, held = self.held
+        return all(map(operator.is_, map(dict.get, owners, keys), held))  # C loops: ~2 µs
 
     def pre(self, x, add, eps, cos, sin) -> torch.Tensor:
         """``x += add``; the roped q | k | v of ``norm(x)``, (1, 1, qkv width)."""
