@@ -16,8 +16,11 @@ calling each linear module as the model holds it (dense ``nn.Linear`` or any com
 so that every format, dense included, runs on the same step), and everything else through four
 kernels that round to the model dtype where transformers does. A block of tiled int4 layers
 goes in two compiled calls instead (:mod:`~lmcompress.compressor.formats.int4_lean`: the same
-kernels, bit for bit). The KV cache is the caller's ``DynamicCache``,
-updated as transformers updates it, so a step may follow or precede transformers' own forward.
+kernels, bit for bit), and where every block is such a block, the whole stack goes in one
+call that writes each token's k and v in place (:mod:`~lmcompress.compressor.lean_cache`: the
+cache's layers hold views of buffers with room to grow). The KV cache is the caller's
+``DynamicCache``, updated as transformers updates it (or with views of the same values), so a
+step may follow or precede transformers' own forward.
 Outputs match transformers' eager step to the attention's summation order (tests: logits within
 float tolerance, the same greedy tokens). Llama, Mistral and Qwen2 share that block (Qwen2's
 q, k and v biases are in its linears; a sliding window is full attention while the cache is

@@ -10,7 +10,12 @@ group, gate and up another, and o and down tiled layers (:class:`Int4Linear`, or
 hands the whole block to two compiled calls around the cache update: the same kernels, on the
 same tensors, in the same order as the separate calls, so the outputs are theirs bit for bit.
 Its descriptor holds the tensors' addresses: :meth:`Int4Block.valid` checks before each step
-that the layers still hold those tensors (not moved, cast or replaced since).
+that the layers still hold those modules and tensors (not moved, cast or replaced since).
+
+Where every block of the model has such a plan, :func:`run_stack` runs them all in one call
+(``lmc_lean_int4_stack``): the two calls of each block with the cache update between them done
+in place, the token's k and v written into :class:`~lmcompress.compressor.lean_cache.GrowingKV`
+buffers (:func:`stack_table` holds their addresses), the same arithmetic bit for bit.
 """
 
 from __future__ import annotations
