@@ -2731,7 +2731,7 @@ extern "C" void lmc_lean_int4_post(const int64_t* desc, void* x, const void* qkv
   free(buf);
 }
 
-// Every decoder block of a model in one call (int4_lean.Int4Stack): for each block in turn,
+// Every decoder block of a model in one call (int4_lean.run_stack): for each block in turn,
 // lmc_lean_int4_pre, the token's k and v written at position L of the block's KV buffers
 // (lmcompress/compressor/lean_cache.py: the cache's keys and values are views of them), then
 // lmc_lean_int4_post over L + 1 positions: the same calls, bit for bit, as block by block.
