@@ -418,6 +418,32 @@ static int64_t row_dense_int8_avx2(const int16_t* x, int64_t in, const int8_t* r
   return 16 * blocks;
 }
 
+// Four dense int8 rows (o .. o + 3, consecutive in `rows`) for one token: each 16 activations
+// loaded once for the four rows' vpmaddwd (exact: the same sums as row_dense_int8_avx2<1>), and
+// the next four rows prefetched a cache line at a time. Streaming 1B-shape weights from memory
+// on a 2-core AMD EPYC (Zen 3), interleaved against the row-at-a-time loop, ad hoc: +45% on
+// 2048 x 8192, 0-20% on 8192 x 2048 and 2048 x 2048; nothing on rows shorter than
+// INT8_ROWS4_MIN_IN (SmolLM2's 576 and 1536), which keep the row loop.
+static const int64_t INT8_ROWS4_MIN_IN = 2048;
+static int64_t rows4_dense_int8_avx2(const int16_t* x, int64_t in, const int8_t* rows,
+                                     int32_t* acc) {
+  __m256i sum[4];
+  for (int r = 0; r < 4; r++) sum[r] = _mm256_setzero_si256();
+  const int64_t blocks = in / 16;
+  for (int64_t b = 0; b < blocks; b++) {
+    const __m256i xv = _mm256_loadu_si256((const __m256i*)(x + 16 * b));
+    if ((b & 3) == 0)
+      for (int r = 0; r < 4; r++)
+        _mm_prefetch((const char*)(rows + (4 + r) * in + 16 * b), _MM_HINT_T0);
+    for (int r = 0; r < 4; r++) {
+      __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(rows + r * in + 16 * b)));
+      sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(v, xv));
+    }
+  }
+  for (int r = 0; r < 4; r++) acc[r] += hsum_epi32_256(sum[r]);
+  return 16 * blocks;
+}
+
 // int8 2:4: 32 inputs (16 kept codes, 4 position bytes) a step; the activations gathered into
 // kept order (gather_24); one vpmaddwd per token (exact).
 template <int T>
@@ -737,6 +763,24 @@ extern "C" void lmc_int8_linear(const void* x_in, int x_kind, int64_t T, int64_t
   float* xs = (float*)malloc(sizeof(float) * T);
   for (int64_t t = 0; t < T; t++) xs[t] = quantize_row(x_in, x_kind, t, in, static_scale, xq + t * in);
   uint8_t* xu = unsigned_codes(xq, T * in);
+#if defined(LMC_NM_AVX2) && !defined(LMC_BYTE_LANES)
+  if (T == 1 && !idx && out % 4 == 0 && in >= INT8_ROWS4_MIN_IN) {  // four rows a pass
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t o = 0; o < out; o += 4) {
+      int32_t acc[4] = {0, 0, 0, 0};
+      const int64_t done = rows4_dense_int8_avx2(xq, in, values + o * in, acc);
+      for (int r = 0; r < 4; r++) {
+        for (int64_t i = done; i < in; i++)
+          acc[r] += (int32_t)values[(o + r) * in + i] * (int32_t)xq[i];
+        store_value(y, y_kind, o + r, rescaled(acc[r], xs[0], w_scale, bias, b_kind, o + r));
+      }
+    }
+    free(xu);
+    free(xs);
+    free(xq);
+    return;
+  }
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t o = 0; o < out; o++) {
     for (int64_t t0 = 0; t0 < T; t0 += TILE) {

@@ -142,6 +142,23 @@ def test_fused_int8_linear_is_the_torch_computation_bit_for_bit(in_features, dty
             assert got.dtype == dtype and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("in_features", [2048, 2056])
+@pytest.mark.parametrize("out_features", [24, 22])
+def test_one_token_over_long_rows_is_the_torch_computation_bit_for_bit(in_features, out_features):
+    """One token over rows of 2048 inputs or more (an AVX2 build takes four rows a pass there),
+    a row count that is a multiple of four or not, inputs that end inside a vector step; fp32
+    and bf16, with and without a bias."""
+    g = torch.Generator().manual_seed(in_features + out_features)
+    codes = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8, generator=g)
+    weight_scale = torch.rand(out_features, 1, generator=g) / 50 + 1e-4
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(1, in_features, generator=g) * 3).to(dtype)
+        for bias in (None, torch.randn(out_features, generator=g).to(dtype)):
+            want = _torch_int8(x, codes, weight_scale, None, bias)
+            got = cpu_kernels.int8_linear(x, weight_scale, None, bias, codes)
+            assert got.dtype == dtype and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("in_features", [8, 31, 100, 576])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_quantize_and_rescale_are_the_torch_computation_bit_for_bit(in_features, dtype):
@@ -338,6 +355,12 @@ def test_the_avx2_loops_match_too(kernels_built_with):
             want = F.linear(F.linear(x.double(), A.double()), B.double())
             got = cpu_kernels.lowrank(x, A, B, None)
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    for out_features in (24, 22):  # one token over long rows: four rows a pass
+        codes = torch.randint(-128, 128, (out_features, 2056), dtype=torch.int8, generator=g)
+        weight_scale = torch.rand(out_features, 1, generator=g) / 50 + 1e-4
+        x = torch.randn(1, 2056, generator=g)
+        want = _torch_int8(x, codes, weight_scale, None, None)
+        assert torch.equal(cpu_kernels.int8_linear(x, weight_scale, None, None, codes), want)
 
 
 def test_the_build_is_cached_and_keyed_by_the_cpu(tmp_path, monkeypatch):
