@@ -368,10 +368,12 @@ def test_generate_takes_the_lean_step_when_it_is_the_models_forward(monkeypatch,
     ids = torch.tensor([[5, 9, 11, 3]])
     want = model.generate(ids, max_new_tokens=8, do_sample=False)
     steps = count_calls(monkeypatch, LeanDecoder, "step")
+    stack = count_calls(monkeypatch, int4_lean, "run_stack")
     model.forward = LeanDecoder(model)
     got = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert torch.equal(got, want)
     assert steps["n"] == 7  # every step after the prompt's (the last token is not fed back)
+    assert stack["n"] == (7 if kind == "int4" else 0)  # generate's cache takes the int4 stack
 
 
 def test_return_dict_false_runs_the_models_forward(monkeypatch):
