@@ -94,8 +94,7 @@ def _add_row_arguments(parser: Parser, defaults: SpeedOptions) -> None:
         action="store_true",
         help="also time each row's decoding through lmcompress's lean step (Llama, Mistral, "
         "Qwen2; CPU: the layers' own linears, norms, rotary and attention in a few kernels); a "
-        "lean row is "
-        "compared with the best lean dense row (default: off)",
+        "lean row is compared with the best lean dense row (default: off)",
     )
     parser.add_argument(
         "--runtime",

@@ -50,7 +50,7 @@ class GrowingKV:
     def __init__(self) -> None:
         self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.views: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.table: tuple | None = None  # (what it was made for, the stack's table)
+        self.table: tuple | None = None  # (the blocks it was made for, the stack's table)
 
     def length(self, cache: Any) -> int | None:
         """L where every layer of ``cache`` still holds this object's views (of L positions) and
@@ -66,9 +66,9 @@ class GrowingKV:
 
     def adopt(self, cache: Any, length: int) -> None:
         """Copy ``cache``'s ``length`` positions (:func:`usable`) into new buffers with room to
-        grow, and give its layers views of them."""
+        grow, and give its layers views of them. Once, on a new object: the buffers then stay
+        for its life (:attr:`table` holds their addresses)."""
         capacity = -(-(length + 1 + length // 4 + STEP) // STEP) * STEP
-        self.buffers, self.views = [], []
         for layer in cache.layers:
             pair = []
             for held in (layer.keys, layer.values):

@@ -176,9 +176,8 @@ class LeanDecoder:
                 return None
             kv = self.grown[cache] = lean_cache.GrowingKV()
             kv.adopt(cache, length)
-        key = (tuple(blocks), tuple(k.data_ptr() for k, _ in kv.buffers))  # blocks by identity
-        if kv.table is None or kv.table[0] != key:
-            kv.table = (key, int4_lean.stack_table(blocks, kv))
+        if kv.table is None or kv.table[0] != tuple(blocks):  # blocks by identity
+            kv.table = (tuple(blocks), int4_lean.stack_table(blocks, kv))
         down = int4_lean.run_stack(kv.table[1], x, cos, sin, length)
         kv.advance(cache, length + 1)
         return down

@@ -318,11 +318,17 @@ def test_the_stack_keeps_nothing_of_a_finished_cache():
     assert len(lean.grown) == 0  # the buffers went with the cache
 
 
-def test_an_int4_plan_follows_the_layers_it_points_to():
+def _stepped_int4():
+    """An int4 model, its LeanDecoder after three steps (its blocks planned), the steps' inputs."""
     model = _model("int4", torch.float32)
     lean = LeanDecoder(model)
     prompt, tokens = torch.tensor([[5, 9, 11]]), torch.tensor([4, 8, 15])
     _steps(lean, model, prompt, tokens)
+    return model, lean, prompt, tokens
+
+
+def test_an_int4_plan_follows_the_layers_it_points_to():
+    model, lean, prompt, tokens = _stepped_int4()
     first = lean.blocks[0][1]
     assert first is not None and first.valid()
     o_proj = model.model.layers[0].self_attn.o_proj
@@ -335,10 +341,7 @@ def test_an_int4_plan_follows_the_layers_it_points_to():
 
 
 def test_a_replaced_linear_is_seen_though_the_old_one_holds_its_tensors():
-    model = _model("int4", torch.float32)
-    lean = LeanDecoder(model)
-    prompt, tokens = torch.tensor([[5, 9, 11]]), torch.tensor([4, 8, 15])
-    _steps(lean, model, prompt, tokens)
+    model, lean, prompt, tokens = _stepped_int4()
     first = lean.blocks[0][1]
     attn = model.model.layers[0].self_attn
     dense = torch.nn.Linear(attn.o_proj.in_features, attn.o_proj.out_features, bias=False)

@@ -62,7 +62,7 @@ class Int4Block:
     def __init__(self, layer: nn.Module, qkv: object, gate_up: object) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        self.layer, self.groups, self.norms = layer, (qkv, gate_up), norms
+        self.layer = layer
         self.singles = [
             (m, {k: m._buffers[k] for k in _keys(m)}) for m in (attn.o_proj, mlp.down_proj)
         ]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import count_calls, make_tiny_model
 
 from lmcompress import compress
 from lmcompress.compressor.formats import int4_forward
@@ -27,18 +27,6 @@ def _int4_model(dtype):
     return model
 
 
-def _count(monkeypatch, module, name):
-    calls = {"n": 0}
-    original = getattr(module, name)
-
-    def counted(*args, **kwargs):
-        calls["n"] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, counted)
-    return calls
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 16, 17])
 def test_a_compiled_model_decodes_as_eager_through_the_lean_op(monkeypatch, dtype, tokens):
@@ -50,8 +38,8 @@ def test_a_compiled_model_decodes_as_eager_through_the_lean_op(monkeypatch, dtyp
     compiled = torch.compile(model.forward, fullgraph=True, dynamic=False)
     with torch.inference_mode():
         eager = model(input_ids=ids, use_cache=False).logits
-        kernel = _count(monkeypatch, int4_tiles, "_call")
-        general = _count(monkeypatch, int4_ops, "linear")
+        kernel = count_calls(monkeypatch, int4_tiles, "_call")
+        general = count_calls(monkeypatch, int4_ops, "linear")
         graph = compiled(input_ids=ids, use_cache=False).logits
     # the graph fuses the norms and the rest its own way: close, not equal (layer by layer
     # the op is eager bit for bit: test_compiled.py and test_the_op_equals_the_layer below)
@@ -87,7 +75,7 @@ def test_the_op_equals_the_layer(dtype, tokens, bias):
 def test_tracing_with_a_gradient_takes_the_general_path(monkeypatch):
     layer = Int4Linear.from_linear(torch.nn.Linear(64, 48), group_size=16)
     x = torch.randn(1, 64, requires_grad=True)
-    used = _count(monkeypatch, lean_ops, "int4_decode")
+    used = count_calls(monkeypatch, lean_ops, "int4_decode")
     torch._dynamo.reset()
     y = torch.compile(layer, dynamic=False)(x)  # (the general path's tracing breaks the graph)
     y.sum().backward()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import count_calls
 
 from lmcompress.compressor.formats.int8 import QuantLinear
 from lmcompress.compressor.formats.low_rank import LowRankLinear
@@ -15,18 +16,6 @@ from lmcompress.compressor.formats.nm_packed_int8 import PackedNMInt8Linear
 from lmcompress.kernels import cpu_kernels, lean_ops
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler here")
-
-
-def _count(monkeypatch, name):
-    calls = {"n": 0}
-    original = getattr(cpu_kernels, name)
-
-    def counted(*args, **kwargs):
-        calls["n"] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(cpu_kernels, name, counted)
-    return calls
 
 
 def _int8_layer(kind: str) -> torch.nn.Module:
@@ -54,8 +43,8 @@ def _compiled_and_eager(layer, x):
 def test_a_compiled_int8_layer_runs_the_eager_kernels_bit_for_bit(monkeypatch, kind, dtype, tokens):
     layer = _int8_layer(kind)
     x = torch.randn(1, tokens, 64).to(dtype)
-    fused = _count(monkeypatch, "int8_linear")
-    quantized = _count(monkeypatch, "int8_quantize")
+    fused = count_calls(monkeypatch, cpu_kernels, "int8_linear")
+    quantized = count_calls(monkeypatch, cpu_kernels, "int8_quantize")
     graph, eager = _compiled_and_eager(layer, x)
     assert torch.equal(graph, eager) and graph.dtype == dtype and graph.shape == (1, tokens, 48)
     # twice the eager count: the graph ran the same kernels (inductor's own quantize would not
@@ -70,7 +59,7 @@ def test_a_compiled_low_rank_layer_runs_the_eager_kernel(monkeypatch, dtype, tok
     torch.manual_seed(0)
     layer = LowRankLinear.from_linear(torch.nn.Linear(64, 48), rank=8).to(dtype)
     x = torch.randn(1, tokens, 64).to(dtype)
-    kernel = _count(monkeypatch, "lowrank")
+    kernel = count_calls(monkeypatch, cpu_kernels, "lowrank")
     graph, eager = _compiled_and_eager(layer, x)
     few = tokens <= cpu_kernels.LOW_RANK_MAX_TOKENS
     assert kernel["n"] == (2 if few else 0)
@@ -93,7 +82,7 @@ def test_tracing_with_a_gradient_keeps_the_torch_ops(monkeypatch):
     assert not lean_ops.traced_cpu(x.detach(), 64)  # eager: the layers call the kernels
     low_rank = LowRankLinear.from_linear(torch.nn.Linear(64, 48), rank=8)
     low_rank.requires_grad_()  # factors trained (distillation): A, B need gradients
-    kernel = _count(monkeypatch, "lowrank")
+    kernel = count_calls(monkeypatch, cpu_kernels, "lowrank")
     torch._dynamo.reset()
     y = torch.compile(low_rank, dynamic=False)(torch.randn(1, 2, 64))
     y.sum().backward()
