@@ -340,6 +340,25 @@ def test_an_int4_plan_follows_the_layers_it_points_to():
     assert torch.equal(got, want)
 
 
+def test_a_block_planned_again_mid_generation_is_used_on_the_same_cache():
+    """The stack's table follows its blocks: new codes after the third token, one cache."""
+    got = {}
+    for name in ("stack", "separate"):
+        model = _model("int4", torch.float32)
+        lean = LeanDecoder(model) if name == "stack" else _unfused(LeanDecoder(model))
+        cache, out = DynamicCache(), []
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([[5, 9, 11]]), cache=cache, use_cache=True)
+            for i, token in enumerate([4, 8, 15, 16, 23]):
+                if i == 3:
+                    o_proj = model.model.layers[0].self_attn.o_proj
+                    o_proj.qweight = o_proj.qweight ^ 0x11  # other codes in a new tensor
+                ids = torch.tensor([[token]])
+                out.append(lean(input_ids=ids, cache=cache, use_cache=True).logits)
+        got[name] = torch.cat(out, 1)
+    assert torch.equal(got["stack"], got["separate"])
+
+
 def test_a_replaced_linear_is_seen_though_the_old_one_holds_its_tensors():
     model, lean, prompt, tokens = _stepped_int4()
     first = lean.blocks[0][1]
