@@ -78,6 +78,11 @@ def check_streaming(options: RunOptions, method: Method) -> Path:
             "--streaming never holds the output head (it is copied from the checkpoint): "
             "drop --head"
         )
+    if getattr(method.config, "distill_steps", 0):
+        raise ConfigError(
+            "--streaming never holds the whole model, which --distill-steps trains end to end: "
+            "drop one of them"
+        )
     if options.output is None:
         raise ConfigError("--streaming writes the model block by block: give an output (-o OUT)")
     if options.lm_eval_tasks:

@@ -109,6 +109,13 @@ class GPTQConfig(RTNConfig):
         default="float32", metadata={"help": "dtype the Hessian is accumulated and solved in"}
     )
     calib_batch_size: int = field(default=8, metadata={"help": "calibration windows per pass"})
+    distill_steps: int = field(
+        default=0,
+        metadata={"help": "then train every group's scale end to end this many steps (one "
+                  "calibration window each) on the KL divergence from the dense model's logits, "
+                  "codes and zero points fixed (EfficientQAT's E2E-QP; 0: off; cannot stream)"},
+    )  # fmt: skip
+    distill_lr: float = field(default=1e-4, metadata={"help": "learning rate of --distill-steps"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -126,6 +133,11 @@ class GPTQConfig(RTNConfig):
             raise ConfigError(f"percdamp must lie in [0, 1), got {self.percdamp}")
         if self.calib_batch_size < 1:
             raise ConfigError(f"calib_batch_size must be at least 1, got {self.calib_batch_size}")
+        if self.distill_steps < 0 or not self.distill_lr > 0:
+            raise ConfigError(
+                f"distill_steps must be >= 0 and distill_lr positive, got {self.distill_steps}, "
+                f"{self.distill_lr}"
+            )
         if self.keep_mask and pattern is not None and not pattern.is_nm:
             raise ConfigError(
                 f"--keep-mask keeps the existing zeros; --sparsity {pattern} would choose more: "

@@ -19,12 +19,14 @@ from torch import nn
 from lmcompress.compressor.formats.base import CompressedLinear
 from lmcompress.compressor.formats.int4 import Int4Linear, PackedNMInt4Linear
 from lmcompress.compressor.method import Method, Stats
+from lmcompress.compressor.model.budget import backward_bytes
 from lmcompress.compressor.model.families import family_of
 from lmcompress.compressor.model.surgery import replace_module, weight_matrix
 from lmcompress.compressor.report import CompressionReport, LayerReport
 from lmcompress.errors import ConfigError
 from lmcompress.methods.gptq.config import GPTQConfig, RTNConfig
 from lmcompress.methods.gptq.solver import check_options, gptq_quantize
+from lmcompress.methods.gptq.tuning import distill_scales
 from lmcompress.methods.layerwise import LayerwiseMethod, OneShotMethod
 from lmcompress.methods.obs import HessianStatistic, output_error
 
@@ -130,7 +132,15 @@ class RTN(OneShotMethod, Method):
 
 
 class GPTQ(HessianStatistic, LayerwiseMethod):
+    """GPTQ through the layer-wise loop; with ``distill_steps``, the scales then trained end
+    to end (:mod:`~lmcompress.methods.gptq.tuning`) while the dense modules GPTQ replaced are
+    kept (``self.dense``) for the teacher."""
+
     config_class = GPTQConfig
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.dense: dict[str, nn.Module] = {}
 
     @property
     def composes_after(self) -> frozenset[str | None]:
@@ -148,6 +158,43 @@ class GPTQ(HessianStatistic, LayerwiseMethod):
         layers = super().validate(model)
         check_layers(self.config, {**layers, **head_layer(self.config, model)})
         return layers
+
+    def memory_estimate(
+        self, model: nn.Module, nsamples: int, seq_len: int, itemsize: int = 4
+    ) -> dict[str, int]:
+        """The layer-wise loop's; ``distill_steps`` adds the dense weights kept beside the
+        codes, the scales' training state and one window's activations for backward."""
+        parts = super().memory_estimate(model, nsamples, seq_len, itemsize)
+        if self.config.distill_steps > 0:
+            numel = sum(weight_matrix(m).numel() for m in self.validate(model).values())
+            parts["dense weights and the codes as bfloat16"] = (itemsize + 2) * numel
+            parts["activations kept for backward"] = backward_bytes(model, 1, seq_len, itemsize, 3)
+        return parts
+
+    def compress(self, model: nn.Module, data: torch.Tensor | None = None, source=None,
+                 offload_dir=None) -> tuple[CompressionReport, Stats]:  # fmt: skip
+        """GPTQ, then with ``distill_steps`` the scales trained end to end (every window of
+        ``data``; the layers' reports are GPTQ's, before the training)."""
+        config = self.config
+        if not config.distill_steps:
+            return super().compress(model, data, source, offload_dir)
+        if source is not None:
+            raise ConfigError(
+                "gptq --distill-steps trains the whole model's scales: it cannot stream"
+            )
+        self.dense = {}
+        try:
+            report, stats = super().compress(model, data)
+            start = time.perf_counter()
+            half = config.scale_dtype == "float16"
+            history = distill_scales(
+                model, data, self.dense, config.distill_steps, config.distill_lr, half
+            )
+        finally:
+            self.dense = {}
+        report.extra["distill_history"] = history
+        report.seconds += time.perf_counter() - start
+        return report, stats
 
     def apply(self, model: nn.Module, stats: Stats) -> CompressionReport:
         report = super().apply(model, stats)
@@ -181,6 +228,8 @@ class GPTQ(HessianStatistic, LayerwiseMethod):
         if pattern is not None:
             fields["pattern"] = str(pattern)
         replace_module(model, name, new)
+        if config.distill_steps:  # the teacher's weight, for distill_scales
+            self.dense[name] = module
         report = layer_report(name, W, new, start, **fields)
         report.rel_error, report.error_kind = output_error(W, result.weight(), statistic), "output"
         return report
