@@ -1,8 +1,9 @@
-"""``--distill-steps``: after GPTQ (or RTN), every group's scale trained end to end, the integer
+"""``gptq --distill-steps``: after GPTQ, every group's scale trained end to end, the integer
 codes and zero points fixed: the E2E-QP stage of EfficientQAT (Chen et al. 2024, arXiv
-2407.11062, §3.3, "only the quantization step sizes are trained"), here on the KL divergence
-from the dense model's logits over the calibration windows (the toolkit's distillation path,
-``drivers.learn_end_to_end`` with ``distill``), not on the LM loss of those few windows.
+2407.11062, its second stage: "only the quantization step sizes are trained"), here on the KL
+divergence from the dense model's logits over the calibration windows (the toolkit's
+distillation path, ``drivers.learn_end_to_end`` with ``distill``), not on the LM loss of those
+few windows.
 
 The format does not change: the same codes, zero points and layout, only other float32 scales,
 so every export (compressed-tensors pack-quantized, GGUF) and kernel reads the result as it
