@@ -15,7 +15,9 @@ from transformers.pytorch_utils import Conv1D
 from lmcompress import GPTQConfig, compress, load_compressed, save_compressed
 from lmcompress.cli.main import main
 from lmcompress.compressor.formats.int4 import Int4CodedLinear, Int4Linear, PackedNMInt4Linear
+from lmcompress.compressor.model.budget import backward_bytes
 from lmcompress.errors import ConfigError
+from lmcompress.methods import get_method
 from lmcompress.methods.gptq.tuning import ScaleWeight
 
 DATA = torch.randint(0, 256, (8, 24), generator=torch.Generator().manual_seed(0))
@@ -109,3 +111,16 @@ def test_distillation_cannot_stream(tiny_checkpoint, tmp_path, capsys):
     assert main(argv) == 2
     assert "--distill-steps" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_the_memory_estimate_counts_the_teacher_and_backward_only_when_distilling():
+    model = make_tiny_model("llama")
+    plain = get_method("gptq")(GPTQConfig(group_size=16)).memory_estimate(model, 8, 24)
+    tuned = get_method("gptq")(GPTQConfig(group_size=16, distill_steps=4))
+    parts = tuned.memory_estimate(model, 8, 24)
+    numel = sum(m.weight.numel() for m in tuned.validate(model).values())
+    assert parts == {
+        **plain,
+        "dense weights and the codes as bfloat16": 6 * numel,
+        "activations kept for backward": backward_bytes(model, 1, 24, 4, 3),
+    }
