@@ -153,3 +153,10 @@ def trainable_only(model: nn.Module, params: Iterable[torch.Tensor]) -> Iterator
     finally:
         for p, flag in before.values():
             p.requires_grad_(flag)
+
+
+def check_distill(steps: int, lr: float) -> None:
+    """``--distill-steps`` / ``--distill-lr`` of a method that distils (structured, ``subnet
+    --structure``, gptq): steps >= 0, a positive lr."""
+    if steps < 0 or lr <= 0:
+        raise ConfigError(f"distill_steps must be >= 0 and distill_lr positive, got {steps}, {lr}")

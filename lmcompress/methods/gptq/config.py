@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from lmcompress.compressor.config import MethodConfig, Sparsity, parse_sparsity
+from lmcompress.compressor.training.options import check_distill
 from lmcompress.errors import ConfigError
 from lmcompress.kernels.int4_reference import BITS
 from lmcompress.methods.gptq.solver import check_options
@@ -133,11 +134,7 @@ class GPTQConfig(RTNConfig):
             raise ConfigError(f"percdamp must lie in [0, 1), got {self.percdamp}")
         if self.calib_batch_size < 1:
             raise ConfigError(f"calib_batch_size must be at least 1, got {self.calib_batch_size}")
-        if self.distill_steps < 0 or not self.distill_lr > 0:
-            raise ConfigError(
-                f"distill_steps must be >= 0 and distill_lr positive, got {self.distill_steps}, "
-                f"{self.distill_lr}"
-            )
+        check_distill(self.distill_steps, self.distill_lr)
         if self.keep_mask and pattern is not None and not pattern.is_nm:
             raise ConfigError(
                 f"--keep-mask keeps the existing zeros; --sparsity {pattern} would choose more: "

@@ -5,14 +5,8 @@ from typing import ClassVar, Literal
 
 from lmcompress.compressor.config import MethodConfig
 from lmcompress.compressor.model.structure import KINDS
+from lmcompress.compressor.training.options import check_distill
 from lmcompress.errors import ConfigError
-
-
-def check_distill(steps: int, lr: float) -> None:
-    """``--distill-steps`` (of this method and of ``subnet --structure``): >= 0, a positive lr."""
-    if steps < 0 or lr <= 0:
-        raise ConfigError(f"distill_steps must be >= 0 and distill_lr positive, got {steps}, {lr}")
-
 
 CHANNEL_MULTIPLE_HELP = (  # structured's and subnet --structure's --channel-multiple
     "the kept MLP width a multiple of this (32: GGUF's Q4_0 / Q8_0 blocks and a 4-bit "

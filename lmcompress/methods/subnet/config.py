@@ -5,14 +5,10 @@ from typing import ClassVar, Literal, get_args
 
 from lmcompress.compressor.model.structure import KINDS
 from lmcompress.compressor.options import flat_option_groups
-from lmcompress.compressor.training.options import LearningScope, TrainingOptions
+from lmcompress.compressor.training.options import LearningScope, TrainingOptions, check_distill
 from lmcompress.errors import ConfigError
 from lmcompress.methods.pruning import PruningConfig
-from lmcompress.methods.structured.config import (
-    CHANNEL_MULTIPLE_HELP,
-    check_channel_multiple,
-    check_distill,
-)
+from lmcompress.methods.structured.config import CHANNEL_MULTIPLE_HELP, check_channel_multiple
 from lmcompress.methods.subnet.parametrization import Scale
 
 Prior = Literal["sparsegpt", "wanda", "magnitude", "none"]
