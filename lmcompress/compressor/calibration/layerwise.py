@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from lmcompress.compressor.calibration.observers import SharedInputFeed
 from lmcompress.compressor.model.families import family_of
 from lmcompress.compressor.report import LayerReport
 from lmcompress.compressor.util.fsutil import free_bytes, is_disk_full, no_space_error
@@ -305,18 +306,19 @@ def _observe(
     hidden: _Activations,
     batches: list[dict[str, Any]],
 ) -> None:
-    """Run block ``index`` over every batch with each layer's accumulator on its input."""
+    """Run block ``index`` over every batch with each layer's accumulator on its input (one
+    accumulation for layers that share an input: :class:`SharedInputFeed`)."""
     if not layers:
         return
+    feed = SharedInputFeed(accumulators)
     handles = [
-        layers[n].register_forward_pre_hook(
-            lambda _mod, args, _acc=accumulators[n]: _acc.add_batch(args[0])
-        )
+        layers[n].register_forward_pre_hook(lambda _mod, args, _n=n: feed(_n, args[0]))
         for n in layers
     ]
     try:
         for i, batch in enumerate(batches):
             block(hidden[i], *batch["args"][index], **batch["kwargs"][index])
+            feed.next_batch()
     finally:
         for handle in handles:
             handle.remove()

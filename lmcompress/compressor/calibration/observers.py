@@ -205,10 +205,59 @@ class HessianAccumulator(Observer):
             )
         return x.reshape(-1, self.in_features).to(self._H.device, self._H.dtype)  # (t, in)
 
+    def mirror(self, other: Observer) -> bool:
+        """Take ``other``'s state (a copy) where it is an accumulator of this kind, size, dtype
+        and device (then True): what :class:`SharedInputFeed` does for a layer fed the very
+        tensor ``other`` was just fed, their states equal before it."""
+        if type(other) is not type(self):
+            return False
+        H, theirs = self._H, other._H
+        if (H.shape, H.dtype, H.device) != (theirs.shape, theirs.dtype, theirs.device):
+            return False
+        H.copy_(theirs)
+        self.tokens = other.tokens
+        return True
+
     def _update(self, rows: torch.Tensor) -> None:
         n_old, n_new = self.tokens, self.tokens + rows.shape[0]
         # H ← H · n_old/n_new + (2/n_new) · xᵀx, in one fused GEMM.
         self._H.addmm_(rows.T, rows, beta=n_old / n_new, alpha=2.0 / n_new)
+
+
+class SharedInputFeed:
+    """``feed(name, x)``: fold layer ``name``'s input ``x`` into its accumulator, once per
+    distinct input. Layers that read one tensor (a block's q, k and v projections; gate and up)
+    would each fold the same rows in with the same GEMM: a layer whose accumulator has mirrored
+    the same earlier layer's on every batch so far, and is now fed that layer's very tensor
+    (unmodified since), copies its state instead (``accumulator.mirror(other)``, an optional
+    method: without it, or where it declines, the layer folds its input in itself). The states
+    are bit-identical to feeding every layer, since equal states updated by the same operations
+    on the same numbers stay equal. :meth:`next_batch` between batches."""
+
+    def __init__(self, accumulators: Mapping[str, Any]) -> None:
+        self.accumulators = accumulators
+        self.source: dict[str, str | None] = {}  # layer -> the layer it mirrored on every batch
+        self._fed: list[tuple[torch.Tensor, int, str]] = []  # this batch: (input, version, layer)
+
+    def next_batch(self) -> None:
+        """Forget this batch's inputs (they are not compared across batches)."""
+        self._fed = []
+
+    def __call__(self, name: str, x: torch.Tensor) -> None:
+        accumulator = self.accumulators[name]
+        twin = next((n for t, v, n in self._fed if t is x and t._version == v), None)
+        mirror = getattr(accumulator, "mirror", None)
+        if (
+            twin is not None
+            and self.source.get(name, twin) == twin
+            and mirror is not None
+            and mirror(self.accumulators[twin])
+        ):
+            self.source[name] = twin
+            return
+        accumulator.add_batch(x)
+        self.source[name] = None
+        self._fed.append((x, x._version, name))
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
