@@ -17,6 +17,7 @@ from transformers.pytorch_utils import Conv1D
 from lmcompress.compressor.model.surgery import WeightMask, add_parametrization, bake, weight_matrix
 from lmcompress.compressor.report import LayerReport
 from lmcompress.compressor.training.drivers import Learnable
+from lmcompress.compressor.training.trainer import TrainConfig
 
 # TrainConfig fields of the tuning, whatever the mask learning's (steps and lr: the options)
 TUNE_OPTIMIZER = {
@@ -26,6 +27,13 @@ TUNE_OPTIMIZER = {
     "weight_decay": 0.0,
     "grad_clip": 1.0,
 }
+
+
+def distill_config(steps: int, lr: float) -> TrainConfig:
+    """The distillation of a whole compressed model on the KL from the dense one (low rank's
+    factors, structured's kept weights, GPTQ's scales): one calibration window a step, the
+    tuning optimiser."""
+    return TrainConfig(steps=steps, lr=lr, batch_size=1, **TUNE_OPTIMIZER)
 
 
 def tune_kept_weights(

@@ -25,8 +25,7 @@ from transformers.pytorch_utils import Conv1D
 from lmcompress.compressor.formats.int4 import Int4CodedLinear
 from lmcompress.compressor.model.surgery import add_parametrization, replace_module
 from lmcompress.compressor.training.drivers import Learnable, learn_end_to_end
-from lmcompress.compressor.training.trainer import TrainConfig
-from lmcompress.compressor.training.tuning import TUNE_OPTIMIZER
+from lmcompress.compressor.training.tuning import distill_config
 
 
 class ScaleWeight(nn.Module):
@@ -79,7 +78,7 @@ def distill_scales(
         param_options={f"{name}.scales": {"weight_decay": 0.0} for name in weights},
         masks=list(weights.values()),
     )
-    config = TrainConfig(steps=steps, lr=lr, batch_size=1, **TUNE_OPTIMIZER)
+    config = distill_config(steps, lr)
     try:
         with torch.enable_grad():  # also under a caller's no_grad
             result = learn_end_to_end(model, data, learnable, config, distill=True, lm_loss=False)

@@ -17,8 +17,7 @@ from torch import nn
 from lmcompress.compressor.model.structure import StructureGates
 from lmcompress.compressor.model.surgery import add_parametrization, bake
 from lmcompress.compressor.training.drivers import Learnable, learn_end_to_end
-from lmcompress.compressor.training.trainer import TrainConfig
-from lmcompress.compressor.training.tuning import TUNE_OPTIMIZER
+from lmcompress.compressor.training.tuning import distill_config
 
 
 class DeltaWeight(nn.Module):
@@ -63,7 +62,7 @@ def distill_kept(
         param_options={f"{name}.delta": {"weight_decay": 0.0} for name in deltas},
         masks=[gates, *deltas.values()],
     )
-    config = TrainConfig(steps=steps, lr=lr, batch_size=1, **TUNE_OPTIMIZER)
+    config = distill_config(steps, lr)
     try:
         with torch.enable_grad():
             result = learn_end_to_end(model, data, learnable, config, distill=True, lm_loss=False)

@@ -43,9 +43,9 @@ from lmcompress.compressor.model.surgery import replace_modules, weight_matrix
 from lmcompress.compressor.report import CompressionReport
 from lmcompress.compressor.training.drivers import Learnable, learn_blockwise, training_extra
 from lmcompress.compressor.training.trainer import TrainConfig
-from lmcompress.compressor.training.tuning import TUNE_OPTIMIZER
+from lmcompress.compressor.training.tuning import TUNE_OPTIMIZER, distill_config
 from lmcompress.methods.common import count_params
-from lmcompress.methods.svd.tuning import block_learnable, distill_config, distill_factors
+from lmcompress.methods.svd.tuning import block_learnable, distill_factors
 
 CURVE_KEYS = ("step", "rel_err", "loss", "lm_loss", "kl")
 REFIT_DAMP = 1e-2  # of the mean diagonal of A Σ Aᵀ, as SparseGPT's percdamp

@@ -21,7 +21,6 @@ from lmcompress.compressor.model.surgery import add_parametrization, bake
 from lmcompress.compressor.report import LayerReport
 from lmcompress.compressor.training.drivers import Learnable, learn_end_to_end
 from lmcompress.compressor.training.trainer import TrainConfig
-from lmcompress.compressor.training.tuning import TUNE_OPTIMIZER
 
 
 class FactorWeight(nn.Module):
@@ -116,8 +115,3 @@ def distill_factors(
         result = learn_end_to_end(model, data, learnable, config, distill=True, lm_loss=False)
     _copy_back(layers, built, factors)
     return result.state.history
-
-
-def distill_config(steps: int, lr: float) -> TrainConfig:
-    """One calibration window a step, the tuning optimiser."""
-    return TrainConfig(steps=steps, lr=lr, batch_size=1, **TUNE_OPTIMIZER)
