@@ -20,8 +20,9 @@ def _x(seed: int, tokens: int = 12, width: int = 8) -> torch.Tensor:
     return torch.randn(2, tokens, width, generator=torch.Generator().manual_seed(seed))
 
 
-def _alone(inputs: list[torch.Tensor], dtype=torch.float32) -> HessianAccumulator:
-    acc = HessianAccumulator(8, dtype=dtype)
+def _alone(inputs: list[torch.Tensor], dtype=torch.float32, width: int = 8) -> HessianAccumulator:
+    """An accumulator fed only ``inputs``, each folded in itself."""
+    acc = HessianAccumulator(width, dtype=dtype)
     for x in inputs:
         acc.add_batch(x)
     return acc
@@ -140,13 +141,6 @@ def test_layerwise_hessians_equal_each_layers_own_and_shared_ones_are_copied(fam
     monkeypatch.setattr(HessianAccumulator, "_update", original)
     for name, acc in made.items():
         observed = inputs[name][:3]  # the observing pass (the second one computes outputs)
-        assert torch.equal(acc.H, _alone_of(acc, observed).H), name
+        assert torch.equal(acc.H, _alone(observed, width=acc.H.shape[0]).H), name
     per_block = 7 if family == "llama" else 4  # gpt2: c_attn, attn.c_proj, c_fc, mlp.c_proj
     assert len(updates) == 3 * 4 * (len(layers) // per_block)  # 3 batches, 4 distinct inputs
-
-
-def _alone_of(acc: HessianAccumulator, inputs: list[torch.Tensor]) -> HessianAccumulator:
-    alone = HessianAccumulator(acc.H.shape[0])
-    for x in inputs:
-        alone.add_batch(x)
-    return alone
