@@ -43,6 +43,7 @@ from lmcompress.compressor.calibration.layerwise import (
 from lmcompress.compressor.model.loss import distillation_losses, final_hidden, nll_from_hidden
 from lmcompress.compressor.report import LayerReport
 from lmcompress.compressor.training.checkpoint import Checkpoints, block_dir, data_fingerprint
+from lmcompress.compressor.training.teacher import TeacherCache
 from lmcompress.compressor.training.trainer import TrainConfig, Trainer, TrainState
 from lmcompress.compressor.util import memory
 from lmcompress.errors import LmcompressError
@@ -82,6 +83,8 @@ class Learnable:
     tune: Callable[[], Learnable] | None = None
     # the TrainConfig fields this learnable trains under instead of the run's (steps, lr)
     overrides: dict[str, Any] = field(default_factory=dict)
+    # no trained parameter changes the teacher (``teacher.TeacherCache``: one forward a window)
+    fixed_teacher: bool = False
 
 
 @contextlib.contextmanager
@@ -192,11 +195,16 @@ def _lm_loss(learnable: Learnable, distill: bool, with_lm: bool = True) -> Calla
     terms. The losses over the vocabulary are computed from the final hidden states a chunk of
     positions at a time: the (B, T, V) logits never exist whole (``compressor.model.loss``)."""
 
+    cache = TeacherCache() if distill and learnable.fixed_teacher else None
+
     def loss_fn(model: nn.Module, ids: torch.Tensor, step: int):
+        def dense_hidden() -> torch.Tensor:  # (B, T, H) of the dense model
+            with torch.no_grad(), masks_set(learnable.masks, enabled=False):
+                return final_hidden(model, ids)
+
         teacher = None
         if distill:
-            with torch.no_grad(), masks_set(learnable.masks, enabled=False):
-                teacher = final_hidden(model, ids)  # (B, T, H) of the dense model
+            teacher = cache.get(ids, dense_hidden) if cache is not None else dense_hidden()
         with parametrize.cached():  # one sample per layer for the forward and the extra terms
             hidden = final_hidden(model, ids)  # (B, T, H)
             if teacher is None:

@@ -77,6 +77,7 @@ def distill_scales(
         params={f"{name}.scales": w.scales for name, w in weights.items()},
         param_options={f"{name}.scales": {"weight_decay": 0.0} for name in weights},
         masks=list(weights.values()),
+        fixed_teacher=True,  # the teacher is the dense weights, none of them trained
     )
     config = distill_config(steps, lr)
     try:
