@@ -127,3 +127,14 @@ def test_tested_versions_are_what_the_set_up_installed():
         "`.venv/bin/python scripts/tested_versions.py --write`"
     )
     assert "| transformers |" in versions.table() and "5.24.0" not in page
+
+
+def test_every_recipe_file_is_in_the_recipes_table():
+    """A recipe added to ``recipes/`` without a row in docs/recipes.md is one a user never
+    finds (two structured ones were)."""
+    page = (DOCS / "recipes.md").read_text()
+    table = page[page.index("## The recipes in `recipes/`") :]
+    listed = set(re.findall(r"^\| `(recipes/[\w.-]+\.yaml)` \|", table, flags=re.M))
+    files = {f"recipes/{path.name}" for path in (ROOT / "recipes").glob("*.yaml")}
+    missing = sorted(files - listed)
+    assert not missing, f"recipes missing from docs/recipes.md: {missing}"
