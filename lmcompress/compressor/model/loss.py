@@ -6,9 +6,12 @@ size (4.3 GB, twice the weights of a 270M model). Every loss here instead takes 
 states (``B x T x H``, H is a few hundred) and runs head + log-softmax + loss over chunks of
 ``chunk_tokens`` positions, so the peak grows with the chunk, not with ``B x T x V``.
 
-Under autograd each chunk runs under non-reentrant :func:`torch.utils.checkpoint.checkpoint`:
-the forward keeps only the chunk's inputs, and the backward recomputes one chunk's logits at a
-time, so training (MaskLLM end to end, distillation) never holds the whole logits either.
+Under autograd, training (MaskLLM end to end, distillation) never holds the whole logits
+either: a plain linear head's chunk computes its losses' gradients in the forward, while its
+logits exist (:mod:`lmcompress.compressor.model.head_grad`), and keeps only their (positions x
+hidden) product with the head; any other head's chunk runs under non-reentrant
+:func:`torch.utils.checkpoint.checkpoint`, which keeps the chunk's inputs and recomputes its
+logits in the backward.
 
 The hidden states come from the model's own forward with a pre-hook on the head that records
 its input and hands the head an empty ``(B, 0, H)`` slice: nothing but the head is skipped, for
@@ -28,6 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lmcompress.compressor.model.families import family_of
+from lmcompress.compressor.model.head_grad import HeadLosses
 from lmcompress.errors import ConfigError
 
 IGNORE_INDEX = -100
@@ -146,14 +150,30 @@ def _run_chunks(
     teacher_head: Head | None,
     chunk_tokens: int,
     ignore_index: int,
+    nll_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sums of :func:`_chunk_losses` over chunks of rows of ``hidden`` (N, H)."""
+    """Sums of :func:`_chunk_losses` over chunks of rows of ``hidden`` (N, H). Under autograd a
+    plain linear head's chunks go through :class:`HeadLosses` (gradients in the forward; with
+    ``nll_grad`` off the NLL has none), any other head's under checkpointing."""
     differentiable = _needs_graph(hidden, head.weight, head.bias)
     if head.module is not None:
         differentiable = differentiable or _needs_graph(*head.module.parameters())
+    fused = differentiable and head.module is None and head.softcap is None
     nll = kl = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk_tokens):
         rows = slice(start, start + chunk_tokens)
+        if fused:
+            chunk_nll, chunk_kl = _fused_chunk(
+                head,
+                hidden[rows],
+                None if targets is None else targets[rows],
+                None if teacher_hidden is None else teacher_hidden[rows],
+                teacher_head,
+                ignore_index,
+                nll_grad,
+            )
+            nll, kl = nll + chunk_nll, kl + chunk_kl
+            continue
         args = (
             hidden[rows],
             None if targets is None else targets[rows],
@@ -168,6 +188,23 @@ def _run_chunks(
             chunk_nll, chunk_kl = _chunk_losses(*args)
         nll, kl = nll + chunk_nll, kl + chunk_kl
     return nll, kl
+
+
+def _fused_chunk(
+    head: Head,
+    hidden: torch.Tensor,
+    targets: torch.Tensor | None,
+    teacher_hidden: torch.Tensor | None,
+    teacher_head: Head | None,
+    ignore_index: int,
+    nll_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    teacher_logits = None
+    if teacher_hidden is not None:
+        teacher_logits = lambda: teacher_head.logits(teacher_hidden)  # noqa: E731
+    return HeadLosses.apply(
+        hidden, head.weight, head.bias, targets, teacher_logits, ignore_index, nll_grad
+    )
 
 
 def _chunk_size(model: nn.Module, chunk_tokens: int | None) -> int:
@@ -272,16 +309,18 @@ def distillation_losses(
     teacher: nn.Module | None = None,
     chunk_tokens: int | None = None,
     ignore_index: int = IGNORE_INDEX,
+    nll_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean next-token NLL, batchmean KL(teacher || student)) in one pass over the chunks.
 
     The same values as :func:`nll_from_hidden` (``"mean"``) and :func:`chunked_kl`, but each
     chunk's student logits and log-softmax serve both terms: with a large vocabulary the head
-    is most of the model's compute.
+    is most of the model's compute. ``nll_grad=False``: the NLL is for logging only and comes
+    back with no gradient path, which spares its gradient's matmul (a plain linear head).
     """
     targets = _shifted_targets(labels.to(hidden.device), ignore_index).reshape(-1)  # (B*T,)
     kl, nll = _kl_and_nll(
-        model, hidden, teacher_hidden, teacher, targets, chunk_tokens, ignore_index
+        model, hidden, teacher_hidden, teacher, targets, chunk_tokens, ignore_index, nll_grad
     )
     scored = (targets != ignore_index).sum()
     return nll / scored, kl / hidden.shape[:-1].numel()
@@ -295,6 +334,7 @@ def _kl_and_nll(
     targets: torch.Tensor | None,
     chunk_tokens: int | None,
     ignore_index: int,
+    nll_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed KL and NLL over every row of (B, T, H) ``hidden``."""
     if teacher_hidden.shape[:-1] != hidden.shape[:-1]:
@@ -312,7 +352,10 @@ def _kl_and_nll(
         teacher_head,
         chunk,
         ignore_index,
+        nll_grad,
     )
+    if not nll_grad:
+        nll = nll.detach()  # the checkpointed path's too
     return kl, nll
 
 

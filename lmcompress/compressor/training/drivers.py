@@ -210,7 +210,7 @@ def _lm_loss(learnable: Learnable, distill: bool, with_lm: bool = True) -> Calla
             if teacher is None:
                 lm_loss, kl = nll_from_hidden(model, hidden, ids, reduction="mean"), None
             else:  # both from one pass over the vocabulary
-                lm_loss, kl = distillation_losses(model, hidden, ids, teacher)
+                lm_loss, kl = distillation_losses(model, hidden, ids, teacher, nll_grad=with_lm)
             extra, logs = learnable.extra_loss(step)
         logs = {"lm_loss": float(lm_loss.detach()), **logs}
         loss = (lm_loss if with_lm else 0.0) + extra
