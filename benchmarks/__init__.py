@@ -68,6 +68,9 @@ Programs:
 - ``speed_scale``: ``compress-model bench`` on random-weight models of Llama-3.2-1B's and
   Llama-3-8B's shapes (fewer blocks), every runtime eager and compiled, decode as a fraction
   of the bandwidth limit;
+- ``head_loss_speed``: forward + backward of the vocabulary-chunked training losses at
+  SmolLM2's head shape, gradients computed in the forward against checkpointed chunks,
+  interleaved;
 - ``ptx_report``: every Triton kernel and autotuning candidate compiled for sm_80 and sm_90 with
   no GPU (Triton's compiler and its ptxas): registers, spills and shared memory.
 
@@ -96,4 +99,5 @@ BENCHMARKS = (
     "gguf_llama_cpp",
     "ptx_report",
     "speed_scale",
+    "head_loss_speed",
 )

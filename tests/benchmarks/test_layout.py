@@ -37,6 +37,7 @@ TORCH_AT_THE_TOP = {
     "load_checks": "measured in the driver's own process",
     "learned_speed": "measured in the driver's own process",
     "kernels": "measured in the driver's own process",
+    "head_loss_speed": "measured in the driver's own process",
 }
 
 
