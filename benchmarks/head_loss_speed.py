@@ -24,10 +24,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint
 
 import lmcompress.compressor.model.loss as loss
+from benchmarks.allocator import peak_allocated_bytes
 from benchmarks.harness import Table, add_harness_args, run_table
 from benchmarks.render import markdown_table
 
@@ -36,12 +36,10 @@ POSITIONS, HIDDEN, VOCAB = 512, 576, 49_152
 LOSSES = ("distill", "lm", "lm + distill")
 
 
-def _checkpointed_chunk(head, hidden, targets, teacher_hidden, teacher_head, ignore, _nll_grad):
-    """A chunk as the losses ran before ``head_grad``: checkpointed, recomputed in backward."""
-    return checkpoint(
-        loss._chunk_losses, hidden, targets, teacher_hidden, head, teacher_head, ignore,
-        use_reentrant=False,
-    )  # fmt: skip
+def _checkpointed_chunk(*args):
+    """A chunk as the losses ran before ``head_grad``: checkpointed, recomputed in backward
+    (``args``: :func:`loss._fused_chunk`'s, the last one ``nll_grad``)."""
+    return checkpoint(loss._chunk_losses, *args[:-1], use_reentrant=False)
 
 
 def _step(kind: str, chunk_fn, inputs: dict[str, torch.Tensor]):
@@ -65,17 +63,6 @@ def _step(kind: str, chunk_fn, inputs: dict[str, torch.Tensor]):
         total.backward()
 
     return run
-
-
-def _peak_bytes(fn) -> int:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
 
 
 def measure(args: argparse.Namespace, _names: list[str], _previous: dict) -> Iterator[dict]:
@@ -104,7 +91,7 @@ def measure(args: argparse.Namespace, _names: list[str], _previous: dict) -> Ite
             row[way] = {
                 "median_s": statistics.median(times[way]),
                 "least_s": min(times[way]),
-                "peak_mib": _peak_bytes(steps[way]) / 2**20,
+                "peak_mib": peak_allocated_bytes(steps[way]) / 2**20,
             }
         rows.append(row)
     yield {"rounds": rounds, "threads": torch.get_num_threads(), "rows": rows}

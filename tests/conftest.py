@@ -25,6 +25,7 @@ if not torch.cuda.is_available():
 
 import transformers  # noqa: E402
 
+from benchmarks.allocator import peak_allocated_bytes  # noqa: E402, F401  (tests import it here)
 from lmcompress.kernels import int4_reference  # noqa: E402
 
 VOCAB = 256
@@ -189,25 +190,6 @@ def tiny_checkpoint(tmp_path):
     model.save_pretrained(path)
     make_tiny_tokenizer().save_pretrained(path)
     return path
-
-
-def peak_allocated_bytes(fn) -> int:
-    """Peak of the CPU allocator's live bytes while ``fn`` runs, above where it started.
-
-    The profiler reports every allocation and free of torch's CPU allocator (not just the
-    largest tensor), so the running sum is the live-bytes curve; the same calls always give the
-    same curve.
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
 
 
 def int4_weight(out, in_features, bits, group_size, symmetric=False, seed=0):

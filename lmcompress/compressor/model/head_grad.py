@@ -53,7 +53,7 @@ class HeadLosses(torch.autograd.Function):
         ignore_index: int,
         nll_grad: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        wants = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2])
+        wants = ctx.needs_input_grad[:3]  # hidden, weight, bias
         z = F.linear(hidden, weight, bias)
         dtype = z.dtype
         logp = F.log_softmax(z.float(), dim=-1)  # (n, V)

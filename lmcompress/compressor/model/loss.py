@@ -162,18 +162,6 @@ def _run_chunks(
     nll = kl = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk_tokens):
         rows = slice(start, start + chunk_tokens)
-        if fused:
-            chunk_nll, chunk_kl = _fused_chunk(
-                head,
-                hidden[rows],
-                None if targets is None else targets[rows],
-                None if teacher_hidden is None else teacher_hidden[rows],
-                teacher_head,
-                ignore_index,
-                nll_grad,
-            )
-            nll, kl = nll + chunk_nll, kl + chunk_kl
-            continue
         args = (
             hidden[rows],
             None if targets is None else targets[rows],
@@ -182,7 +170,9 @@ def _run_chunks(
             teacher_head,
             ignore_index,
         )
-        if differentiable:  # keep only the chunk's inputs; recompute its logits in backward
+        if fused:
+            chunk_nll, chunk_kl = _fused_chunk(*args, nll_grad)
+        elif differentiable:  # keep only the chunk's inputs; recompute its logits in backward
             chunk_nll, chunk_kl = checkpoint(_chunk_losses, *args, use_reentrant=False)
         else:
             chunk_nll, chunk_kl = _chunk_losses(*args)
@@ -191,14 +181,15 @@ def _run_chunks(
 
 
 def _fused_chunk(
-    head: Head,
     hidden: torch.Tensor,
     targets: torch.Tensor | None,
     teacher_hidden: torch.Tensor | None,
+    head: Head,
     teacher_head: Head | None,
     ignore_index: int,
     nll_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_chunk_losses`' arguments, through :class:`HeadLosses`."""
     teacher_logits = None
     if teacher_hidden is not None:
         teacher_logits = lambda: teacher_head.logits(teacher_hidden)  # noqa: E731
