@@ -98,8 +98,9 @@ VOLATILE = re.compile(r"seconds|rss|versions|wall|elapsed|^time$|tokens_per_s")
 
 def stable(value):
     """``value`` without timings, memory readings and versions (recursively)."""
-    if isinstance(value, dict):
-        return {stable(k): stable(v) for k, v in value.items() if not VOLATILE.search(str(k))}
+    if isinstance(value, dict):  # keys normalised first: a temporary path may spell "rss"
+        keys = {k: stable(k) for k in value}
+        return {keys[k]: stable(v) for k, v in value.items() if not VOLATILE.search(str(keys[k]))}
     if isinstance(value, list):
         return [stable(v) for v in value]
     if isinstance(value, str):  # temporary paths differ between runs
