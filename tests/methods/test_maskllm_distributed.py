@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
     import json, logging, sys
     import torch
     from accelerate import PartialState
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{tests!r}, {root!r}]  # conftest, and the benchmarks package it imports
     from conftest import make_tiny_model
     from lmcompress import MaskLLMConfig, compress
     from lmcompress.methods.maskllm import method as maskllm_method
@@ -68,7 +68,8 @@ def _launch(
     out = tmp_path / name
     out.mkdir()
     script = tmp_path / "train.py"
-    script.write_text(SCRIPT.format(tests=str(Path(__file__).resolve().parent.parent)))
+    tests = Path(__file__).resolve().parent.parent
+    script.write_text(SCRIPT.format(tests=str(tests), root=str(tests.parent)))
     accelerate = Path(sys.executable).parent / "accelerate"
     env = dict(os.environ)
     if mpi:
