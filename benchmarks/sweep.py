@@ -148,7 +148,11 @@ def run_row(row: Row, settings: Record, work: Path, peer_venv: Path, keep: bool 
         record.update({k: round(peer[k], 1) for k in ("wall_seconds", "peak_rss_mb")})
     else:
         job = (_readme_job if row.kind == "readme" else _compress_job)(row, out, settings, work)
-        run = run_job(job, work)
+        try:
+            run = run_job(job, work)
+        finally:  # a readme row's own empty cache (downloads, conversions): not left in /tmp
+            if "LMCOMPRESS_CACHE" in job.env:
+                shutil.rmtree(job.env["LMCOMPRESS_CACHE"], ignore_errors=True)
         record.update(_measured(run))
         record.update(record_of(run.result, out))
         if row.kind == "learned":

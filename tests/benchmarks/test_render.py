@@ -302,7 +302,7 @@ def test_runtime_reloads_each_output_in_every_runtime_and_runs_the_readme_comman
     in each runtime of the ``reload`` setting (a line each); the ``readme`` row runs the
     recipe as flags from an empty cache, and is a line of its section."""
     shutil.copy(RESULTS_DIR / "runtime.json", tmp_path)
-    ran = []
+    ran, caches = [], []
 
     def result(job):
         command = [str(part) for part in job.command]
@@ -321,6 +321,8 @@ def test_runtime_reloads_each_output_in_every_runtime_and_runs_the_readme_comman
                 "64",
             ]
             assert "LMCOMPRESS_CACHE" in job.env and "--config" not in command
+            assert Path(job.env["LMCOMPRESS_CACHE"]).is_dir()  # empty, made for this job
+            caches.append(job.env["LMCOMPRESS_CACHE"])
         else:
             assert command[command.index("--save-dtype") + 1] == "bfloat16"
         summary = {"params_kept": 1, "params_compressed_layers": 2}
@@ -333,6 +335,7 @@ def test_runtime_reloads_each_output_in_every_runtime_and_runs_the_readme_comman
     assert sweep.main([*argv, "--work", str(tmp_path / "w")]) == 0
 
     assert ran == ["svd 0.8", "eval svd 0.8 packed", "eval svd 0.8 dense", "main job"]
+    assert len(caches) == 1 and not Path(caches[0]).exists()  # removed after the job
     md = (tmp_path / "runtime.md").read_text()
     row = "| svd 0.8 | 0.500 | 12.5 | 321.0 | 70.00 | 140.00 | {} | 70.00 | 140.00 | 1.0 | 0.5000 |"
     assert row.format("packed") in md and row.format("dense") in md
