@@ -268,3 +268,11 @@ def count_calls(monkeypatch, owner, name: str) -> dict[str, int]:
 
     monkeypatch.setattr(owner, name, counted)
     return calls
+
+
+@pytest.fixture(scope="session")
+def method_jobs(tmp_path_factory):
+    """One real quiet job per method, shared by the tests that read them (``method_jobs.py``)."""
+    from method_jobs import run_method_jobs
+
+    return run_method_jobs(tmp_path_factory.mktemp("method-jobs"))
