@@ -3,7 +3,7 @@ refused, and a full disk is one line that leaves nothing (issue 23, points 1, 3 
 
 The path cases run ``main`` in this process with model loading forbidden; the concurrent
 writers are two real ``compress-model`` processes; the full disks are small tmpfs mounts
-(skipped where this machine cannot mount one).
+(skipped where this machine cannot mount one), written by ``main`` in this process.
 """
 
 from __future__ import annotations
@@ -258,50 +258,58 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(mount)], check=False)
 
 
-def _cli_error(argv: list[str]) -> str:
-    """The one error line of a CLI run (after ``--force``'s warning, where it was given)."""
-    done = subprocess.run(_cli(*argv), capture_output=True, text=True, check=False)
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
+def _cli_error(argv: list[str], capfd, caplog) -> str:
+    """The one error line of a CLI run in this process, its stderr read at the descriptor;
+    with ``--force``, its warning logged first (pytest's log capture holds it here)."""
+    capfd.readouterr()
+    caplog.clear()
+    code = main([str(arg) for arg in argv])
+    stderr = capfd.readouterr().err
+    lines = [line for line in stderr.splitlines() if line.strip()]
     if "--force" in argv:
-        assert "going on (--force)" in lines[0], done.stderr[-3000:]
-        lines = lines[1:]
-    assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert any("going on (--force)" in message for message in warned), warned
+    assert code == 2 and len(lines) == 1, stderr[-3000:]
     assert lines[0].startswith("compress-model: error:"), lines[0]
     return lines[0]
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["in memory", "streaming"])
 def test_output_larger_than_the_free_space_is_refused_up_front(
-    small_disk, tiny_checkpoint, corpus, streaming
+    small_disk, tiny_checkpoint, corpus, streaming, capfd, caplog
 ):
     flags = ["--streaming"] if streaming else []
-    err = _cli_error(_job(tiny_checkpoint, corpus, *flags, "-o", str(small_disk / "out")))
+    err = _cli_error(
+        _job(tiny_checkpoint, corpus, *flags, "-o", str(small_disk / "out")), capfd, caplog
+    )
     assert "not enough disk space" in err and "--force" in err, err
     assert list(small_disk.iterdir()) == []
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["in memory", "streaming"])
 def test_disk_full_at_write_is_one_line_and_leaves_nothing(
-    small_disk, tiny_checkpoint, corpus, streaming
+    small_disk, tiny_checkpoint, corpus, streaming, capfd, caplog
 ):
     """``--force`` past the free-space check: the disk fills during the save (or the streamed
     writes); one line with the path, exit 2, nothing left on the disk."""
     flags = ["--streaming"] if streaming else []
     out = small_disk / "out"
-    err = _cli_error(_job(tiny_checkpoint, corpus, *flags, "--force", "-q", "-o", str(out)))
+    err = _cli_error(
+        _job(tiny_checkpoint, corpus, *flags, "--force", "-q", "-o", str(out)), capfd, caplog
+    )
     assert "no space left on the device writing" in err and str(out) in err, err
     assert list(small_disk.iterdir()) == []
 
 
 def test_offload_to_a_full_disk_is_one_line_and_leaves_nothing(
-    small_disk, tmp_path, tiny_checkpoint, corpus
+    small_disk, tmp_path, tiny_checkpoint, corpus, capfd, caplog
 ):
     offload = small_disk / "act"
     argv = _job(tiny_checkpoint, corpus, "--method", "wanda", "--streaming", "--nsamples", "64")
     argv += ["--offload-activations", str(offload), "-o", str(tmp_path / "out")]
-    err = _cli_error(argv)
+    err = _cli_error(argv, capfd, caplog)
     assert "not enough disk space" in err and "--offload-activations" in err, err
-    err = _cli_error([*argv, "--force", "-q"])
+    err = _cli_error([*argv, "--force", "-q"], capfd, caplog)
     assert "no space left on the device writing" in err and str(offload) in err, err
     assert list(small_disk.iterdir()) == []
     assert not (tmp_path / "out").exists()
