@@ -107,9 +107,19 @@ def test_two_process_accelerate_run_trains_and_keeps_invariants(data_parallel):
     assert [h["step"] for h in records[0]["history"]] == [1, 2, 3, 4]
 
 
-def test_fsdp_shards_the_logits_and_matches_data_parallel(tmp_path, data_parallel):
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    """The FSDP run, which also writes its one checkpoint, at step 3 of 4, for the resume test
+    (a checkpoint changes nothing in the training): ``(checkpoint dir, _launch's result)``."""
+    root = tmp_path_factory.mktemp("fsdp")
+    checkpoints = root / "ckpt"
+    options = {"checkpoint_dir": str(checkpoints), "checkpoint_every": 3}
+    return checkpoints, _launch(root, "fsdp", fsdp=True, **options)
+
+
+def test_fsdp_shards_the_logits_and_matches_data_parallel(fsdp_run, data_parallel):
     reference, reference_records, _ = data_parallel
-    ranks, records, _ = _launch(tmp_path, "fsdp", fsdp=True)
+    ranks, records, _ = fsdp_run[1]
     for record in records:  # each process held half the logits (and so half the moments)
         assert record["local"]["numel"] * 2 == record["local"]["total"] > 0
     for r in (0, 1):
@@ -123,11 +133,10 @@ def test_fsdp_shards_the_logits_and_matches_data_parallel(tmp_path, data_paralle
         assert ours["flipped"] == pytest.approx(theirs["flipped"], abs=1e-6)
 
 
-def test_fsdp_checkpoint_resumes_to_the_uninterrupted_result(tmp_path, data_parallel):
+def test_fsdp_checkpoint_resumes_to_the_uninterrupted_result(tmp_path, fsdp_run, data_parallel):
     reference, _, _ = data_parallel
-    checkpoints = tmp_path / "ckpt"
     # the only checkpoint is written at step 3 (of 4); the resumed run trains step 4 from it
-    _launch(tmp_path, "first", fsdp=True, checkpoint_dir=str(checkpoints), checkpoint_every=3)
+    checkpoints = fsdp_run[0]
     state = json.loads((checkpoints / "trainer_state" / "state.json").read_text())
     assert state["state"]["step"] == 3
     saved = load_file(checkpoints / "trainer_state" / "state.safetensors")
