@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -69,15 +68,6 @@ def _finish(job: subprocess.Popen) -> tuple[int, str]:
     return job.returncode, err
 
 
-def _cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "lmcompress.cli.main", *argv],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-
-
 def test_a_file_written_into_the_output_during_the_job_is_kept(tmp_path, tiny_checkpoint, corpus):
     out = tmp_path / "out"
     job = _waiting(_job(tiny_checkpoint, corpus, out, "-q"))
@@ -94,9 +84,10 @@ def test_a_file_written_into_the_output_during_the_job_is_kept(tmp_path, tiny_ch
     assert str(kept) in lines[0] and (kept / "config.json").is_file()
 
 
-def test_nested_outputs_of_running_jobs_are_refused(tmp_path, tiny_checkpoint, corpus):
-    """``-o a/b`` runs: ``-o a --overwrite`` and ``-o a/b/c`` are refused in one line; the
-    lock of ``a/b`` survives both, so a third ``-o a/b`` is refused too; the first finishes."""
+def test_nested_outputs_of_running_jobs_are_refused(tmp_path, tiny_checkpoint, corpus, capfd):
+    """``-o a/b`` runs in another process: ``-o a --overwrite`` and ``-o a/b/c`` are refused in
+    one line (``main`` in this process, stderr at the descriptor); the lock of ``a/b`` survives
+    both, so a third ``-o a/b`` is refused too; the first finishes."""
     inner = tmp_path / "a" / "b"
     job = _waiting(_job(tiny_checkpoint, corpus, inner, "-q"))
     try:
@@ -106,14 +97,12 @@ def test_nested_outputs_of_running_jobs_are_refused(tmp_path, tiny_checkpoint, c
             (inner / "c", f"is inside {inner}, which another run is writing"),
             (inner, "is being written by another run"),
         ]
-        with ThreadPoolExecutor(len(refusals)) as pool:  # the three at once: the lock is held
-            runs = pool.map(
-                lambda out: _cli(*_job(tiny_checkpoint, corpus, out, "--overwrite")),
-                [out for out, _ in refusals],
-            )
-        for done, (_, says) in zip(runs, refusals, strict=True):
-            lines = done.stderr.strip().splitlines()
-            assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
+        for out, says in refusals:
+            capfd.readouterr()
+            code = main(_job(tiny_checkpoint, corpus, out, "--overwrite"))
+            err = capfd.readouterr().err
+            lines = err.strip().splitlines()
+            assert code == 2 and len(lines) == 1, err[-3000:]
             assert says in lines[0] and f"pid {job.pid} on" in lines[0], lines[0]
     finally:
         code, err = _finish(job)

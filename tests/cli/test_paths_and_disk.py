@@ -183,9 +183,12 @@ def _cli(*argv: str) -> list[str]:
     return [sys.executable, "-m", "lmcompress.cli.main", *argv]
 
 
-def test_second_writer_of_one_output_is_refused_naming_the_first(tmp_path, tiny_checkpoint, corpus):
-    """Two real processes: the first trains (long), the second names the same -o; it exits 2
-    in one line naming the first's pid, and the first is not disturbed."""
+def test_second_writer_of_one_output_is_refused_naming_the_first(
+    tmp_path, tiny_checkpoint, corpus, capfd
+):
+    """The first writer trains (long) in another process; the second, ``main`` in this one,
+    names the same -o: it exits 2 in one line naming the first's pid, and the first is not
+    disturbed."""
     out = tmp_path / "out"
     argv = _job(tiny_checkpoint, corpus, "--method", "maskllm", "--steps", "100000")
     first = subprocess.Popen(
@@ -196,14 +199,11 @@ def test_second_writer_of_one_output_is_refused_naming_the_first(tmp_path, tiny_
         while not lock_path(out).exists():
             assert first.poll() is None and time.monotonic() < deadline, "no lock taken"
             time.sleep(0.1)
-        second = subprocess.run(
-            _cli(*_job(tiny_checkpoint, corpus, "-o", str(out))),
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        lines = second.stderr.strip().splitlines()
-        assert second.returncode == 2 and len(lines) == 1, second.stderr
+        capfd.readouterr()
+        second = main(_job(tiny_checkpoint, corpus, "-o", str(out)))
+        err = capfd.readouterr().err
+        lines = err.strip().splitlines()
+        assert second == 2 and len(lines) == 1, err
         assert "is being written by another run" in lines[0], lines[0]
         assert f"pid {first.pid} on" in lines[0], lines[0]
         assert first.poll() is None  # the first goes on
