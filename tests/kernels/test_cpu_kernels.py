@@ -364,14 +364,20 @@ def test_the_avx2_loops_match_too(kernels_built_with):
 
 
 def test_the_build_is_cached_and_keyed_by_the_cpu(tmp_path, monkeypatch):
-    monkeypatch.setenv("LMCOMPRESS_CACHE", str(tmp_path))
+    """(A one-line source stands in for the kernels: the same build steps, in a second.)"""
+    cache, source = tmp_path / "cache", tmp_path / "tiny.cpp"
+    source.write_text('extern "C" int lmc_nm_simd() { return 0; }\n')
+    monkeypatch.setattr(cpu_kernels, "SOURCE", source)
+    monkeypatch.setenv("LMCOMPRESS_CACHE", str(cache))
     first = cpu_kernels._build()
-    assert first.parent == tmp_path / "kernels" and first.is_file()
+    assert first.parent == cache / "kernels" and first.is_file()
     mtime = first.stat().st_mtime_ns
     assert cpu_kernels._build() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
     monkeypatch.setattr(cpu_kernels, "_cpu_identity", lambda: "another CPU")
     assert cpu_kernels._build() != first  # code built for one CPU is never loaded on another
-    assert sorted(p.suffix for p in (tmp_path / "kernels").iterdir()) == [".so", ".so"]
+    assert sorted(p.suffix for p in (cache / "kernels").iterdir()) == [".so", ".so"]
+    source.write_text('extern "C" int lmc_nm_simd() { return 1; }\n')
+    assert cpu_kernels._build() != first  # a changed source is built anew
 
 
 def test_no_compiler_falls_back_to_the_reference_with_one_warning(tmp_path, monkeypatch, caplog):
