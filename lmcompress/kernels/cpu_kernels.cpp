@@ -411,6 +411,11 @@ static int64_t row_dense_float_avx2(const float* x, int64_t in, const void* row,
 // F.linear, interleaved, ad hoc (µs): 8192 x 2048 1892 / 2650 / 3002, 2048 x 8192 1911 / 2789 /
 // 2920, 1536 x 576 99 / 103 / 159; SmolLM2's head, 49152 x 576 streamed from memory, about
 // even with the row loop (5657 / 5324 / 6043: the bandwidth, not the loop, is the limit there).
+// Used by the low-rank factors at one token. Tried for the plain bf16 linears of a loaded
+// export at decode (the bf16 head, the expanded runtime) and taken out again: in a model each
+// layer's weight comes from memory, where torch's loop is about as fast, and the Python of the
+// call cost more than the loop saved (the expanded rows decoded at 0.80x dense bf16 lean
+// against 0.95x before; benchmarks/results/speed_avx2_lean/stack_dec07b, docs/speed.md).
 static int64_t rows4_dense_float_avx2(const float* x, int64_t in, const void* rows, int kind,
                                       float* acc) {
   __m256 sum[4][2];

@@ -1,6 +1,5 @@
 """The plain linears of a loaded compressed model (the output head, expanded layers) computing
-their bf16 prefill in float32, and their one-token decode by the compiled kernels, on a CPU that
-emulates bf16 matmuls.
+their bf16 prefill in float32 on a CPU that emulates bf16 matmuls.
 
 The compressed layers already do (:mod:`lmcompress.kernels.gemm_dtype`). What stays an
 ``nn.Linear`` in a bf16 export — SmolLM2's head, tied to the embeddings; every layer of the
@@ -24,25 +23,16 @@ rounds). The ``dense`` runtime gets it too, so that the runtimes of one export s
 packed 2:4 bf16 SmolLM2 scored 1203.65 against the dense runtime's plain bf16 1201.32 (4096
 tokens of wiki-test; the test ``test_smollm2_2_4_packed_runtime_matches_dense…``), where torch's
 emulated bf16 matmul and the float32 one round differently over 576-1536 inputs.
-
-At one token (decode) such a layer runs the compiled kernels' dense float rows where their AVX2
-loops are built (:func:`decode_linear`, :func:`decode_kernel`): the bf16 weight read once, four
-rows a pass, products summed in float32 and rounded to bf16 once. Against torch's emulated bf16
-``F.linear`` on a 2-core AMD EPYC, interleaved, ad hoc: 1.1-1.6× by shape (the comment above
-``rows4_dense_float_avx2`` in ``cpu_kernels.cpp`` gives the timings); SmolLM2's head is memory
-bound and gains least. Eager inference only: with a gradient wanted, or while
-``torch.compile`` traces, torch's matmul stays.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 from torch import nn
 
-from lmcompress.kernels import cpu_kernels, gemm_dtype, int4_ops, int4_reference
+from lmcompress.kernels import gemm_dtype, int4_ops, int4_reference
 
 logger = logging.getLogger(__name__)
 
@@ -54,41 +44,16 @@ MIN_TOKENS = 16
 
 class Float32PrefillLinear(nn.Linear):
     """``nn.Linear`` whose bf16 matmuls of ``MIN_TOKENS`` tokens or more run in float32 where
-    :func:`gemm_dtype.compute_dtype` says so (module doc), and whose one-token bf16 matmul there
-    runs :func:`decode_linear` where :func:`decode_kernel` applies; otherwise ``nn.Linear``'s."""
+    :func:`gemm_dtype.compute_dtype` says so (module doc); otherwise ``nn.Linear``'s."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and gemm_dtype.compute_dtype(x) == torch.float32:
-            if x.numel() >= MIN_TOKENS * self.in_features:
-                return float32_linear(x, self.weight, self.bias)
-            if x.numel() == self.in_features and decode_kernel(x, self.weight, self.bias):
-                return decode_linear(x, self.weight, self.bias)
+        if (
+            x.dtype == torch.bfloat16
+            and x.numel() >= MIN_TOKENS * self.in_features
+            and gemm_dtype.compute_dtype(x) == torch.float32
+        ):
+            return float32_linear(x, self.weight, self.bias)
         return super().forward(x)
-
-
-def decode_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether :func:`decode_linear` computes this one-token linear: eager, no gradient wanted,
-    and the compiled kernels' AVX2 loops there (measured on AVX2 only; module doc)."""
-    if torch.compiler.is_compiling() or (
-        torch.is_grad_enabled()
-        and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
-    ):
-        return False
-    return weight.dtype == torch.bfloat16 and _avx2_kernels()
-
-
-@functools.cache
-def _avx2_kernels() -> bool:
-    lib = cpu_kernels.library()
-    return lib is not None and lib.lmc_nm_simd() == 2
-
-
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` of one bf16 token ``x`` (..., in) by the compiled kernels' dense float rows
-    (four rows a pass, the weight read once): float32 products summed in float32, rounded to
-    bf16 once, as :func:`float32_linear` (torch's emulated bf16 matmul sums in another order)."""
-    y = cpu_kernels.matmul(x.reshape(1, -1), weight, None, 0, 0, 0, bias)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def float32_linear(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import count_calls, linear_dtypes
+from conftest import linear_dtypes
 from torch import nn
 
 from lmcompress import compress, load_compressed, save_compressed
@@ -56,30 +56,6 @@ def test_float32_prefill_by_blocks_of_rows_covers_every_output(monkeypatch, bias
             got = bf16_prefill.float32_linear(x, layer.weight, layer.bias)
         assert got.shape == (2, 24, 40) and got.dtype == torch.bfloat16
         torch.testing.assert_close(got.detach(), want, rtol=2**-7, atol=0)
-
-
-@pytest.mark.parametrize("bias", [True, False])
-def test_one_token_runs_the_kernels_dense_rows_without_gradients(monkeypatch, bias):
-    """At one token (decode), where bf16 is emulated and the AVX2 loops are built: the kernels'
-    dense rows, equal to the float32 matmul rounded once (within one bf16 step: another order
-    of the sum); not at two tokens, nor where a gradient is wanted (torch's bf16 matmul then)."""
-    monkeypatch.setattr(gemm_dtype, "native_bf16", lambda: False)
-    if not bf16_prefill._avx2_kernels():
-        pytest.skip("the one-token kernel path is taken with the AVX2 loops only")
-    calls = count_calls(monkeypatch, bf16_prefill.cpu_kernels, "matmul")
-    torch.manual_seed(0)
-    layer = nn.Linear(48, 41, bias=bias).bfloat16()
-    bf16_prefill.install(nn.Sequential(layer))
-    part = None if layer.bias is None else layer.bias.float()
-    x = torch.randn(1, 1, 48).bfloat16()
-    with torch.no_grad():
-        got = layer(x)
-    want = F.linear(x.float(), layer.weight.float(), part).bfloat16()
-    assert got.shape == (1, 1, 41) and calls["n"] == 1
-    torch.testing.assert_close(got, want, rtol=2**-7, atol=0)
-    with torch.no_grad():
-        layer(torch.randn(2, 48).bfloat16())  # two tokens
-    assert layer(x).requires_grad and calls["n"] == 1  # the weight wants its gradient
 
 
 def test_nothing_changes_where_bf16_is_native(monkeypatch):
