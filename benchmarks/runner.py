@@ -55,6 +55,13 @@ with open(sys.argv[1], "w") as f:
 """
 
 
+def measured_argv(measured: str | Path, command: Sequence[str]) -> list[str]:
+    """``command`` as the child of a small fresh interpreter that writes "wall_seconds
+    max_rss_kib exit_code" to ``measured``: forked from a large process (pytest, a sweep) the
+    job's ``ru_maxrss`` would start at that process's own peak."""
+    return [PYTHON, "-I", "-S", "-c", _MEASURE, str(measured), *map(str, command)]
+
+
 @dataclass(frozen=True)
 class Job:
     """One command to run as its own process.
@@ -106,7 +113,7 @@ def run_job(job: Job, work: str | Path) -> Run:
     log.info("%s: %s", job.name, " ".join(command))
     measured = Path(f"{stem}.measured")
     measured.unlink(missing_ok=True)
-    measure = (PYTHON, "-I", "-S", "-c", _MEASURE, str(measured), *command)
+    measure = measured_argv(measured, command)
     with out_path.open("w") as stdout, log_path.open("w") as stderr:
         proc = subprocess.Popen(measure, stdout=stdout, stderr=stderr, cwd=ROOT, env=env)
         try:

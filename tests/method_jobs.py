@@ -8,15 +8,14 @@ Each job runs in a fresh process with a minimal environment (no ``TQDM_DISABLE``
 a bar ``-q`` forgot) and one empty HOME for all of them: the first job that needs the CPU
 kernels builds them there (a build that must be silent too; the compiler's own peak, ~250 MB,
 stays below a job's), the others load that build. Two run at a time, one thread each; the peak
-RSS is ``ru_maxrss`` from ``wait4`` on the job's process.
+RSS is the job's ``ru_maxrss``, measured by ``benchmarks.runner``'s small parent process (a
+child forked from pytest itself would start at pytest's peak: 1027 MiB late in a CI run).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import matplotlib
 from conftest import FAMILY_NAMES, make_tiny_model, make_tiny_tokenizer
 
+from benchmarks.runner import CLI, measured_argv
 from lmcompress.compressor.io.layout import MANIFEST
 from lmcompress.methods import METHODS
 
@@ -81,18 +81,17 @@ def run_method_jobs(root: Path) -> dict[str, MethodJob]:
         argv = [str(root / family), "--method", method, *METHOD_FLAGS[method]]
         argv += ["--calib", str(corpus), "--nsamples", "8", "--eval", str(corpus)]
         argv += ["--seq-len", "32", "-o", str(out), "-q"]
-        command = [sys.executable, "-m", "lmcompress.cli.main", *argv]
+        command = measured_argv(f"{stem}.measured", [*CLI, *argv])
         with open(f"{stem}.out", "w") as stdout, open(f"{stem}.err", "w") as stderr:
-            proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env)
-            _, status, usage = os.wait4(proc.pid, 0)
-            proc.returncode = os.waitstatus_to_exitcode(status)
+            subprocess.run(command, stdout=stdout, stderr=stderr, env=env, check=False)
+        _, max_rss_kib, returncode = Path(f"{stem}.measured").read_text().split()
         manifest = out / MANIFEST
         return MethodJob(
             family=family,
-            returncode=proc.returncode,
+            returncode=int(returncode),
             stdout=Path(f"{stem}.out").read_text(),
             stderr=Path(f"{stem}.err").read_text(),
-            peak_rss_bytes=usage.ru_maxrss * 1024,  # Linux reports KiB
+            peak_rss_bytes=int(max_rss_kib) * 1024,  # Linux reports KiB
             record=json.loads(manifest.read_text()) if manifest.is_file() else None,
         )
 
