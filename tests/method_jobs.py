@@ -25,7 +25,6 @@ from conftest import FAMILY_NAMES, make_tiny_model, make_tiny_tokenizer
 
 from benchmarks.runner import CLI, measured_argv
 from lmcompress.compressor.io.layout import MANIFEST
-from lmcompress.methods import METHODS
 
 TEXT = "\n\n".join(f"Document {i}: the quick brown fox jumps over the lazy dog." for i in range(40))
 METHOD_FLAGS = {  # every method: its bars (per layer, per block, per step) all silenced
@@ -97,7 +96,3 @@ def run_method_jobs(root: Path) -> dict[str, MethodJob]:
 
     with ThreadPoolExecutor(2) as pool:
         return dict(zip(METHOD_FLAGS, pool.map(run, PAIRS), strict=True))
-
-
-def covers_every_method() -> bool:
-    return sorted(METHOD_FLAGS) == sorted(METHODS)

@@ -196,26 +196,27 @@ def _bias(bias: torch.Tensor | None) -> tuple[int | None, int]:
 def matmul(
     x: torch.Tensor,
     values: torch.Tensor,
-    indices: torch.Tensor | None,
+    indices: torch.Tensor,
     n: int,
     m: int,
     bits: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ W.T + bias`` for packed ``W`` with float values (``indices`` None: dense rows
-    ``values``), ``x`` (tokens, in) fp32 or bf16 (fp16 runs in fp32): (tokens, out) in ``x``'s
-    dtype, accumulated in fp32."""
+    """``x @ W.T + bias`` for packed ``W`` with float values, ``x`` (tokens, in) fp32 or bf16
+    (fp16 runs in fp32): (tokens, out) in ``x``'s dtype, accumulated in fp32."""
     lib = library()
     dtype = x.dtype
-    x = (x if dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
-    values, bias = values.contiguous(), None if bias is None else bias.contiguous()
-    indices = None if indices is None else indices.contiguous()
+    if dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    x, values, indices = x.contiguous(), values.contiguous(), indices.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
     tokens, in_features = x.shape
     y = x.new_empty((tokens, values.shape[0]))
     lib.lmc_nm_matmul_float(
         x.data_ptr(), FLOAT_KINDS[x.dtype], tokens, in_features,
-        values.data_ptr(), FLOAT_KINDS[values.dtype], _ptr(indices),
-        0 if indices is None else indices.shape[1], values.shape[0], n, m, bits,
+        values.data_ptr(), FLOAT_KINDS[values.dtype], indices.data_ptr(), indices.shape[1],
+        values.shape[0], n, m, bits,
         *_bias(bias),
         y.data_ptr(), FLOAT_KINDS[y.dtype], torch.get_num_threads(),
     )  # fmt: skip

@@ -3,9 +3,10 @@ import, and a bar given ``disable=False`` ignores it: ``lmcompress.compressor.ut
 handles both)."""
 
 import pytest
-from method_jobs import METHOD_FLAGS, covers_every_method
+from method_jobs import METHOD_FLAGS
 
 from lmcompress.compressor.util.progress import bar_disabled
+from lmcompress.methods import METHODS
 
 
 def test_bar_disabled_follows_the_caller_and_the_environment(monkeypatch):
@@ -18,7 +19,7 @@ def test_bar_disabled_follows_the_caller_and_the_environment(monkeypatch):
 
 
 def test_every_method_runs_a_quiet_job():
-    assert covers_every_method()
+    assert sorted(METHOD_FLAGS) == sorted(METHODS)
 
 
 @pytest.mark.parametrize("method", list(METHOD_FLAGS))

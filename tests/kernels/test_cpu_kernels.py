@@ -364,24 +364,26 @@ def test_the_avx2_loops_match_too(kernels_built_with):
 
 
 def test_avx2_one_token_dense_rows_four_a_pass_are_the_row_loop_bit_for_bit(kernels_built_with):
-    """One token over dense float rows (a plain bf16 linear's decode, the low-rank factors):
-    four rows a pass, the last ``out % 4`` by the row loop; each row's sum is the row loop's
-    bit for bit (a one-row matrix takes the row loop), for every float kind of weight and of
-    activations, inputs that end inside a vector step or after an odd count of 8-blocks."""
+    """One token over dense float rows (the low-rank factors): four rows a pass, the last
+    ``out % 4`` by the row loop; each row's sum is the row loop's bit for bit (a one-row ``B``
+    takes the row loop, the shared ``A`` the same path in both), for every float kind of weight
+    and of activations, ranks that end inside a vector step or after an odd count of 8-blocks."""
     cpu_flags_or_skip("avx2", "fma", "f16c")
     assert kernels_built_with(AVX2_ONLY, "this CPU without AVX-512").lmc_nm_simd() == 2
     g = torch.Generator().manual_seed(8)
-    for in_features, out_features in ((77, 11), (72, 12), (576, 9), (8, 5), (3, 4)):
+    for rank, out_features in ((77, 11), (72, 12), (576, 9), (8, 5), (3, 4)):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            W = torch.randn(out_features, in_features, generator=g).to(dtype)
+            A = (torch.randn(rank, 16, generator=g) / 4).to(dtype)
+            B = torch.randn(out_features, rank, generator=g).to(dtype)
             bias = torch.randn(out_features, generator=g).to(dtype)
             for x_dtype in (torch.float32, torch.bfloat16):
-                x = torch.randn(1, in_features, generator=g).to(x_dtype)
-                got = cpu_kernels.matmul(x, W, None, 0, 0, 0, bias)
-                rows = [cpu_kernels.matmul(x, W[o : o + 1], None, 0, 0, 0, bias[o : o + 1])
+                x = torch.randn(1, 16, generator=g).to(x_dtype)
+                got = cpu_kernels.lowrank(x, A, B, bias)
+                rows = [cpu_kernels.lowrank(x, A, B[o : o + 1], bias[o : o + 1])
                         for o in range(out_features)]  # fmt: skip
                 assert got.dtype == x_dtype and torch.equal(got, torch.cat(rows, dim=1))
-                want = F.linear(x.double(), W.double(), bias.double())
+                h = F.linear(x.double(), A.double()).to(x_dtype).double()  # rounded as torch's
+                want = F.linear(h, B.double(), bias.double())
                 tol = 1e-5 if x_dtype == torch.float32 else 2**-7
                 torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
 
