@@ -16,6 +16,7 @@ Constraint = Literal["lagrangian", "penalty", "none"]
 ConstraintScale = Literal["relative", "size"]
 Extract = Literal["topk", "threshold"]
 Widths = Literal["uniform", "per-layer"]
+LayerSample = Literal["bernoulli", "topk"]
 CONSTRAINTS: tuple[str, ...] = get_args(Constraint)
 
 
@@ -111,6 +112,12 @@ class SubnetConfig(PruningConfig):
     channel_multiple: int = field(
         default=1, metadata={"help": f"--structure: {CHANNEL_MULTIPLE_HELP}"}
     )
+    layer_sample: LayerSample = field(
+        default="bernoulli",
+        metadata={"help": "--structure layers: each training forward drops blocks by one "
+                  "Bernoulli draw a block (bernoulli), or drops exactly the blocks the budget "
+                  "removes, drawn by Gumbel top-k (topk: every sample the extraction's depth)"},
+    )  # fmt: skip
     distill_steps: int = field(
         default=0,
         metadata={"help": "--structure: then train the kept weights this many steps (one "
@@ -139,10 +146,15 @@ class SubnetConfig(PruningConfig):
         check_distill(self.distill_steps, self.distill_lr)
         if self.structure:
             self._check_structure()
-        elif self.distill_steps or self.widths != "uniform" or self.channel_multiple != 1:
+        elif (
+            self.distill_steps
+            or self.widths != "uniform"
+            or self.channel_multiple != 1
+            or self.layer_sample != "bernoulli"
+        ):
             raise ConfigError(
-                "--distill-steps, --widths and --channel-multiple are for a structured "
-                "extraction: add --structure"
+                "--distill-steps, --widths, --channel-multiple and --layer-sample are for a "
+                "structured extraction: add --structure"
             )
 
     def _check_structure(self) -> None:
@@ -162,6 +174,8 @@ class SubnetConfig(PruningConfig):
                 "--refit, --tune-steps or --fsdp"
             )
         check_channel_multiple(self.channel_multiple, self.structure)
+        if self.layer_sample != "bernoulli" and "layers" not in self.structure:
+            raise ConfigError("--layer-sample draws whole blocks: add --structure layers")
         if self.channel_multiple > 1 and self.widths == "per-layer":
             raise ConfigError(
                 "--channel-multiple rounds the one MLP width: not with --widths per-layer"

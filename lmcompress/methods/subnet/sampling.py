@@ -38,6 +38,36 @@ def logistic_noise(
     return u.log() - torch.log1p(-u)
 
 
+def gumbel_noise(
+    shape: torch.Size | tuple[int, ...],
+    device: torch.device | str | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Gumbel(0, 1) noise, ``−log(−log u)``."""
+    u = torch.rand(shape, device=device, generator=generator)
+    u = u.clamp_(torch.finfo(u.dtype).tiny, 1 - torch.finfo(u.dtype).eps)
+    return -torch.log(-torch.log(u))
+
+
+def topk_sample(logits: torch.Tensor, kept: int, tau: float, noise: torch.Tensor) -> torch.Tensor:
+    """Exactly ``kept`` of the 1-D ``logits`` kept: the top ``kept`` of ``logits + noise``
+    (Gumbel noise: a sample without replacement from ``softmax(logits)``, Kool et al. 2019, the
+    Gumbel-top-k trick). Forward the exact 0/1 mask; backward the gradient of
+    ``sigmoid((m + g − t) / τ)``, ``t`` midway between the last kept and the first dropped
+    perturbed logit and held fixed (straight-through, as :func:`keep_sample`)."""
+    if not 0 < kept <= logits.numel():
+        raise ValueError(f"keep 1 to {logits.numel()} of the logits, not {kept}")
+    perturbed = logits + noise
+    if kept == logits.numel():
+        return torch.ones_like(logits)
+    order = perturbed.detach().topk(kept + 1).values
+    threshold = (order[kept - 1] + order[kept]) / 2
+    soft = torch.sigmoid((perturbed - threshold) / tau)
+    sample = torch.zeros_like(soft)
+    sample[perturbed.detach().topk(kept).indices] = 1.0
+    return sample + (soft - soft.detach())
+
+
 def keep_sample(
     logits: torch.Tensor, tau: float, noise: torch.Tensor, hard: bool = True
 ) -> torch.Tensor:

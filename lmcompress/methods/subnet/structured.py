@@ -5,7 +5,9 @@ Every MLP channel, KV group (with its query heads) and decoder block owns a keep
 and (unless ``--scale none``) a scale; each forward of the model draws one hard binary-concrete
 sample per structure (``sampling.keep_sample``: exactly Bernoulli(sigmoid(m)) forward, the soft
 sample's gradient backward) and multiplies the structure by ``sample · scale``
-(``compressor.model.structure.StructureGates``). The weights stay frozen. The constraint holds
+(``compressor.model.structure.StructureGates``); ``--layer-sample topk`` draws the blocks
+instead as exactly the number the budget removes (``sampling.topk_sample``: Gumbel top-k), so
+that training sees only models of the extracted depth. The weights stay frozen. The constraint holds
 the *expected* kept parameters of the decoder at the target,
 
     E = Σ_b P(block b) · (params_b − Σ_c (1 − p_c) · channel_params − Σ_g (1 − p_g) · group_params)
@@ -37,7 +39,12 @@ from lmcompress.methods.structured.distill import distill_kept
 from lmcompress.methods.structured.method import global_keep, one_shot_keep, top_keep
 from lmcompress.methods.structured.scores import allocate
 from lmcompress.methods.subnet.learning import GradientReversal
-from lmcompress.methods.subnet.sampling import keep_sample, logistic_noise
+from lmcompress.methods.subnet.sampling import (
+    gumbel_noise,
+    keep_sample,
+    logistic_noise,
+    topk_sample,
+)
 
 
 class StructureSampler:
@@ -54,9 +61,10 @@ class StructureSampler:
         scaled: bool = True,
         per_layer: bool = False,
         channel_multiple: int = 1,
+        layer_sample: str = "bernoulli",
     ) -> None:
         self.kinds, self.ratio, self.tau, self.per_layer = kinds, ratio, tau, per_layer
-        self.channel_multiple = channel_multiple
+        self.channel_multiple, self.layer_sample = channel_multiple, layer_sample
         self.shapes = block_shapes(model)
         self.gates = StructureGates(model, kinds)
         self.logits = {k: nn.Parameter(logits[k].float().clone()) for k in kinds}
@@ -105,6 +113,10 @@ class StructureSampler:
         for kind, logits in self.logits.items():
             if self.hard:
                 mask = keeps[kind].to(logits.dtype)
+            elif kind == "layers" and self.layer_sample == "topk":
+                kept = len(self.shapes) - self.removal()["layers"]
+                noise = gumbel_noise(logits.shape, logits.device)
+                mask = topk_sample(logits, kept, self.tau, noise)
             else:
                 mask = keep_sample(logits, self.tau, logistic_noise(logits.shape, logits.device))
             if kind == "layers":
@@ -187,7 +199,7 @@ def learn(config, model: nn.Module, layers, train_data, score) -> tuple[dict, di
                           config.channel_multiple)  # fmt: skip
     sampler = StructureSampler(
         model, kinds, logits, ratio, config.tau, config.scale != "none",
-        config.widths == "per-layer", config.channel_multiple,
+        config.widths == "per-layer", config.channel_multiple, config.layer_sample,
     )  # fmt: skip
     constraint = ParamsConstraint(sampler, config.constraint, config.constraint_weight)
     extra, extra_options = constraint.trainable()
