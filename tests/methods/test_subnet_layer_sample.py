@@ -60,15 +60,15 @@ def test_gumbel_noise_has_the_gumbel_mean_and_variance():
 
 
 def test_the_sampler_drops_exactly_the_budgets_blocks_every_forward_and_bernoulli_does_not():
-    """At 0.5 of a 6-block decoder, every topk training forward gates exactly 3 blocks to 0
+    """At 2/3 of a 6-block decoder, every topk training forward gates exactly 2 blocks to 0
     (the extraction's depth) and the block logits get a gradient; the Bernoulli sampler's
     counts vary (what topk is for)."""
     counts = {}
     for mode in ("topk", "bernoulli"):
         model = make_tiny_model("llama", num_layers=6)
         logits = {"layers": torch.zeros(6)}
-        sampler = StructureSampler(model, ("layers",), logits, 0.5, layer_sample=mode)
-        assert sampler.removal()["layers"] == 3
+        sampler = StructureSampler(model, ("layers",), logits, 2 / 3, layer_sample=mode)
+        assert sampler.removal()["layers"] == 2
         torch.manual_seed(0)
         counts[mode] = []
         for _ in range(12):
@@ -78,7 +78,7 @@ def test_the_sampler_drops_exactly_the_budgets_blocks_every_forward_and_bernoull
         assert gate[:, 0].equal(gate[:, 1])  # attention and MLP of a block go together
         assert sampler.logits["layers"].grad.abs().sum() > 0
         sampler.remove()
-    assert set(counts["topk"]) == {3}
+    assert set(counts["topk"]) == {2}
     assert len(set(counts["bernoulli"])) > 1
 
 
