@@ -271,7 +271,8 @@ def _cases(tmp_path, good, corpus):  # noqa: PLR0915 - one table
         ),
         "subnet per-layer widths without a structure": (
             [g, "--method", "subnet", "--sparsity", "0.2", "--widths", "per-layer"],
-            "--distill-steps, --widths and --channel-multiple are for a structured extraction",
+            "--distill-steps, --widths, --channel-multiple and --layer-sample are for a structured "
+            "extraction",
         ),
         "structured channel multiple without channels": (
             [g, "--method", "structured", "--structure", "layers", "--channel-multiple", "32"],

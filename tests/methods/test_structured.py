@@ -95,7 +95,7 @@ def test_channel_multiple_refusals():
     with pytest.raises(ConfigError, match="not with --widths per-layer"):
         SubnetConfig(sparsity="0.2", structure=("channels",), widths="per-layer",
                      channel_multiple=32)  # fmt: skip
-    with pytest.raises(ConfigError, match="--channel-multiple are for a structured extraction"):
+    with pytest.raises(ConfigError, match="--layer-sample are for a structured extraction"):
         SubnetConfig(sparsity="0.2", channel_multiple=32)
 
 
