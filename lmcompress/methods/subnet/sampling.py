@@ -33,8 +33,7 @@ def logistic_noise(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Logistic(0, 1) noise, ``log u − log(1 − u)`` (the difference of two Gumbel samples)."""
-    u = torch.rand(shape, device=device, generator=generator)
-    u = u.clamp_(torch.finfo(u.dtype).tiny, 1 - torch.finfo(u.dtype).eps)
+    u = _open_uniform(shape, device, generator)
     return u.log() - torch.log1p(-u)
 
 
@@ -44,9 +43,13 @@ def gumbel_noise(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Gumbel(0, 1) noise, ``−log(−log u)``."""
+    return -torch.log(-torch.log(_open_uniform(shape, device, generator)))
+
+
+def _open_uniform(shape, device, generator) -> torch.Tensor:
+    """Uniform samples kept inside (0, 1), so that their logarithms stay finite."""
     u = torch.rand(shape, device=device, generator=generator)
-    u = u.clamp_(torch.finfo(u.dtype).tiny, 1 - torch.finfo(u.dtype).eps)
-    return -torch.log(-torch.log(u))
+    return u.clamp_(torch.finfo(u.dtype).tiny, 1 - torch.finfo(u.dtype).eps)
 
 
 def topk_sample(logits: torch.Tensor, kept: int, tau: float, noise: torch.Tensor) -> torch.Tensor:
@@ -57,14 +60,14 @@ def topk_sample(logits: torch.Tensor, kept: int, tau: float, noise: torch.Tensor
     perturbed logit and held fixed (straight-through, as :func:`keep_sample`)."""
     if not 0 < kept <= logits.numel():
         raise ValueError(f"keep 1 to {logits.numel()} of the logits, not {kept}")
-    perturbed = logits + noise
     if kept == logits.numel():
         return torch.ones_like(logits)
-    order = perturbed.detach().topk(kept + 1).values
-    threshold = (order[kept - 1] + order[kept]) / 2
+    perturbed = logits + noise
+    top = perturbed.detach().topk(kept + 1)  # the kept ones and the first dropped
+    threshold = (top.values[kept - 1] + top.values[kept]) / 2
     soft = torch.sigmoid((perturbed - threshold) / tau)
     sample = torch.zeros_like(soft)
-    sample[perturbed.detach().topk(kept).indices] = 1.0
+    sample[top.indices[:kept]] = 1.0
     return sample + (soft - soft.detach())
 
 
