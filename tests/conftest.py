@@ -26,7 +26,7 @@ if not torch.cuda.is_available():
 import transformers  # noqa: E402
 
 from benchmarks.allocator import peak_allocated_bytes  # noqa: E402, F401  (tests import it here)
-from lmcompress.kernels import int4_reference  # noqa: E402
+from lmcompress.kernels import cpu_kernels, int4_reference  # noqa: E402
 
 VOCAB = 256
 
@@ -220,6 +220,13 @@ def linear_dtypes(monkeypatch) -> list[set[torch.dtype]]:
     monkeypatch.setattr(torch.nn.functional, "linear", spy)
     return seen
 
+
+# The compiled kernels' tests run wherever a compiler is: a source that fails to build there
+# (say, for a CPU the last session did not have) fails them instead of skipping them.
+requires_kernels = pytest.mark.skipif(
+    not (cpu_kernels.enabled() and cpu_kernels.has_compiler()),
+    reason="no C++ compiler here (or LMCOMPRESS_CPU_KERNELS=0)",
+)
 
 # compiler flags of a build as on a CPU with AVX2 but not AVX-512 (the kernels' AVX2 loops)
 AVX2_ONLY = ["-O3", "-march=native", "-mno-avx512f", "-fopenmp"]

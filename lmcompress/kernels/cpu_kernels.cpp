@@ -568,6 +568,8 @@ static void row_float(const float* xt, int64_t tn, int64_t in, const void* value
   }
 }
 
+#if defined(LMC_NM_AVX2)  // rows4_dense_float_avx2 exists only there (every build compiles it
+                          // or not: tests/kernels/test_kernel_targets.py)
 // y (1, out) = x (1, in) @ W^T + bias for dense float rows W, four rows a pass
 // (rows4_dense_float_avx2; the last out % 4 rows by row_float): row_float's sums bit for bit.
 static void matmul_float_dense_t1(const float* x, int64_t in, const void* values, int v_kind,
@@ -596,6 +598,7 @@ static void matmul_float_dense_t1(const float* x, int64_t in, const void* values
     }
   }
 }
+#endif
 
 // y (T, out) = x (T, in, fp32) @ W^T + bias for W as row_float reads it; y fp32 or bf16.
 static void matmul_float(const float* x, int64_t T, int64_t in, const void* values, int v_kind,

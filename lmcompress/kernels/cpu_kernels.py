@@ -138,6 +138,16 @@ def built() -> bool:
     return library() is not None
 
 
+def has_compiler() -> bool:
+    """Whether a C++ compiler is here: where one is, :func:`library` must build (the tests
+    skip the kernels only where none is, so that a source that fails to compile fails them)."""
+    try:
+        _compiler()
+    except RuntimeError:
+        return False
+    return True
+
+
 def _compiler() -> str:
     for candidate in (os.environ.get("CXX"), "c++", "g++", "clang++"):
         if candidate and shutil.which(candidate):

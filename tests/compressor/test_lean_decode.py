@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import count_calls, make_tiny_model
+from conftest import count_calls, make_tiny_model, requires_kernels
 from transformers import DynamicCache
 from transformers.models.llama import modeling_llama
 
@@ -20,7 +20,7 @@ from lmcompress.compressor.lean_decode import LeanDecoder
 from lmcompress.kernels import lean_step
 from lmcompress.methods.gptq import RTNConfig
 
-pytestmark = pytest.mark.skipif(lean_step.library() is None, reason="no C++ compiler here")
+pytestmark = requires_kernels
 DTYPES = [torch.float32, torch.bfloat16]
 
 

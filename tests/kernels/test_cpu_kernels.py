@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import AVX2_ONLY, cpu_flags_or_skip
+from conftest import AVX2_ONLY, cpu_flags_or_skip, requires_kernels
 
 from lmcompress.compressor.formats import quant
 from lmcompress.compressor.formats.int8 import QuantLinear
@@ -23,7 +23,7 @@ from lmcompress.compressor.sparsity import nm_mask
 from lmcompress.kernels import cpu_kernels, int8_ops, ops
 from lmcompress.kernels import reference as R
 
-pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler here")
+pytestmark = requires_kernels
 
 # (n, m, in): 2:4 with in features that end inside a 64-input (int8) and a 32-input (float)
 # block, and layouts that only the scalar loop reads (positions of 1, 2, 4 and 8 bits).

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import AVX2_ONLY, cpu_flags_or_skip
+from conftest import AVX2_ONLY, cpu_flags_or_skip, requires_kernels
 from conftest import int4_weight as _weight
 
 from lmcompress.compressor.sparsity import nm_mask
@@ -19,7 +19,7 @@ from lmcompress.kernels import cpu_kernels, gemm_dtype, int4_ops, int4_tiles
 from lmcompress.kernels import int4_reference as R4
 from lmcompress.kernels import reference as R
 
-pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler here")
+pytestmark = requires_kernels
 
 # (out, in, group_size): odd outputs; inputs not a multiple of 64 (and odd, one group); more
 # than 16 groups (two rounds of the 16-lane float part); group widths the fast loop does not

@@ -12,13 +12,14 @@ import copy
 import pytest
 import torch
 from conftest import int4_weight as _weight
+from conftest import requires_kernels
 
 from lmcompress.compressor.formats.int4 import Int4Linear, PackedNMInt4Linear
 from lmcompress.compressor.sparsity import nm_mask
 from lmcompress.kernels import cpu_kernels, int4_ops, int4_tiles, int4_tiles24
 from lmcompress.kernels import int4_reference as R4
 
-pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler here")
+pytestmark = requires_kernels
 
 # (out, in, group_size): row counts below, between and above multiples of 16; one group of the
 # whole row (-1); groups of 8 (one word), 32, 64, 96, 128 and 4096; more than 16 groups

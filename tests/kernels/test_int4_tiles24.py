@@ -11,15 +11,15 @@ import copy
 
 import pytest
 import torch
-from conftest import int4_weight
+from conftest import int4_weight, requires_kernels
 
 from lmcompress.compressor.formats.int4 import PackedNMInt4Linear
 from lmcompress.compressor.sparsity import nm_mask
-from lmcompress.kernels import cpu_kernels, int4_ops, int4_tiles, int4_tiles24
+from lmcompress.kernels import int4_ops, int4_tiles, int4_tiles24
 from lmcompress.kernels import int4_reference as R4
 from lmcompress.kernels import reference as R
 
-pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler here")
+pytestmark = requires_kernels
 
 # (out, in, group): rows not a multiple of 8 (a padded block), one row, the widest group
 # (4096, int32's limit), a whole row as one group, two rounds of the 16 float partials

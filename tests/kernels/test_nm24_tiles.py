@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import requires_kernels
 
 from lmcompress.compressor.formats.nm_packed import PackedNMLinear
 from lmcompress.compressor.sparsity import nm_mask
 from lmcompress.kernels import cpu_kernels, nm24_tiles
 from lmcompress.kernels import reference as R
 
-pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler here")
+pytestmark = requires_kernels
 
 SHAPES = [(16, 32), (48, 96), (32, 576)]  # one position word a row; three; 18 (SmolLM2's width)
 TOKENS = [1, 2, 3, 4, 5, 9, cpu_kernels.MAX_TOKENS]

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import requires_kernels
 
 from lmcompress import MaskLLMConfig, compress
 from lmcompress.compressor.training.gumbel import (
@@ -14,14 +15,11 @@ from lmcompress.compressor.training.gumbel import (
     counter_gumbel,
     replayable_noise,
 )
-from lmcompress.kernels import cpu_kernels
 from lmcompress.methods.maskllm import fused
 from lmcompress.methods.maskllm.masks import soft_mask_replayed
 from lmcompress.methods.maskllm.parametrization import LearnableNMMask
 
-pytestmark = pytest.mark.skipif(
-    cpu_kernels.library() is None, reason="the compiled CPU kernels are not available"
-)
+pytestmark = requires_kernels
 
 
 def _both(n, m, noise, hard, groups=3000, seed=0):

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import count_calls, make_tiny_model
+from conftest import count_calls, make_tiny_model, requires_kernels
 
 from lmcompress import compress
 from lmcompress.compressor.formats import int4_forward
 from lmcompress.compressor.formats.int4 import Int4Linear
 from lmcompress.compressor.formats.int4_shared import prepare_decode
-from lmcompress.kernels import cpu_kernels, int4_ops, int4_tiles, lean_ops
+from lmcompress.kernels import int4_ops, int4_tiles, lean_ops
 from lmcompress.methods.gptq import RTNConfig
 
-pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler here")
+pytestmark = requires_kernels
 
 
 def _int4_model(dtype):

@@ -10,17 +10,17 @@ import copy
 
 import pytest
 import torch
-from conftest import make_odd_llama, make_tiny_model, make_tiny_tokenizer
+from conftest import make_odd_llama, make_tiny_model, make_tiny_tokenizer, requires_kernels
 
 from lmcompress import compress, load_compressed, save_compressed
 from lmcompress.compressor.formats import int4_shared as shared_module
 from lmcompress.compressor.formats.int4 import Int4Linear, PackedNMInt4Linear
 from lmcompress.compressor.formats.int4_shared import share_inputs
 from lmcompress.compressor.sparsity import nm_mask
-from lmcompress.kernels import cpu_kernels, int4_tiles24
+from lmcompress.kernels import int4_tiles24
 from lmcompress.methods.gptq import RTNConfig
 
-pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler here")
+pytestmark = requires_kernels
 
 
 def _int4(model, group_size=16):

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import count_calls
+from conftest import count_calls, requires_kernels
 
 from lmcompress.compressor.formats.int8 import QuantLinear
 from lmcompress.compressor.formats.low_rank import LowRankLinear
 from lmcompress.compressor.formats.nm_packed_int8 import PackedNMInt8Linear
 from lmcompress.kernels import cpu_kernels, lean_ops
 
-pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler here")
+pytestmark = requires_kernels
 
 
 def _int8_layer(kind: str) -> torch.nn.Module:
