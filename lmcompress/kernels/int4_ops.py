@@ -11,7 +11,7 @@ the same way over the kept axis, and ``nm = (indices, n, m)`` their positions
 - **decode** (at most ``MAX_TOKENS`` = 6 tokens, bits ≤ 4, fp32 or bf16 activations, eager on
   CPU, the kernels built): ``lmc_int4_linear`` reads the packed codes directly (codes held in
   :mod:`lmcompress.kernels.int4_tiles`' layout, ``tiled=True``: its kernel, up to 16 tokens,
-  the same results; packed 2:4 codes on a CPU with AVX2 only: :mod:`~lmcompress.kernels.
+  the same results; packed 2:4 codes where the vector loops are built: :mod:`~lmcompress.kernels.
   int4_tiles24`'). Each token's
   activations are quantized per weight group to **int16** (``absmax / 32767``), the group's
   products are exact integers on 16-bit lanes (AVX-512 ``vpdpwssd`` with VNNI, ``vpmaddwd`` +

@@ -6,7 +6,8 @@ activations and sums each group's lanes, a horizontal sum per group and row: on 
 AVX2 only it runs several times slower than dense int4 at one token, though it reads a quarter
 fewer bytes; tiled, about as fast (``benchmarks/results/int4_speed_avx2``, both layouts: the
 210 linears of SmolLM2 at one token 12.39 ms against int4's 13.31 and the stored layout's 33.43;
-the per-group ``vpermd`` costs what the halved multiply-adds save).
+the per-group ``vpermd`` costs what the halved multiply-adds save; on an AVX-512 Xeon the
+stored layout's AVX-512 loop is still twice as slow as the tiles' AVX2 one, :func:`hold`).
 
 **Tiles** (``lmc_int4_linear_tiled24`` in ``cpu_kernels.cpp`` describes the loop): blocks of 16
 rows; for each 16 input columns (4 groups of 4) and row, one int32 word of its 8 kept codes
@@ -24,8 +25,8 @@ The integer group sums and the float steps are those of the row kernel: the outp
 
 A :class:`~lmcompress.compressor.formats.int4.PackedNMInt4Linear` holds its codes so where
 :func:`tileable` (2:4, bits ≤ 4, the input width and group multiples of 16, a group of at most
-4096 columns so that its integer sums fit int32, on CPU, the kernels built, the host one whose
-speed was measured: :data:`HOLD`) and in the stored layout otherwise; it writes the stored
+4096 columns so that its integer sums fit int32, on CPU, the kernels' vector loops built:
+:func:`hold`) and in the stored layout otherwise; it writes the stored
 layout. Prefill dequantizes straight from the tiles (``lmc_int4_dequant_tiled24``).
 """
 
@@ -43,12 +44,15 @@ PAIRS = ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3))  # pattern -> its kept 
 
 
 def hold() -> bool:
-    """Whether layers hold their codes tiled on this host: where the decode loop was measured
-    faster than the stored layout's (a CPU with AVX2 and not AVX-512, whose stored-layout loop
-    is the slow one; ``lmc_int4_vector() == 2``). Elsewhere the stored layout's AVX-512 loop
-    runs (not measured against the tiles)."""
+    """Whether layers hold their codes tiled on this host: wherever the int4 vector loops are
+    built (``lmc_int4_vector()`` 1, AVX-512, or 2, AVX2; both CPUs run the AVX2 tile loop).
+    Measured faster than the stored layout's loop on both: on an AVX2 EPYC (module doc), and on
+    an AVX-512 Xeon with AMX (``python -m benchmarks.int4_speed``, 2 threads, median of 60
+    rounds: SmolLM2's 210 linears at one token 7.29 ms tiled against 13.81 stored and 7.55 for
+    dense int4; 8192 x 2048 at g128 382 us against 1172). Without them the stored layout's
+    plain loop runs."""
     lib = cpu_kernels.library()
-    return lib is not None and lib.lmc_int4_vector() == 2
+    return lib is not None and lib.lmc_int4_vector() in (1, 2)
 
 
 def tileable(
