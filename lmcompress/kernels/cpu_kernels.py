@@ -139,13 +139,8 @@ def built() -> bool:
 
 
 def has_compiler() -> bool:
-    """Whether a C++ compiler is here: where one is, :func:`library` must build (the tests
-    skip the kernels only where none is, so that a source that fails to compile fails them)."""
-    try:
-        _compiler()
-    except RuntimeError:
-        return False
-    return True
+    """Whether :func:`_compiler` finds one: the kernel tests skip only where it does not."""
+    return any(c and shutil.which(c) for c in (os.environ.get("CXX"), "c++", "g++", "clang++"))
 
 
 def _compiler() -> str:
@@ -219,8 +214,7 @@ def matmul(
     if dtype not in (torch.float32, torch.bfloat16):
         x = x.float()
     x, values, indices = x.contiguous(), values.contiguous(), indices.contiguous()
-    if bias is not None:
-        bias = bias.contiguous()
+    bias = None if bias is None else bias.contiguous()
     tokens, in_features = x.shape
     y = x.new_empty((tokens, values.shape[0]))
     lib.lmc_nm_matmul_float(
@@ -302,10 +296,8 @@ def int8_linear(
     x, codes = x.contiguous(), codes.contiguous()
     tokens, in_features = x.shape
     packed = indices is not None
-    if packed:
-        indices = indices.contiguous()
-    if bias is not None:
-        bias = bias.contiguous()
+    indices = indices.contiguous() if packed else None
+    bias = None if bias is None else bias.contiguous()
     y = x.new_empty((tokens, codes.shape[0]))
     lib.lmc_int8_linear(
         x.data_ptr(), FLOAT_KINDS[x.dtype], tokens, in_features,
@@ -350,8 +342,7 @@ def int8_rescale(
     may be strided, columns contiguous). Bit-identical."""
     lib = library()
     acc, x_scale = acc.contiguous(), x_scale.contiguous()
-    if bias is not None:
-        bias = bias.contiguous()
+    bias = None if bias is None else bias.contiguous()
     tokens, out_features = acc.shape
     y = torch.empty((tokens, out_features), dtype=out_dtype) if out is None else out
     lib.lmc_int8_rescale(
@@ -372,8 +363,7 @@ def lowrank(
     round it. (tokens, out) in ``x``'s dtype."""
     lib = library()
     x, A, B = x.contiguous(), A.contiguous(), B.contiguous()
-    if bias is not None:
-        bias = bias.contiguous()
+    bias = None if bias is None else bias.contiguous()
     tokens, in_features = x.shape
     y = x.new_empty((tokens, B.shape[0]))
     lib.lmc_lowrank_float(
