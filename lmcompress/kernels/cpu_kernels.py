@@ -140,14 +140,15 @@ def built() -> bool:
 
 def has_compiler() -> bool:
     """Whether :func:`_compiler` finds one: the kernel tests skip only where it does not."""
-    return any(c and shutil.which(c) for c in (os.environ.get("CXX"), "c++", "g++", "clang++"))
+    return _compiler(required=False) is not None
 
 
-def _compiler() -> str:
-    for candidate in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if candidate and shutil.which(candidate):
-            return shutil.which(candidate)
-    raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+def _compiler(required: bool = True) -> str | None:
+    names = (os.environ.get("CXX"), "c++", "g++", "clang++")
+    found = next((shutil.which(c) for c in names if c and shutil.which(c)), None)
+    if found is None and required:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    return found
 
 
 def _cpu_identity() -> str:
@@ -211,8 +212,7 @@ def matmul(
     (fp16 runs in fp32): (tokens, out) in ``x``'s dtype, accumulated in fp32."""
     lib = library()
     dtype = x.dtype
-    if dtype not in (torch.float32, torch.bfloat16):
-        x = x.float()
+    x = x if dtype in (torch.float32, torch.bfloat16) else x.float()
     x, values, indices = x.contiguous(), values.contiguous(), indices.contiguous()
     bias = None if bias is None else bias.contiguous()
     tokens, in_features = x.shape

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model, make_tiny_tokenizer
+from conftest import make_tiny_model, make_tiny_tokenizer, requires_kernels
 
 from lmcompress import compress, load_compressed, save_compressed
 from lmcompress.compressor.formats.compose import compose_
@@ -44,6 +44,7 @@ def test_compiled_equals_eager(runtime, tmp_path):
         torch.testing.assert_close(graph, eager, rtol=1e-4, atol=1e-4)
 
 
+@requires_kernels
 @pytest.mark.parametrize("nm", [False, True])
 @pytest.mark.parametrize("tokens", [1, 9])
 def test_a_compiled_int4_layer_runs_the_eager_kernels_bit_for_bit(nm, tokens):
@@ -52,10 +53,7 @@ def test_a_compiled_int4_layer_runs_the_eager_kernels_bit_for_bit(nm, tokens):
     trace (float activations) does not equal bit for bit; for 9 the tiled decode kernel (dense
     codes, up to 16 tokens) or the blocked dequantization (packed N:M codes)."""
     from lmcompress.compressor.formats.int4 import Int4Linear, PackedNMInt4Linear
-    from lmcompress.kernels import cpu_kernels
 
-    if cpu_kernels.library() is None:
-        pytest.skip("no C compiler: no kernels")
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48)
     if nm:
